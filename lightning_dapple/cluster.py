@@ -1,0 +1,213 @@
+"""The hardware a plan is made for: machines x devices, two link speeds, device memory.
+
+DAPPLE's evaluation (Table 2) distinguishes hierarchical clusters (8 V100 per machine on
+NVLink, 25 Gbit/s between machines: config A) from flat ones (one V100 per machine, 25 or
+10 Gbit/s: configs B and C). Global rank ``r`` lives on machine ``r // devices_per_machine``.
+
+Communication costs used by the planner and the simulator live here, so both price a
+transfer the same way:
+
+* ``p2p_ms`` -- split-concat transfer of one micro-batch boundary between two device sets
+  (DAPPLE 5.2.2). Each machine's network link is shared by all its devices, so bytes that
+  leave or enter a machine are charged against that machine's link; bytes that stay on a
+  machine are charged per device against the intra-machine link.
+* ``allreduce_ms`` -- ring AllReduce of a stage's gradients among its replicas (DAPPLE 4.1,
+  AR(P_s, g_s)): 2(r-1)/r of the bytes over the slowest link of the ring.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from lightning_dapple.errors import DappleConfigError, require
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Topology and speeds. Bandwidths in Gbit/s as in the paper's Table 2."""
+
+    machines: int
+    devices_per_machine: int
+    intra_bandwidth_gbps: float = 300.0
+    inter_bandwidth_gbps: float = 25.0
+    device_memory_gib: float = 16.0
+    optimizer_state_factor: float = 2.0
+    latency_ms: float = 0.0
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        for name in ("machines", "devices_per_machine"):
+            value = getattr(self, name)
+            require(
+                isinstance(value, int) and not isinstance(value, bool) and value > 0,
+                f"cluster.{name}",
+                f"must be a positive integer, got {value!r}",
+                "give at least one machine with at least one device",
+            )
+        for name in ("intra_bandwidth_gbps", "inter_bandwidth_gbps", "device_memory_gib"):
+            value = getattr(self, name)
+            require(
+                isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0,
+                f"cluster.{name}",
+                f"must be a positive number, got {value!r}",
+                "set a positive bandwidth (Gbit/s) or memory size (GiB)",
+            )
+        for name in ("optimizer_state_factor", "latency_ms"):
+            value = getattr(self, name)
+            require(
+                isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0,
+                f"cluster.{name}",
+                f"must be a number >= 0, got {value!r}",
+                "use 2.0 for fp32 Adam, 0 for plain SGD",
+            )
+
+    @property
+    def num_devices(self) -> int:
+        return self.machines * self.devices_per_machine
+
+    @property
+    def device_memory_bytes(self) -> float:
+        return self.device_memory_gib * GIB
+
+    def machine_of(self, rank: int) -> int:
+        return rank // self.devices_per_machine
+
+    def machines_of(self, ranks: Iterable[int]) -> set[int]:
+        return {self.machine_of(rank) for rank in ranks}
+
+    def bytes_per_ms(self, gbps: float) -> float:
+        return gbps * 1e9 / 8 / 1e3
+
+    def ring_bandwidth_gbps(self, ranks: Sequence[int]) -> float:
+        """Slowest link of a ring over ``ranks``: the network if it spans machines."""
+        if len(self.machines_of(ranks)) > 1:
+            return self.inter_bandwidth_gbps
+        return self.intra_bandwidth_gbps
+
+    def allreduce_ms(self, num_bytes: float, ranks: Sequence[int]) -> float:
+        """Ring AllReduce time of ``num_bytes`` among ``ranks`` (0 for a single device)."""
+        replicas = len(ranks)
+        if replicas <= 1 or num_bytes <= 0:
+            return 0.0
+        volume = 2.0 * (replicas - 1) / replicas * num_bytes
+        return volume / self.bytes_per_ms(self.ring_bandwidth_gbps(ranks)) + self.latency_ms
+
+    def p2p_ms(self, num_bytes: float, senders: Sequence[int], receivers: Sequence[int]) -> float:
+        """Time to move one micro-batch boundary of ``num_bytes`` from ``senders`` to ``receivers``.
+
+        Rows are split evenly over senders and over receivers (split-concat, DAPPLE 5.2.2);
+        each sender/receiver pair moves the rows both hold. Cross-machine bytes share each
+        machine's network link; intra-machine bytes are charged per device.
+        """
+        if num_bytes <= 0:
+            return 0.0
+        pieces = split_concat_pieces(len(senders), len(receivers))
+        network_out: dict[int, float] = {}
+        network_in: dict[int, float] = {}
+        local_out: dict[int, float] = {}
+        local_in: dict[int, float] = {}
+        for (i, j), fraction in pieces.items():
+            src, dst = senders[i], receivers[j]
+            if src == dst:
+                continue
+            size = fraction * num_bytes
+            if self.machine_of(src) != self.machine_of(dst):
+                network_out[self.machine_of(src)] = network_out.get(self.machine_of(src), 0.0) + size
+                network_in[self.machine_of(dst)] = network_in.get(self.machine_of(dst), 0.0) + size
+            else:
+                local_out[src] = local_out.get(src, 0.0) + size
+                local_in[dst] = local_in.get(dst, 0.0) + size
+        network = max([*network_out.values(), *network_in.values(), 0.0]) / self.bytes_per_ms(self.inter_bandwidth_gbps)
+        local = max([*local_out.values(), *local_in.values(), 0.0]) / self.bytes_per_ms(self.intra_bandwidth_gbps)
+        if network == 0.0 and local == 0.0:
+            return 0.0
+        return max(network, local) + self.latency_ms
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def split_concat_pieces(senders: int, receivers: int) -> dict[tuple[int, int], float]:
+    """Fraction of a micro-batch that sender ``i`` passes to receiver ``j``.
+
+    Both sides cut the micro-batch into equal contiguous shares; a pair exchanges the
+    overlap of their shares (DAPPLE 5.2.2 split-concat).
+    """
+    pieces: dict[tuple[int, int], float] = {}
+    for i in range(senders):
+        lo_i, hi_i = i / senders, (i + 1) / senders
+        for j in range(receivers):
+            lo = max(lo_i, j / receivers)
+            hi = min(hi_i, (j + 1) / receivers)
+            if hi > lo + 1e-12:
+                pieces[(i, j)] = hi - lo
+    return pieces
+
+
+V100 = {"device_memory_gib": 16.0, "intra_bandwidth_gbps": 300.0 * 8}  # NVLink ~300 GB/s
+
+PRESETS: dict[str, Cluster] = {
+    "paper-a": Cluster(2, 8, intra_bandwidth_gbps=V100["intra_bandwidth_gbps"], inter_bandwidth_gbps=25.0, device_memory_gib=16.0, name="paper-a"),
+    "paper-b": Cluster(16, 1, intra_bandwidth_gbps=V100["intra_bandwidth_gbps"], inter_bandwidth_gbps=25.0, device_memory_gib=16.0, name="paper-b"),
+    "paper-c": Cluster(16, 1, intra_bandwidth_gbps=V100["intra_bandwidth_gbps"], inter_bandwidth_gbps=10.0, device_memory_gib=16.0, name="paper-c"),
+}
+
+_SHORT_FORM = re.compile(r"^(\d+)x(\d+)$")
+
+
+def cluster_from_dict(data: Any, source: str = "cluster") -> Cluster:
+    require(isinstance(data, dict), source, "is not a mapping", "write the cluster as a JSON/YAML object (see docs/formats.md)")
+    known = set(Cluster.__dataclass_fields__)
+    unknown = sorted(set(data) - known)
+    require(not unknown, f"{source}.{unknown[0] if unknown else ''}", "is not a cluster field", f"use only {sorted(known)}")
+    for name in ("machines", "devices_per_machine"):
+        require(name in data, f"{source}.{name}", "is missing", "give machines and devices_per_machine")
+    return Cluster(**data)
+
+
+def load_cluster(spec: "str | Path | Cluster | dict[str, Any]", **overrides: Any) -> Cluster:
+    """A preset name (paper-a/b/c), a short form 'MxD', a JSON/YAML file, or a mapping."""
+    if isinstance(spec, Cluster):
+        cluster = spec
+    elif isinstance(spec, dict):
+        cluster = cluster_from_dict(spec)
+    else:
+        text = str(spec)
+        match = _SHORT_FORM.match(text)
+        if text in PRESETS:
+            cluster = PRESETS[text]
+        elif match:
+            cluster = Cluster(int(match.group(1)), int(match.group(2)), name=text)
+        elif Path(text).is_file():
+            cluster = _cluster_from_file(Path(text))
+        else:
+            raise DappleConfigError(
+                "cluster",
+                f"{text!r} is neither a preset, a 'MACHINESxDEVICES' form nor a file",
+                f"use one of {sorted(PRESETS)}, a form like '2x8', or the path of a cluster JSON/YAML file",
+            )
+    overrides = {key: value for key, value in overrides.items() if value is not None}
+    return replace(cluster, **overrides) if overrides else cluster
+
+
+def _cluster_from_file(path: Path) -> Cluster:
+    text = path.read_text()
+    if path.suffix in (".yaml", ".yml"):
+        from omegaconf import OmegaConf
+
+        try:
+            data = OmegaConf.to_container(OmegaConf.create(text))
+        except Exception as exc:  # omegaconf raises several parser error types
+            raise DappleConfigError(f"cluster {path.name}", f"is not valid YAML ({exc})", "fix the YAML syntax") from None
+    else:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise DappleConfigError(f"cluster {path.name}", f"is not valid JSON ({exc.msg} at line {exc.lineno})", "fix the JSON syntax") from None
+    cluster = cluster_from_dict(data, source=f"cluster {path.name}")
+    return cluster if cluster.name != "custom" else replace(cluster, name=path.stem)

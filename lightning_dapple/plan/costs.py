@@ -1,0 +1,173 @@
+"""The cost model shared by planners and the simulator: per-stage times, bytes and memory.
+
+DAPPLE 4.1 prices a plan from per-stage forward/backward times F_s, B_s, the AllReduce
+time AR(P_s, g_s) of replicated stages, and inter-stage communication treated as stages
+of their own. This module turns (profile, cluster, stages, micro-batch size) into those
+numbers once, so the planner's formula (``dapple_latency``) and the discrete-event
+simulator charge a plan exactly the same costs.
+
+A stage replicated r ways runs a slice of micro_batch_size / r samples on each device
+(split-concat, 5.2.2); times and activation bytes scale linearly with the slice.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from lightning_dapple.cluster import Cluster
+from lightning_dapple.plan.plan import Prediction, StagePlan
+from lightning_dapple.profile.model_profile import ModelProfile
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """What one micro-batch costs on each device of a stage, and what the stage holds.
+
+    ``send_ms`` is the time to move this stage's output boundary (one micro-batch) to the
+    next stage; the gradient travels back over the same links in the same time. The
+    recompute time is the extra forward a backward pays under recomputation.
+    """
+
+    forward_ms: float
+    backward_ms: float
+    backward_input_ms: float
+    backward_weight_ms: float
+    param_bytes: float
+    stash_bytes: float
+    output_bytes: float
+    send_ms: float
+    allreduce_ms: float
+    slice_size: float
+
+    @property
+    def compute_ms(self) -> float:
+        return self.forward_ms + self.backward_ms
+
+
+def slice_size(micro_batch_size: int, replicas: int) -> int:
+    """Largest slice a replica runs: micro-batches are cut into near-equal row ranges."""
+    return math.ceil(micro_batch_size / replicas)
+
+
+def stage_costs(
+    profile: ModelProfile,
+    cluster: Cluster,
+    stages: Sequence[StagePlan],
+    micro_batch_size: int,
+) -> list[StageCost]:
+    """Per-stage costs of ``stages`` for micro-batches of ``micro_batch_size`` samples."""
+    costs = []
+    for index, stage in enumerate(stages):
+        layers = profile.span(stage.start, stage.end)
+        per_device = profile.scale(slice_size(micro_batch_size, stage.replicas))
+        whole = profile.scale(micro_batch_size)
+        output_bytes = layers[-1].output_bytes * whole
+        send_ms = 0.0
+        if index + 1 < len(stages):
+            send_ms = cluster.p2p_ms(output_bytes, stage.devices, stages[index + 1].devices)
+        param_bytes = sum(layer.param_bytes for layer in layers)
+        costs.append(
+            StageCost(
+                forward_ms=sum(layer.forward_ms for layer in layers) * per_device,
+                backward_ms=sum(layer.backward_ms for layer in layers) * per_device,
+                backward_input_ms=sum(layer.input_grad_ms for layer in layers) * per_device,
+                backward_weight_ms=sum(layer.weight_grad_ms for layer in layers) * per_device,
+                param_bytes=param_bytes,
+                stash_bytes=sum(layer.stash_bytes for layer in layers) * per_device,
+                output_bytes=output_bytes,
+                send_ms=send_ms,
+                allreduce_ms=cluster.allreduce_ms(param_bytes, stage.devices),
+                slice_size=slice_size(micro_batch_size, stage.replicas) / 1.0,
+            )
+        )
+    return costs
+
+
+def stage_memory_bytes(cost: StageCost, in_flight: int, cluster: Cluster) -> float:
+    """Peak bytes on one device of a stage: weights, gradients, optimizer state, stash.
+
+    Weights and gradients take one copy each, the optimizer ``optimizer_state_factor``
+    more (2.0 for fp32 Adam: 16 bytes per fp32 parameter, DAPPLE Table 7); activations of
+    ``in_flight`` micro-batch slices are stashed (K_i under DAPPLE 5.3, M under GPipe).
+    """
+    return cost.param_bytes * (2.0 + cluster.optimizer_state_factor) + in_flight * cost.stash_bytes
+
+
+def pipeline_phases(costs: Sequence[StageCost]) -> list[tuple[float, float, float]]:
+    """(F, B, AR) of every stage of DAPPLE's formula, communication stages included.
+
+    4.1: "we consider inter-stage communication as an independent stage alongside the
+    computation stages"; its AR is 0 and its F and B are the transfer times.
+    """
+    phases: list[tuple[float, float, float]] = []
+    for index, cost in enumerate(costs):
+        phases.append((cost.forward_ms, cost.backward_ms, cost.allreduce_ms))
+        if index + 1 < len(costs) and cost.send_ms > 0:
+            phases.append((cost.send_ms, cost.send_ms, 0.0))
+    return phases
+
+
+def pivot_stage(phases: Sequence[tuple[float, float, float]], micro_batches: int) -> int:
+    """Algorithm 1 of DAPPLE 4.3: walk from the last stage back, keep the stage whose
+    steady phase outlasts the current pivot's plus the work between them."""
+    last = len(phases) - 1
+    pivot = last
+    for s in range(last - 1, -1, -1):
+        own = (micro_batches - 1) * (phases[s][0] + phases[s][1])
+        current = (micro_batches - 1) * (phases[pivot][0] + phases[pivot][1])
+        current += sum(phases[k][0] + phases[k][1] for k in range(s + 1, pivot))
+        if own > current:
+            pivot = s
+    return pivot
+
+
+def dapple_latency(
+    costs: Sequence[StageCost],
+    micro_batches: int,
+    memory_bytes: Sequence[float] = (),
+) -> Prediction:
+    """Pipeline latency L = T_w + T_s + T_e of DAPPLE formulas 1-2.
+
+    The ending phase takes, over all stages s, the AllReduce of s plus the backward work
+    between the pivot and s: for s <= Q the last micro-batch's backward still has to run
+    B_Q ... B_s; a stage s > Q finished its last backward B_{Q+1} + ... + B_s before Q's
+    last backward starts. (The paper prints the second sum from a = Q; counting B_Q there
+    would let a later stage's AllReduce start before Q's last backward is even scheduled
+    and disagrees with the simulator, so the sum starts at Q + 1.)
+    The pivot index reported is that of the computation stage (communication stages are
+    never chosen as a pivot unless the transfer dominates; then the sender is reported).
+    """
+    phases = pipeline_phases(costs)
+    q = pivot_stage(phases, micro_batches)
+    warmup = sum(phases[s][0] for s in range(q + 1))
+    steady = (micro_batches - 1) * (phases[q][0] + phases[q][1])
+    ending = 0.0
+    for s, (_, _, allreduce) in enumerate(phases):
+        if s <= q:
+            tail = sum(phases[a][1] for a in range(s, q + 1))
+        else:
+            tail = -sum(phases[a][1] for a in range(q + 1, s + 1))
+        ending = max(ending, allreduce + tail)
+    return Prediction(
+        latency_ms=warmup + steady + ending,
+        warmup_ms=warmup,
+        steady_ms=steady,
+        ending_ms=ending,
+        pivot_stage=_computation_index(costs, q),
+        memory_bytes=tuple(memory_bytes),
+    )
+
+
+def _computation_index(costs: Sequence[StageCost], phase_index: int) -> int:
+    """Map an index into ``pipeline_phases`` back to the computation stage it belongs to."""
+    index = 0
+    for stage, cost in enumerate(costs):
+        if index == phase_index:
+            return stage
+        index += 1
+        if stage + 1 < len(costs) and cost.send_ms > 0:
+            if index == phase_index:
+                return stage
+            index += 1
+    return len(costs) - 1

@@ -1,0 +1,324 @@
+"""A hybrid pipeline/data-parallel plan as plain data: what the planner writes, the runtime reads.
+
+A plan is DAPPLE's output (section 4): stages of consecutive layers (half-open ranges),
+each replicated on its own list of global ranks, the number of micro-batches M, the
+schedule and the per-stage warm-up count K_i (section 5.3). ``predicted`` holds the
+planner's latency model (formulas 1-2) and memory model so a user can see why.
+
+The JSON form is documented in docs/formats.md; a hand-written file needs only
+``global_batch_size``, ``micro_batches`` and each stage's ``layers`` and ``devices``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Sequence
+
+from lightning_dapple.errors import DappleConfigError, require
+
+SCHEDULES = ("dapple", "gpipe")
+POLICIES = ("PA", "PB")
+RECOMPUTE_MODES = ("never", "always", "except_last")
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One pipeline stage: layers ``[start, end)`` replicated on ``devices`` (global ranks)."""
+
+    layers: tuple[int, int]
+    devices: tuple[int, ...]
+    warmup: int | None = None
+    recompute: str = "never"
+
+    @property
+    def start(self) -> int:
+        return self.layers[0]
+
+    @property
+    def end(self) -> int:
+        return self.layers[1]
+
+    @property
+    def replicas(self) -> int:
+        return len(self.devices)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"layers": list(self.layers), "devices": list(self.devices)}
+        if self.warmup is not None:
+            out["warmup"] = self.warmup
+        if self.recompute != "never":
+            out["recompute"] = self.recompute
+        return out
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """The planner's estimate (DAPPLE formulas 1-2) and its memory model, per stage."""
+
+    latency_ms: float
+    warmup_ms: float
+    steady_ms: float
+    ending_ms: float
+    pivot_stage: int
+    memory_bytes: tuple[float, ...]
+    simulated_latency_ms: float | None = None
+    bubble_fraction: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["memory_bytes"] = list(self.memory_bytes)
+        return {key: value for key, value in out.items() if value is not None}
+
+
+@dataclass(frozen=True)
+class Plan:
+    global_batch_size: int
+    micro_batches: int
+    stages: tuple[StagePlan, ...]
+    schedule: str = "dapple"
+    policy: str = "PA"
+    predicted: Prediction | None = None
+    planner: str = "manual"
+    reason: str = ""
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.global_batch_size // self.micro_batches
+
+    @property
+    def world_size(self) -> int:
+        return sum(stage.replicas for stage in self.stages)
+
+    @property
+    def num_layers(self) -> int:
+        return self.stages[-1].end
+
+    @property
+    def warmups(self) -> tuple[int, ...]:
+        require(
+            all(stage.warmup is not None for stage in self.stages),
+            "plan.stages[].warmup",
+            "is not filled in",
+            "call plan.with_warmups() (or lightning_dapple.plan.resolve_plan) before scheduling",
+        )
+        return tuple(int(stage.warmup) for stage in self.stages)  # type: ignore[arg-type]
+
+    def stage_of_rank(self, rank: int) -> int:
+        for index, stage in enumerate(self.stages):
+            if rank in stage.devices:
+                return index
+        raise DappleConfigError("plan.stages[].devices", f"no stage runs on rank {rank}", "list every rank in exactly one stage")
+
+    def kind(self) -> str:
+        """'DP', 'straight' or 'hybrid': the words of DAPPLE Table 4."""
+        if self.num_stages == 1:
+            return "DP" if self.stages[0].replicas > 1 else "single"
+        if all(stage.replicas == 1 for stage in self.stages):
+            return "straight"
+        return ":".join(str(stage.replicas) for stage in self.stages)
+
+    def with_warmups(self, policy: str | None = None) -> "Plan":
+        """Fill missing K_i by policy P_A or P_B (DAPPLE 5.3); keep the ones given."""
+        from lightning_dapple.schedule.policy import warmup_counts
+
+        policy = policy or self.policy
+        counts = warmup_counts(self.num_stages, self.micro_batches, policy, schedule=self.schedule)
+        stages = tuple(
+            stage if stage.warmup is not None else replace(stage, warmup=count)
+            for stage, count in zip(self.stages, counts)
+        )
+        return replace(self, stages=stages, policy=policy)
+
+    def validate(self, num_layers: int | None = None, world_size: int | None = None) -> "Plan":
+        """Check the plan is executable; every message names the field and the fix."""
+        require(self.num_stages > 0, "plan.stages", "is empty", "give at least one stage")
+        require(self.schedule in SCHEDULES, "plan.schedule", f"is {self.schedule!r}", f"use one of {list(SCHEDULES)}")
+        require(self.policy in POLICIES, "plan.policy", f"is {self.policy!r}", f"use one of {list(POLICIES)}")
+        require(
+            isinstance(self.global_batch_size, int) and self.global_batch_size > 0,
+            "plan.global_batch_size",
+            f"must be a positive integer, got {self.global_batch_size!r}",
+            "set it to the number of samples of one optimizer step",
+        )
+        require(
+            isinstance(self.micro_batches, int) and self.micro_batches > 0,
+            "plan.micro_batches",
+            f"must be a positive integer, got {self.micro_batches!r}",
+            "set M >= 1",
+        )
+        require(
+            self.global_batch_size % self.micro_batches == 0,
+            "plan.micro_batches",
+            f"global batch {self.global_batch_size} cannot be split into {self.micro_batches} equal micro-batches",
+            "choose micro_batches that divides the global batch size",
+        )
+        expected_start = 0
+        seen: set[int] = set()
+        for index, stage in enumerate(self.stages):
+            where = f"plan.stages[{index}]"
+            require(
+                stage.start == expected_start and stage.end > stage.start,
+                f"{where}.layers",
+                f"is [{stage.start}, {stage.end}) but must start at {expected_start} and be non-empty",
+                "make stage layer ranges consecutive, half-open and covering the model",
+            )
+            expected_start = stage.end
+            require(stage.replicas > 0, f"{where}.devices", "is empty", "give each stage at least one rank")
+            duplicate = seen.intersection(stage.devices)
+            require(not duplicate, f"{where}.devices", f"reuses ranks {sorted(duplicate)}", "give each rank to one stage only")
+            seen.update(stage.devices)
+            require(
+                self.micro_batch_size >= stage.replicas,
+                f"{where}.devices",
+                f"micro-batch of {self.micro_batch_size} samples cannot be sliced over {stage.replicas} replicas",
+                "use fewer micro-batches or fewer replicas for this stage",
+            )
+            require(stage.recompute in RECOMPUTE_MODES, f"{where}.recompute", f"is {stage.recompute!r}", f"use one of {list(RECOMPUTE_MODES)}")
+            if stage.warmup is not None:
+                require(stage.warmup >= 1, f"{where}.warmup", f"is {stage.warmup}", "use K_i >= 1 or leave it out")
+        if num_layers is not None:
+            require(
+                self.num_layers == num_layers,
+                "plan.stages[-1].layers",
+                f"ends at layer {self.num_layers} but the model has {num_layers} layers",
+                f"make the last stage end at {num_layers}",
+            )
+        if world_size is not None:
+            require(
+                seen == set(range(world_size)),
+                "plan.stages[].devices",
+                f"cover ranks {sorted(seen)} but the run has world size {world_size}",
+                f"assign exactly the ranks 0..{world_size - 1} to stages",
+            )
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "global_batch_size": self.global_batch_size,
+            "micro_batches": self.micro_batches,
+            "schedule": self.schedule,
+            "policy": self.policy,
+            "planner": self.planner,
+            "stages": [stage.to_dict() for stage in self.stages],
+        }
+        if self.predicted is not None:
+            out["predicted"] = self.predicted.to_dict()
+        if self.reason:
+            out["reason"] = self.reason
+        if self.extra:
+            out["extra"] = self.extra
+        return out
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def save(self, path: str | Path) -> Path:
+        """Write the plan JSON atomically (temp file + rename)."""
+        return atomic_write_text(Path(path), self.to_json() + "\n")
+
+
+def plan_from_dict(data: Any, source: str = "plan") -> Plan:
+    require(isinstance(data, dict), source, "is not a JSON object", "see docs/formats.md for the plan format")
+    for name in ("global_batch_size", "micro_batches", "stages"):
+        require(name in data, f"{source}.{name}", "is missing", "a plan needs global_batch_size, micro_batches and stages")
+    require(isinstance(data["stages"], list) and data["stages"], f"{source}.stages", "is not a non-empty list", "list the stages")
+    stages = []
+    for index, entry in enumerate(data["stages"]):
+        where = f"{source}.stages[{index}]"
+        require(isinstance(entry, dict), where, "is not an object", "write each stage as {\"layers\": [start, end], \"devices\": [...]}")
+        for name in ("layers", "devices"):
+            require(name in entry, f"{where}.{name}", "is missing", "every stage needs layers [start, end) and devices")
+        layers = entry["layers"]
+        require(
+            isinstance(layers, list) and len(layers) == 2 and all(isinstance(v, int) for v in layers),
+            f"{where}.layers",
+            f"is {layers!r}",
+            "write a half-open range [start, end] of two integers",
+        )
+        devices = entry["devices"]
+        require(
+            isinstance(devices, list) and all(isinstance(v, int) and v >= 0 for v in devices),
+            f"{where}.devices",
+            f"is {devices!r}",
+            "write a list of global ranks",
+        )
+        warmup = entry.get("warmup")
+        require(warmup is None or isinstance(warmup, int), f"{where}.warmup", f"is {warmup!r}", "write an integer or leave it out")
+        stages.append(
+            StagePlan(
+                layers=(layers[0], layers[1]),
+                devices=tuple(devices),
+                warmup=warmup,
+                recompute=str(entry.get("recompute", "never")),
+            )
+        )
+    predicted = None
+    if isinstance(data.get("predicted"), dict):
+        p = data["predicted"]
+        try:
+            predicted = Prediction(
+                latency_ms=float(p["latency_ms"]),
+                warmup_ms=float(p.get("warmup_ms", 0.0)),
+                steady_ms=float(p.get("steady_ms", 0.0)),
+                ending_ms=float(p.get("ending_ms", 0.0)),
+                pivot_stage=int(p.get("pivot_stage", len(stages) - 1)),
+                memory_bytes=tuple(float(v) for v in p.get("memory_bytes", [])),
+                simulated_latency_ms=p.get("simulated_latency_ms"),
+                bubble_fraction=p.get("bubble_fraction"),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise DappleConfigError(f"{source}.predicted", f"is malformed ({exc})", "delete the 'predicted' block; it is recomputed") from None
+    plan = Plan(
+        global_batch_size=data["global_batch_size"],
+        micro_batches=data["micro_batches"],
+        stages=tuple(stages),
+        schedule=str(data.get("schedule", "dapple")),
+        policy=str(data.get("policy", "PA")),
+        predicted=predicted,
+        planner=str(data.get("planner", "manual")),
+        reason=str(data.get("reason", "")),
+        extra=dict(data.get("extra", {})),
+    )
+    return plan.validate()
+
+
+def load_plan(path: str | Path) -> Plan:
+    path = Path(path)
+    require(path.is_file(), "plan", f"file {str(path)!r} does not exist", "pass the path of a plan JSON written by dapple-plan")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise DappleConfigError(f"plan {path.name}", f"is not valid JSON ({exc.msg} at line {exc.lineno})", "fix the JSON syntax") from None
+    return plan_from_dict(data, source=f"plan {path.name}")
+
+
+def atomic_write_text(path: Path, text: str) -> Path:
+    """Write ``text`` to ``path`` so that readers see the old file or the new one, never half."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(handle, "w") as stream:
+            stream.write(text)
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        if os.path.exists(temp):
+            os.unlink(temp)
+        raise
+    return path
+
+
+def straight_plan(num_layers: int, bounds: Sequence[int], global_batch_size: int, micro_batches: int, **kwargs: Any) -> Plan:
+    """A plan with one device per stage, cutting before each index in ``bounds``."""
+    edges = [0, *bounds, num_layers]
+    stages = tuple(StagePlan(layers=(edges[i], edges[i + 1]), devices=(i,)) for i in range(len(edges) - 1))
+    return Plan(global_batch_size=global_batch_size, micro_batches=micro_batches, stages=stages, **kwargs)

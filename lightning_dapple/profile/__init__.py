@@ -1,0 +1,4 @@
+"""Profiles: per-layer costs, read from JSON or PipeDream graph text, or measured."""
+from lightning_dapple.profile.model_profile import LayerProfile, ModelProfile, load_profile, profile_from_dict
+
+__all__ = ["LayerProfile", "ModelProfile", "load_profile", "profile_from_dict"]

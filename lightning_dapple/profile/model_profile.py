@@ -1,0 +1,205 @@
+"""Per-layer profile of a model: the only thing the planner and simulator know about it.
+
+The quantities are those of DAPPLE 4.1 (forward/backward time per stage, parameter sizes
+for the AllReduce term, activation sizes for cross-stage communication) and PipeDream 3.1
+(per-layer compute time, output activation size, weight size). ``backward_input_ms`` and
+``backward_weight_ms`` split the backward for out-of-order backprop (ooo-backprop sec. 3).
+``stash_bytes`` is what a layer keeps from its forward until its backward; the memory
+model multiplies it by the number of micro-batches in flight (DAPPLE 5.3, K_i).
+
+Times are for one micro-batch of ``micro_batch_size`` samples on one device; a device that
+runs a slice of ``n`` samples is charged ``n / micro_batch_size`` of them (linear scaling).
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from lightning_dapple.errors import DappleConfigError, require
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """Costs of one layer for one micro-batch of the profile's size.
+
+    ``output_bytes`` is what crosses a cut placed right after this layer (for a linearised
+    branching graph, every activation produced at or before this position and consumed
+    after it).
+    """
+
+    name: str
+    forward_ms: float
+    backward_ms: float
+    output_bytes: float
+    param_bytes: float
+    stash_bytes: float
+    backward_input_ms: float | None = None
+    backward_weight_ms: float | None = None
+
+    @property
+    def input_grad_ms(self) -> float:
+        """Time of the input-gradient half of backward (B); all of it when not split."""
+        return self.backward_ms if self.backward_input_ms is None else self.backward_input_ms
+
+    @property
+    def weight_grad_ms(self) -> float:
+        """Time of the weight-gradient half of backward (W); 0 when not split."""
+        if self.backward_input_ms is None:
+            return 0.0
+        if self.backward_weight_ms is not None:
+            return self.backward_weight_ms
+        return max(self.backward_ms - self.backward_input_ms, 0.0)
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """A model as a chain of layers plus the size of the batch the times were taken at.
+
+    ``input_bytes`` is the size of the model input for one micro-batch (what the first
+    stage receives from the data loader); it is not communicated between devices.
+    """
+
+    micro_batch_size: int
+    layers: tuple[LayerProfile, ...]
+    device: str = "unknown"
+    name: str = "model"
+    input_bytes: float = 0.0
+    estimated: bool = False
+    meta: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        validate_profile(self)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def scale(self, samples: float) -> float:
+        """Factor that turns a profile-size quantity into one for ``samples`` samples."""
+        return samples / self.micro_batch_size
+
+    def span(self, start: int, end: int) -> tuple[LayerProfile, ...]:
+        """Layers ``[start, end)``."""
+        return self.layers[start:end]
+
+    def to_dict(self) -> dict[str, Any]:
+        layers = []
+        for layer in self.layers:
+            entry = asdict(layer)
+            for optional in ("backward_input_ms", "backward_weight_ms"):
+                if entry[optional] is None:
+                    del entry[optional]
+            layers.append(entry)
+        out: dict[str, Any] = {
+            "name": self.name,
+            "micro_batch_size": self.micro_batch_size,
+            "device": self.device,
+            "input_bytes": self.input_bytes,
+            "layers": layers,
+        }
+        if self.estimated:
+            out["estimated"] = True
+        if self.meta:
+            out["meta"] = self.meta
+        return out
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def with_layers(self, layers: list[LayerProfile]) -> "ModelProfile":
+        return replace(self, layers=tuple(layers))
+
+
+_REQUIRED_LAYER_FIELDS = ("name", "forward_ms", "backward_ms", "output_bytes", "param_bytes", "stash_bytes")
+
+
+def _number(value: Any, where: str, fix: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise DappleConfigError(where, f"expected a finite number, got {value!r}", fix)
+    return float(value)
+
+
+def validate_profile(profile: ModelProfile) -> None:
+    """Reject profiles the planner cannot reason about, naming the field and the fix."""
+    require(
+        isinstance(profile.micro_batch_size, int) and profile.micro_batch_size > 0,
+        "profile.micro_batch_size",
+        f"must be a positive integer, got {profile.micro_batch_size!r}",
+        "set it to the number of samples the layer times were measured with",
+    )
+    require(len(profile.layers) > 0, "profile.layers", "is empty", "list at least one layer")
+    for index, layer in enumerate(profile.layers):
+        where = f"profile.layers[{index}] ({layer.name})"
+        for name in ("forward_ms", "backward_ms", "output_bytes", "param_bytes", "stash_bytes"):
+            value = _number(getattr(layer, name), f"{where}.{name}", "write a number >= 0")
+            require(value >= 0, f"{where}.{name}", f"is negative ({value})", "times and sizes must be >= 0")
+        for name in ("backward_input_ms", "backward_weight_ms"):
+            value = getattr(layer, name)
+            if value is not None:
+                value = _number(value, f"{where}.{name}", "write a number >= 0 or leave it out")
+                require(value >= 0, f"{where}.{name}", f"is negative ({value})", "times must be >= 0")
+
+
+def profile_from_dict(data: Any, source: str = "profile") -> ModelProfile:
+    """Build a profile from the JSON form documented in docs/formats.md."""
+    require(isinstance(data, dict), source, "is not a JSON object", "see docs/formats.md for the profile format")
+    require("micro_batch_size" in data, f"{source}.micro_batch_size", "is missing", "add the profile batch size")
+    require("layers" in data, f"{source}.layers", "is missing", "add the list of per-layer entries")
+    require(isinstance(data["layers"], list), f"{source}.layers", "is not a list", "make it a list of layer objects")
+    layers = []
+    for index, entry in enumerate(data["layers"]):
+        where = f"{source}.layers[{index}]"
+        require(isinstance(entry, dict), where, "is not an object", "write each layer as a JSON object")
+        for name in _REQUIRED_LAYER_FIELDS:
+            require(name in entry, f"{where}.{name}", "is missing", f"add '{name}' to every layer (see docs/formats.md)")
+        numbers = {
+            name: _number(entry[name], f"{where}.{name}", "write a number >= 0")
+            for name in _REQUIRED_LAYER_FIELDS[1:]
+        }
+        optional = {
+            name: (None if entry.get(name) is None else _number(entry[name], f"{where}.{name}", "write a number >= 0"))
+            for name in ("backward_input_ms", "backward_weight_ms")
+        }
+        layers.append(LayerProfile(name=str(entry["name"]), **numbers, **optional))
+    mbs = data["micro_batch_size"]
+    require(
+        isinstance(mbs, int) and not isinstance(mbs, bool) and mbs > 0,
+        f"{source}.micro_batch_size",
+        f"must be a positive integer, got {mbs!r}",
+        "set it to the number of samples the layer times were measured with",
+    )
+    return ModelProfile(
+        micro_batch_size=mbs,
+        layers=tuple(layers),
+        device=str(data.get("device", "unknown")),
+        name=str(data.get("name", "model")),
+        input_bytes=_number(data.get("input_bytes", 0.0), f"{source}.input_bytes", "write a number >= 0"),
+        estimated=bool(data.get("estimated", False)),
+        meta=dict(data.get("meta", {})),
+    )
+
+
+def load_profile(path: str | Path, profile_batch_size: int | None = None) -> ModelProfile:
+    """Read a profile JSON file or a PipeDream graph text file (shared/profiles/).
+
+    Graph files take their batch size from ``profile_batch_size`` or else from ``pbs-N``
+    in the file name.
+    """
+    path = Path(path)
+    require(path.is_file(), "profile", f"file {str(path)!r} does not exist", "pass the path of a profile JSON or graph.txt file")
+    text = path.read_text()
+    if text.lstrip().startswith("{"):
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise DappleConfigError(f"profile {path.name}", f"is not valid JSON ({exc.msg} at line {exc.lineno})", "fix the JSON syntax") from None
+        profile = profile_from_dict(data, source=f"profile {path.name}")
+        if profile_batch_size is not None:
+            profile = replace(profile, micro_batch_size=profile_batch_size)
+        return profile
+    from lightning_dapple.profile.graph_text import parse_graph_text
+
+    return parse_graph_text(text, name=path.name, profile_batch_size=profile_batch_size)

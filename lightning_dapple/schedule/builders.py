@@ -1,0 +1,104 @@
+"""Builders of the two schedules of the product: GPipe and DAPPLE early backward.
+
+* GPipe (gpipe.txt sec. 2): every stage runs all M forwards, then all M backwards.
+* DAPPLE (dapple-ppopp21.txt sec. 3.2, 5.3): stage i runs K_i forwards, then strictly one
+  backward, one forward, ... (the backward of its oldest micro-batch first), then the
+  remaining backwards. The stage never holds more than K_i micro-batches' activations.
+
+Communication actions are inserted around compute: a stage receives a micro-batch's input
+right before its forward and its output gradient right before its backward, and sends as
+soon as the compute that produced the tensor is done.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from lightning_dapple.errors import require
+from lightning_dapple.schedule.actions import Action, Kind
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """An action list per stage; ``warmups`` are the K_i the lists were built with."""
+
+    name: str
+    num_stages: int
+    micro_batches: int
+    warmups: tuple[int, ...]
+    actions: tuple[tuple[Action, ...], ...]
+    split_backward: bool = False
+
+    def compute(self, stage: int) -> list[Action]:
+        return [action for action in self.actions[stage] if action.kind.is_compute]
+
+    def describe(self, stage: int) -> str:
+        return " ".join(f"{a.kind.value}{a.microbatch}" for a in self.compute(stage))
+
+
+def compute_order(name: str, stage: int, num_stages: int, micro_batches: int, warmup: int) -> list[Action]:
+    """Order of F and B actions on ``stage`` for schedule ``name``."""
+    forwards = [Action(Kind.F, stage, mb) for mb in range(micro_batches)]
+    backwards = [Action(Kind.B, stage, mb) for mb in range(micro_batches)]
+    if name == "gpipe":
+        return forwards + backwards
+    require(name == "dapple", "schedule", f"is {name!r}", "use 'dapple' or 'gpipe'")
+    warmup = max(1, min(warmup, micro_batches))
+    order = forwards[:warmup]
+    next_forward = warmup
+    for backward in backwards:
+        order.append(backward)
+        if next_forward < micro_batches:
+            order.append(forwards[next_forward])
+            next_forward += 1
+    return order
+
+
+def with_communication(order: Sequence[Action], stage: int, num_stages: int) -> list[Action]:
+    """Insert receives before and sends after each compute action of ``stage``."""
+    actions: list[Action] = []
+    first, last = stage == 0, stage == num_stages - 1
+    for action in order:
+        if action.kind is Kind.F:
+            if not first:
+                actions.append(Action(Kind.RECV_ACT, stage, action.microbatch))
+            actions.append(action)
+            if not last:
+                actions.append(Action(Kind.SEND_ACT, stage, action.microbatch))
+        elif action.kind is Kind.B:
+            if not last:
+                actions.append(Action(Kind.RECV_GRAD, stage, action.microbatch))
+            actions.append(action)
+            if not first:
+                actions.append(Action(Kind.SEND_GRAD, stage, action.microbatch))
+        else:
+            actions.append(action)
+    actions.append(Action(Kind.ALLREDUCE, stage))
+    return actions
+
+
+def build_schedule(name: str, num_stages: int, micro_batches: int, warmups: Sequence[int] | None = None) -> Schedule:
+    """The action lists of schedule ``name`` for S stages and M micro-batches."""
+    require(num_stages >= 1, "num_stages", f"is {num_stages}", "use at least one stage")
+    require(micro_batches >= 1, "micro_batches", f"is {micro_batches}", "use at least one micro-batch")
+    if warmups is None:
+        from lightning_dapple.schedule.policy import warmup_counts
+
+        warmups = warmup_counts(num_stages, micro_batches, "PA", schedule=name)
+    require(len(warmups) == num_stages, "warmups", f"has {len(warmups)} entries for {num_stages} stages", "give one K_i per stage")
+    if name == "gpipe":
+        warmups = [micro_batches] * num_stages
+    lists = tuple(
+        tuple(with_communication(compute_order(name, s, num_stages, micro_batches, warmups[s]), s, num_stages))
+        for s in range(num_stages)
+    )
+    return Schedule(name, num_stages, micro_batches, tuple(int(min(k, micro_batches)) for k in warmups), lists)
+
+
+def schedule_for_plan(plan: "object") -> Schedule:
+    """The schedule a plan asks for, with its K_i filled by its policy when missing."""
+    from lightning_dapple.plan.plan import Plan
+
+    assert isinstance(plan, Plan)
+    plan = plan.with_warmups()
+    return build_schedule(plan.schedule, plan.num_stages, plan.micro_batches, plan.warmups)
