@@ -1,0 +1,38 @@
+"""Gradient clipping by the global norm over all stages (each parameter counted once).
+
+A pipeline rank holds only its stage's parameters; clipping by the local norm would give
+each stage a different scale and break equivalence with single-device training. Each rank
+contributes its squared norm divided by its stage's replica count (replicas hold equal
+gradients after the AllReduce), the sum over the plan is the squared global norm, and the
+clip coefficient is the one ``torch.nn.utils.clip_grad_norm_`` would use on one device.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+
+from lightning_dapple.execute.failure import FailureChannel
+
+
+def global_grad_norm(params: Iterable[torch.Tensor], replicas: int, failure: FailureChannel | None, group: Any = None) -> torch.Tensor:
+    grads = [p.grad for p in params if p.grad is not None]
+    local = torch.zeros((), dtype=torch.float64)
+    for grad in grads:
+        local += grad.detach().to(torch.float64).pow(2).sum().cpu()
+    local /= replicas
+    if failure is not None and dist.is_initialized():
+        failure.wait(dist.all_reduce(local, group=group, async_op=True), "gradient norm reduction")
+    return local.sqrt()
+
+
+def clip_grad_norm_global(
+    params: Iterable[torch.Tensor], max_norm: float, replicas: int, failure: FailureChannel | None, group: Any = None
+) -> torch.Tensor:
+    params = [p for p in params if p.grad is not None]
+    total = global_grad_norm(params, replicas, failure, group)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for param in params:
+        param.grad.detach().mul_(coef.to(param.grad.dtype).to(param.grad.device))
+    return total

@@ -1,0 +1,32 @@
+"""Process groups a plan needs: one per replicated stage (its gradient AllReduce, DAPPLE
+5.2.3: replicas of a stage synchronise among themselves only) and one for the whole plan.
+
+``torch.distributed.new_group`` must be called by every rank of the default group, in the
+same order, even by ranks outside the new group; ``build_groups`` does exactly that.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from lightning_dapple.plan.plan import Plan
+
+
+@dataclass
+class PlanGroups:
+    replicas: dict[int, Any]
+    plan: Any  # group of all ranks of the plan; None means the default (world) group
+
+
+def build_groups(plan: Plan, backend: str | None = None) -> PlanGroups:
+    replicas: dict[int, Any] = {}
+    for index, stage in enumerate(plan.stages):
+        if stage.replicas > 1:
+            replicas[index] = dist.new_group(sorted(stage.devices), backend=backend)
+    world = dist.get_world_size()
+    plan_group = None
+    if plan.world_size != world:
+        plan_group = dist.new_group(sorted(d for s in plan.stages for d in s.devices), backend=backend)
+    return PlanGroups(replicas=replicas, plan=plan_group)

@@ -1,0 +1,79 @@
+"""Cutting a global batch into micro-batches and micro-batches into per-replica slices.
+
+DAPPLE splits the global batch into M micro-batches and, on a stage replicated r ways,
+each micro-batch further into r even slices (5.2.2, Fig. 8a). Row ranges are computed
+the same way everywhere (``floor(k * n / parts)``), so every rank knows which rows any
+other rank holds without asking, and split-concat transfers are the overlaps of ranges.
+
+Batches and boundary activations are arbitrary nests (tensor, tuple, list, dict); every
+tensor leaf is batch-first. ``torch.utils._pytree`` flattens them for transport.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from lightning_dapple.errors import DappleConfigError
+
+
+def row_range(total: int, parts: int, index: int) -> tuple[int, int]:
+    """Half-open rows of part ``index`` when ``total`` rows are cut into ``parts``."""
+    return (index * total) // parts, ((index + 1) * total) // parts
+
+
+def microbatch_rows(batch_size: int, micro_batches: int, microbatch: int) -> tuple[int, int]:
+    return row_range(batch_size, micro_batches, microbatch)
+
+
+def slice_rows(batch_size: int, micro_batches: int, microbatch: int, replicas: int, replica: int) -> tuple[int, int]:
+    """Rows of the global batch that ``replica`` of a stage with ``replicas`` handles."""
+    lo, hi = microbatch_rows(batch_size, micro_batches, microbatch)
+    a, b = row_range(hi - lo, replicas, replica)
+    return lo + a, lo + b
+
+
+def overlap(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int] | None:
+    lo, hi = max(a[0], b[0]), min(a[1], b[1])
+    return (lo, hi) if hi > lo else None
+
+
+def batch_size_of(batch: Any) -> int:
+    """Rows of a batch: the first dimension of its first tensor leaf."""
+    for leaf in pytree.tree_leaves(batch):
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            return int(leaf.shape[0])
+    raise DappleConfigError("batch", "contains no tensor with a batch dimension", "return tensors (batch first) from the DataLoader")
+
+
+def take_rows(batch: Any, lo: int, hi: int) -> Any:
+    """The rows ``[lo, hi)`` of every batch-first tensor leaf; other leaves pass unchanged.
+
+    A list of per-sample items of the batch's length (e.g. strings) is cut too.
+    """
+    size = batch_size_of(batch)
+
+    def cut(leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] == size:
+            return leaf[lo:hi]
+        return leaf
+
+    return pytree.tree_map(cut, batch)
+
+
+def flatten(structure: Any) -> tuple[list[torch.Tensor], Any]:
+    """Tensor leaves and a spec to rebuild the nest; non-tensor leaves are refused."""
+    leaves, spec = pytree.tree_flatten(structure)
+    for leaf in leaves:
+        if not isinstance(leaf, torch.Tensor):
+            raise DappleConfigError(
+                "layer output",
+                f"contains a {type(leaf).__name__} leaf; only tensors can pass between pipeline stages",
+                "return a tensor, or a tuple/dict of tensors, from every layer",
+            )
+    return leaves, spec
+
+
+def unflatten(leaves: list[torch.Tensor], spec: Any) -> Any:
+    return pytree.tree_unflatten(leaves, spec)

@@ -1,0 +1,407 @@
+"""Measure a per-layer profile of a model by running each layer on its own.
+
+DAPPLE's planner (DAPPLE 4.1) needs, per layer and per micro-batch, the forward and
+backward time, the parameter bytes (AllReduce volume), the bytes of the output (what a
+cut after the layer sends to the next stage) and what the layer keeps for its backward
+(the activation memory that grows with the number of micro-batches in flight, DAPPLE 5.3).
+PipeDream's profiler (PipeDream 3.2, "Profiling the DNN Model") gets these by timing each layer on one device for a
+few iterations; we do the same, layer by layer, so a model that does not fit on the
+device can still be profiled (each layer is moved to ``device`` and back).
+
+The backward is also split into its input-gradient half (B: gradient w.r.t. the layer's
+input, which the previous stage is waiting for) and its weight-gradient half (W: gradient
+w.r.t. the parameters, which can be deferred), as out-of-order backprop (ooo-backprop 3)
+schedules them separately (its dO_i and dW_i). B is ``autograd.grad`` w.r.t. the floating inputs with
+``retain_graph=True``; W is a second ``autograd.grad`` w.r.t. the parameters. For a
+composite layer W re-traverses the layer's internal graph, so B + W can exceed the full
+backward; the full backward is measured separately and reported as ``backward_ms``.
+
+Calling convention (the same as the runtime's): a layer is called as ``layer(x)`` where
+``x`` is exactly what the previous layer returned -- a tensor, a tuple/list or a dict --
+passed as ONE positional argument and never unpacked. The first layer gets the sample
+input the same way.
+
+Measured quantities, per layer:
+
+* ``forward_ms``: forward with autograd recording (as in training);
+* ``backward_ms``: gradient w.r.t. the floating inputs and the parameters together;
+* ``backward_input_ms`` / ``backward_weight_ms``: the B / W split above;
+* ``output_bytes``: every tensor in the output, whether or not it requires grad;
+* ``param_bytes``: the layer's parameters;
+* ``stash_bytes``: distinct storages saved for backward during the forward (observed with
+  ``torch.autograd.graph.saved_tensors_hooks``), the layer's own parameters excluded. A
+  tensor saved by two consecutive layers (one's output is the next one's input) is counted
+  in both, so the sum over layers is an upper bound.
+
+The cotangent fed to the backward is a fixed random tensor of the output's shape, so runs
+are comparable. Layers are profiled in their current train/eval mode; buffers (e.g.
+BatchNorm running statistics) and the global RNG state are restored afterwards.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import statistics
+import time
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_dapple.errors import DappleConfigError, require
+from lightning_dapple.profile.model_profile import LayerProfile, ModelProfile, profile_from_dict
+
+__all__ = ["profile_layers", "tensor_bytes", "iter_tensors", "map_tensors"]
+
+_CACHE_VERSION = 1
+_CONVENTION_FIX = (
+    "each layer is called as layer(x) with x exactly what the previous layer returned "
+    "(one positional argument: a tensor, tuple or dict, never unpacked); make the layers accept that"
+)
+
+
+# --------------------------------------------------------------------------- tensor trees
+
+
+def iter_tensors(value: Any) -> Iterable[torch.Tensor]:
+    """Every tensor in a nested tensor / tuple / list / dict value, in order."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            yield from iter_tensors(item)
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from iter_tensors(item)
+
+
+def map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``value`` with every tensor replaced by ``fn(tensor)``, containers rebuilt alike."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, Mapping):
+        items = [(key, map_tensors(item, fn)) for key, item in value.items()]
+        return type(value)(items) if isinstance(value, dict) else dict(items)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
+        return type(value)(*(map_tensors(item, fn) for item in value))
+    if isinstance(value, (tuple, list)):
+        return type(value)(map_tensors(item, fn) for item in value)
+    return value
+
+
+def tensor_bytes(value: Any) -> int:
+    """Bytes of the distinct tensors in a nested value (a tensor listed twice counts once)."""
+    seen: set[int] = set()
+    total = 0
+    for tensor in iter_tensors(value):
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def _describe(value: Any) -> Any:
+    """Structure, shapes and dtypes of a sample input, for the cache key."""
+    if isinstance(value, torch.Tensor):
+        return ["tensor", list(value.shape), str(value.dtype)]
+    if isinstance(value, Mapping):
+        return ["dict", [[str(key), _describe(item)] for key, item in value.items()]]
+    if isinstance(value, (tuple, list)):
+        return [type(value).__name__, [_describe(item) for item in value]]
+    return [type(value).__name__, repr(value)]
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _as_layer_list(layers: Any) -> list[nn.Module]:
+    if isinstance(layers, nn.Module) and not isinstance(layers, (nn.Sequential, nn.ModuleList)):
+        raise DappleConfigError(
+            "layers",
+            f"is a single {type(layers).__name__}, not a sequence of layers",
+            "pass an nn.Sequential, an nn.ModuleList or a list of modules",
+        )
+    try:
+        result = list(layers)
+    except TypeError:
+        raise DappleConfigError(
+            "layers", f"is a {type(layers).__name__}, not a sequence of layers", "pass an nn.Sequential, an nn.ModuleList or a list of modules"
+        ) from None
+    require(bool(result), "layers", "is empty", "pass at least one layer")
+    for index, layer in enumerate(result):
+        require(
+            isinstance(layer, nn.Module),
+            f"layers[{index}]",
+            f"is a {type(layer).__name__}, not an nn.Module",
+            "make every layer an nn.Module",
+        )
+    return result
+
+
+def _device(device: str | torch.device) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise DappleConfigError("device", f"{device!r} is not a device", "use e.g. 'cpu' or 'cuda:0'") from None
+    if dev.type == "cuda":
+        require(torch.cuda.is_available(), "device", f"{device!r} asked for but CUDA is not available", "use --device cpu")
+    return dev
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(device: torch.device, fn: Callable[[], Any]) -> tuple[float, Any]:
+    """Run ``fn`` and return (milliseconds, result); CUDA work is waited for on both sides."""
+    _sync(device)
+    start = time.perf_counter()
+    result = fn()
+    _sync(device)
+    return (time.perf_counter() - start) * 1000.0, result
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple[str, int] | None:
+    try:
+        storage = tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
+    return (str(tensor.device), storage.data_ptr())
+
+
+def _storage_nbytes(tensor: torch.Tensor) -> int:
+    try:
+        return int(tensor.untyped_storage().nbytes())
+    except (RuntimeError, NotImplementedError):
+        return tensor.numel() * tensor.element_size()
+
+
+def _layer_home(layer: nn.Module) -> torch.device | None:
+    for tensor in layer.parameters():
+        return tensor.device
+    for tensor in layer.buffers():
+        return tensor.device
+    return None
+
+
+def _call(layer: nn.Module, index: int, x: Any) -> Any:
+    try:
+        return layer(x)
+    except Exception as exc:  # a convention mismatch or a shape bug: say which layer
+        raise DappleConfigError(
+            f"layers[{index}] ({type(layer).__name__})",
+            f"forward failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+            _CONVENTION_FIX,
+        ) from exc
+
+
+def _cache_key(layers: list[nn.Module], sample_input: Any, device: torch.device, batch: int, repeats: int, warmup: int) -> str:
+    description = {
+        "version": _CACHE_VERSION,
+        "layers": [
+            {
+                "repr": repr(layer),
+                "params": [[name, list(p.shape), str(p.dtype), bool(p.requires_grad)] for name, p in layer.named_parameters()],
+                "buffers": [[name, list(b.shape), str(b.dtype)] for name, b in layer.named_buffers()],
+            }
+            for layer in layers
+        ],
+        "input": _describe(sample_input),
+        "device": str(device),
+        "samples": batch,
+        "repeats": repeats,
+        "warmup": warmup,
+    }
+    return hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()
+
+
+# --------------------------------------------------------------------------- measurement
+
+
+def _measure_layer(
+    layer: nn.Module, index: int, label: str, x: Any, device: torch.device, repeats: int, warmup: int
+) -> tuple[LayerProfile, Any]:
+    """Profile one layer (already on ``device``) on input ``x`` (already on ``device``)."""
+    params = [p for p in layer.parameters() if p.requires_grad]
+    param_bytes = sum(p.numel() * p.element_size() for p in layer.parameters())
+    param_storages = {key for p in layer.parameters() if (key := _storage_key(p)) is not None}
+
+    def grad_input() -> tuple[Any, list[torch.Tensor]]:
+        leaves: list[torch.Tensor] = []
+
+        def make_leaf(tensor: torch.Tensor) -> torch.Tensor:
+            if tensor.is_floating_point():
+                leaf = tensor.detach().requires_grad_(True)
+                leaves.append(leaf)
+                return leaf
+            return tensor
+
+        return map_tensors(x, make_leaf), leaves
+
+    # Stash: storages saved for backward during one forward, the layer's parameters excluded.
+    saved: dict[tuple[str, int] | int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        key = _storage_key(tensor)
+        if key is None or key not in param_storages:
+            saved[key if key is not None else id(tensor)] = _storage_nbytes(tensor)
+        return tensor
+
+    xg, _ = grad_input()
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = _call(layer, index, xg)
+    stash_bytes = sum(saved.values())
+    output_bytes = tensor_bytes(out)
+    differentiable = [t for t in iter_tensors(out) if t.requires_grad]
+    generator = torch.Generator(device="cpu").manual_seed(1234 + index)
+    cotangents = [
+        torch.randn(t.shape, generator=generator, dtype=torch.float32).to(device=t.device, dtype=t.dtype) for t in differentiable
+    ]
+    del out, xg, differentiable
+
+    forward, backward, backward_in, backward_w = [], [], [], []
+    for step in range(warmup + repeats):
+        xg, leaves = grad_input()
+        with torch.enable_grad():
+            fwd_ms, out = _timed(device, lambda: _call(layer, index, xg))
+        outs = [t for t in iter_tensors(out) if t.requires_grad]
+        full_ms = b_ms = w_ms = 0.0
+        targets = leaves + params
+        if outs and targets:
+            full_ms, _ = _timed(device, lambda: torch.autograd.grad(outs, targets, cotangents, allow_unused=True))
+            del out, outs
+            xg, leaves = grad_input()
+            with torch.enable_grad():
+                out = _call(layer, index, xg)
+            outs = [t for t in iter_tensors(out) if t.requires_grad]
+            if leaves:
+                b_ms, _ = _timed(
+                    device, lambda: torch.autograd.grad(outs, leaves, cotangents, retain_graph=bool(params), allow_unused=True)
+                )
+            if params:
+                w_ms, _ = _timed(device, lambda: torch.autograd.grad(outs, params, cotangents, allow_unused=True))
+        del out, outs, xg, leaves
+        if step >= warmup:
+            forward.append(fwd_ms)
+            backward.append(full_ms)
+            backward_in.append(b_ms)
+            backward_w.append(w_ms)
+
+    with torch.no_grad():
+        next_input = map_tensors(_call(layer, index, x), lambda t: t.detach())
+    profile = LayerProfile(
+        name=label,
+        forward_ms=statistics.median(forward),
+        backward_ms=statistics.median(backward),
+        output_bytes=float(output_bytes),
+        param_bytes=float(param_bytes),
+        stash_bytes=float(stash_bytes),
+        backward_input_ms=statistics.median(backward_in),
+        backward_weight_ms=statistics.median(backward_w),
+    )
+    return profile, next_input
+
+
+def profile_layers(
+    layers: nn.Sequential | nn.ModuleList | list[nn.Module],
+    sample_input: Any,
+    device: str | torch.device = "cpu",
+    repeats: int = 5,
+    warmup: int = 2,
+    cache_dir: str | Path | None = None,
+    name: str = "model",
+) -> ModelProfile:
+    """Time and size every layer on one micro-batch, as PipeDream's profiler does (PipeDream 3.2).
+
+    ``sample_input`` is one micro-batch (a tensor, tuple/list or dict of tensors); its first
+    tensor's first dimension is the profile's ``micro_batch_size`` (DAPPLE 4 scales times
+    linearly from it). Each layer is moved to ``device``, measured with ``warmup`` untimed
+    runs and the median of ``repeats`` timed runs, and moved back. With ``cache_dir`` the
+    result is stored as JSON keyed by a hash of the layers' reprs and parameter shapes,
+    the input's structure, the device and the sample size; a later call with the same key
+    returns the stored profile without running any layer.
+    """
+    layer_list = _as_layer_list(layers)
+    keys = [key for key, _ in layers.named_children()] if isinstance(layers, (nn.Sequential, nn.ModuleList)) else []
+    if len(keys) != len(layer_list):
+        keys = [str(index) for index in range(len(layer_list))]
+    labels = [f"{key} ({type(layer).__name__})" for key, layer in zip(keys, layer_list)]
+    dev = _device(device)
+    require(isinstance(repeats, int) and repeats >= 1, "repeats", f"must be an integer >= 1, got {repeats!r}", "use e.g. 5")
+    require(isinstance(warmup, int) and warmup >= 0, "warmup", f"must be an integer >= 0, got {warmup!r}", "use e.g. 2")
+    tensors = list(iter_tensors(sample_input))
+    require(bool(tensors), "sample_input", "contains no tensor", "pass one micro-batch: a tensor, or a tuple/dict of tensors")
+    require(
+        tensors[0].dim() >= 1,
+        "sample_input",
+        "its first tensor is 0-dimensional, so it has no batch dimension",
+        "give the first tensor a leading batch dimension",
+    )
+    batch = int(tensors[0].shape[0])
+    require(batch > 0, "sample_input", "has batch size 0", "pass at least one sample")
+
+    cache_file: Path | None = None
+    if cache_dir is not None:
+        key = _cache_key(layer_list, sample_input, dev, batch, repeats, warmup)
+        cache_file = Path(cache_dir) / f"profile-{key[:32]}.json"
+        if cache_file.is_file():
+            try:
+                cached = profile_from_dict(json.loads(cache_file.read_text()), source=f"cache {cache_file.name}")
+            except (DappleConfigError, json.JSONDecodeError, OSError):
+                cached = None  # a damaged cache entry is re-measured and overwritten
+            if cached is not None:
+                return ModelProfile(
+                    micro_batch_size=cached.micro_batch_size,
+                    layers=cached.layers,
+                    device=cached.device,
+                    name=name,
+                    input_bytes=cached.input_bytes,
+                    meta={**cached.meta, "cache": "hit"},
+                )
+
+    rng_devices = [dev.index if dev.index is not None else torch.cuda.current_device()] if dev.type == "cuda" else []
+    results: list[LayerProfile] = []
+    x = sample_input
+    home_of_input = tensors[0].device
+    with torch.random.fork_rng(devices=rng_devices):
+        for index, layer in enumerate(layer_list):
+            home = _layer_home(layer)
+            buffers = {key: b.detach().clone() for key, b in layer.named_buffers()}
+            layer.to(dev)
+            try:
+                x_dev = map_tensors(x, lambda t: t.to(dev))
+                profile, out = _measure_layer(layer, index, labels[index], x_dev, dev, repeats, warmup)
+            finally:
+                if home is not None:
+                    layer.to(home)
+                with torch.no_grad():
+                    for key, b in layer.named_buffers():
+                        if key in buffers:
+                            b.copy_(buffers[key])
+            results.append(profile)
+            x = map_tensors(out, lambda t: t.to(home_of_input))
+            del out, x_dev
+
+    result = ModelProfile(
+        micro_batch_size=batch,
+        layers=tuple(results),
+        device=str(dev),
+        name=name,
+        input_bytes=float(tensor_bytes(sample_input)),
+        meta={
+            "source": "lightning_dapple.profile.profiler",
+            "repeats": repeats,
+            "warmup": warmup,
+            "calling_convention": "layer(x), x = previous layer's output as one argument",
+            "stash_bytes": "storages saved for backward (saved_tensors_hooks), parameters excluded",
+        },
+    )
+    if cache_file is not None:
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache_file.with_suffix(".json.tmp")
+        tmp.write_text(result.to_json())
+        tmp.replace(cache_file)
+    return result
