@@ -46,6 +46,14 @@ class StageCallbacks(Protocol):
         """Last stage: the loss of this slice; ``forward`` answers ``self(x)`` with the stage output."""
 
 
+class EvalCallbacks(Protocol):
+    def make_input(self, batch: Any) -> Any:
+        """First stage: the input of layer 0 for this batch slice."""
+
+    def compute_output(self, batch: Any, forward: Callable[..., Any], weight: float) -> Any:
+        """Last stage: the (picklable) result of the eval step on this slice."""
+
+
 @dataclass
 class StageStats:
     """What the executor measured on this rank during the last step."""
@@ -143,11 +151,13 @@ class StageRunner:
             )
 
     # -- training ----------------------------------------------------------------
-    def train_step(self, batch: Any, callbacks: StageCallbacks, extras: Callable[[], Any] | None = None) -> tuple[torch.Tensor, Any]:
+    def train_step(
+        self, batch: Any, callbacks: StageCallbacks, extras: Callable[[], Any] | None = None
+    ) -> tuple[torch.Tensor, list[Any]]:
         """Run one optimizer step's forward/backward work; gradients are left in ``.grad``.
 
-        Returns the loss of the whole global batch (the same on every rank) and whatever
-        ``extras()`` returned on the last stage's first replica (broadcast to all ranks).
+        Returns the loss of the whole global batch (the same on every rank) and the list
+        of what ``extras()`` returned on each last-stage replica (on every rank).
         """
         batch_rows = batch_size_of(batch)
         self.check_batch(batch_rows)
@@ -214,7 +224,7 @@ class StageRunner:
         if allreduce is not None:
             self._finish_allreduce(*allreduce)
         loss = self._share_loss(loss_sum)
-        shared = self._share_extras(extras() if (extras is not None and self.is_last and self.replica == 0) else None)
+        shared = self._share_extras(extras() if (extras is not None and self.is_last) else None)
         return loss, shared
 
     def _forward(self, item: _MicroBatch, batch_slice: Any, callbacks: StageCallbacks, batch_rows: int) -> None:
@@ -274,18 +284,73 @@ class StageRunner:
             self.failure.wait(dist.broadcast(loss_sum, src=last.devices[0], group=self.groups.plan, async_op=True), "loss broadcast")
         return loss_sum
 
-    def _share_extras(self, obj: Any) -> Any:
-        """Broadcast a picklable object from the last stage's first rank to all ranks."""
+    def _share_extras(self, obj: Any) -> list[Any]:
+        """Objects of every last-stage replica (in replica order), on every rank of the plan."""
+        last = self.plan.stages[-1]
+        src = last.devices[0]
+        gathered: list[Any] | None = None
+        if self.is_last:
+            if self.rank == src:
+                gathered = [obj] + [self._recv_object(peer, "results of the last stage") for peer in last.devices[1:]]
+            else:
+                self._send_object(obj, src, "results of the last stage")
         if self.plan.world_size == 1:
-            return obj
-        src = self.plan.stages[-1].devices[0]
+            return gathered or [obj]
+        return self._broadcast_object(gathered, src)
+
+    def _send_object(self, obj: Any, dst: int, what: str) -> None:
+        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        size = torch.tensor([payload.numel()], dtype=torch.int64)
+        self.failure.wait(dist.isend(size, dst), what)
+        self.failure.wait(dist.isend(payload, dst), what)
+
+    def _recv_object(self, src: int, what: str) -> Any:
+        size = torch.zeros(1, dtype=torch.int64)
+        self.failure.wait(dist.irecv(size, src), what)
+        payload = torch.empty(int(size.item()), dtype=torch.uint8)
+        self.failure.wait(dist.irecv(payload, src), what)
+        return pickle.loads(payload.numpy().tobytes())
+
+    def _broadcast_object(self, obj: Any, src: int) -> Any:
         if self.rank == src:
             payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
             size = torch.tensor([payload.numel()], dtype=torch.int64)
         else:
             size = torch.zeros(1, dtype=torch.int64)
-        self.failure.wait(dist.broadcast(size, src=src, group=self.groups.plan, async_op=True), "log broadcast")
+        self.failure.wait(dist.broadcast(size, src=src, group=self.groups.plan, async_op=True), "result broadcast")
         if self.rank != src:
             payload = torch.empty(int(size.item()), dtype=torch.uint8)
-        self.failure.wait(dist.broadcast(payload, src=src, group=self.groups.plan, async_op=True), "log broadcast")
+        self.failure.wait(dist.broadcast(payload, src=src, group=self.groups.plan, async_op=True), "result broadcast")
         return pickle.loads(payload.numpy().tobytes()) if self.rank != src else obj
+
+    # -- forward only (validation, test, predict) -------------------------------
+    def forward_step(self, batch: Any, callbacks: "EvalCallbacks") -> list[Any]:
+        """GPipe-style forward of every micro-batch; returns the last stage's per-slice
+        results ordered by (micro-batch, replica), on every rank."""
+        batch_rows = batch_size_of(batch)
+        self.check_batch(batch_rows)
+        results: list[Any] = []
+        with torch.no_grad():
+            for mb in range(self.plan.micro_batches):
+                rows = self._rows(self.stage, self.replica, batch_rows, mb)
+                batch_slice = take_rows(batch, *rows)
+                if self.is_first:
+                    received = None if self.is_last else callbacks.make_input(batch_slice)
+                else:
+                    received = self.transport.recv_activation(rows, self._peers(self.stage - 1, batch_rows, mb), f"activation {mb}")
+                if self.is_last:
+                    first_input = received
+
+                    def forward(*args: Any, **kwargs: Any) -> Any:
+                        if self.is_first:
+                            return self.run_layers(args[0] if len(args) == 1 else args)
+                        return self.run_layers(first_input)
+
+                    results.append(callbacks.compute_output(batch_slice, forward, (rows[1] - rows[0]) / batch_rows))
+                else:
+                    outputs = self.run_layers(received)
+                    self.transport.send_activation(outputs, rows, self._peers(self.stage + 1, batch_rows, mb), f"activation {mb}")
+        self.transport.flush()
+        gathered = self._share_extras(results if self.is_last else None)
+        replicas = self.plan.stages[-1].replicas
+        return [gathered[replica][mb] for mb in range(self.plan.micro_batches) for replica in range(replicas)]

@@ -184,6 +184,16 @@ class Plan:
             require(stage.recompute in RECOMPUTE_MODES, f"{where}.recompute", f"is {stage.recompute!r}", f"use one of {list(RECOMPUTE_MODES)}")
             if stage.warmup is not None:
                 require(stage.warmup >= 1, f"{where}.warmup", f"is {stage.warmup}", "use K_i >= 1 or leave it out")
+        warmups = [stage.warmup for stage in self.stages]
+        if self.schedule == "dapple" and all(k is not None for k in warmups):
+            capped = [min(int(k), self.micro_batches) for k in warmups]  # type: ignore[arg-type]
+            for index in range(len(capped) - 1):
+                require(
+                    capped[index] >= capped[index + 1],
+                    f"plan.stages[{index + 1}].warmup",
+                    f"K={capped[index + 1]} exceeds the previous stage's K={capped[index]}; the early-backward schedule would deadlock",
+                    "make warm-up counts non-increasing along the pipeline (or leave them out to use policy PA/PB)",
+                )
         if num_layers is not None:
             require(
                 self.num_layers == num_layers,

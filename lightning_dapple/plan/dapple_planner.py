@@ -1,0 +1,813 @@
+"""DAPPLE's planner (section 4): partition, replication and placement that minimise formula 2.
+
+The search is the dynamic programme of DAPPLE 4.3 (formulas 4-5). A sub-problem
+``T_PL(j, m, g)`` has planned the first ``j`` layers as complete stages on the device set
+``g`` (``m = |g|``); the unplanned layers form one last stage replicated on the other
+``G - m`` devices, so every sub-problem is itself a complete plan with a latency (formula
+2). A step splits that last stage at ``j'`` and gives the new stage ``m'`` devices chosen by
+one of the three placement policies of 4.2 (``placement.py``); the layers after ``j'`` stay one
+stage on the rest. DP (one stage on all G devices) and the straight pipeline (one device per
+stage) are both points of this space.
+
+How this differs from a literal reading, and why:
+
+* **Pivot, incrementally (4.3).** Algorithm 1 walks from the last stage towards the first.
+  For a prefix we precompute where that walk would go once it enters the prefix: with
+  ``h_s = (M-1)(F_s+B_s) - sum_{s<t<=e}(F_t+B_t)`` the walk moves into the prefix at the
+  largest ``s`` with ``h_s > X`` (``X`` being the current pivot's steady time plus the work
+  between), and from there on it only sees prefix stages, so its end point is precomputed
+  too. Appending a stage therefore costs O(log S), not a re-walk, and the latency computed
+  is exactly formula 2 (no approximation is introduced by the incremental pivot).
+* **Several candidates per sub-problem.** Formula 2 has no optimal substructure: the prefix
+  that is best with one remainder is not always best once the remainder is split further
+  (the pivot may move). The paper keeps one plan per sub-problem; we keep a small Pareto set
+  (``keep_per_state`` candidates) over the quantities through which a prefix influences any
+  completion: its forward sum (warm-up), its backward-plus-AllReduce tail (ending phase),
+  its strongest pivot claim ``max h_s``, and how many further stages its memory allows.
+* **Symmetry of the placement state (4.2).** Costs depend on which devices share a machine,
+  not on machine or device numbers: permuting machines, or devices within a machine,
+  consistently across a whole plan leaves every ``allreduce_ms`` (one ring bandwidth
+  decision) and, with each stage's ranks kept in machine order, every split-concat
+  ``p2p_ms`` unchanged up to the order in which machines are visited. The placement
+  policies only look at per-machine free counts, and the cost of the next transfer only at
+  how the last stage sits on the machines. So a sub-problem is keyed by
+  ``(j, sorted((free_k, last_k) for every machine k))`` -- free devices and devices of the
+  last planned stage per machine, machines unordered -- and one concrete placement per
+  candidate is kept and priced exactly. (Where two keyed-equal states differ in machine
+  order the split-concat pairing can differ; every plan returned is priced on its concrete
+  ranks with ``stage_costs``, so this only affects which candidates are explored.)
+* **Branch and bound.** Formula 2 is never below ``(M-1) max_s (F_s + B_s)`` over all
+  stages, communication stages included (Algorithm 1 keeps the pivot at least as "long" as
+  every later stage and every earlier stage is covered by warm-up, steady and ending), and a
+  suffix on ``f`` devices has a stage with ``F+B >= remaining work / f``. With ``M = 1`` the
+  formula is the serial sum of all forwards and backwards. A prefix whose bound reaches the
+  ``rerank``-th best complete plan found so far is dropped; the new stage's end ``j'`` is
+  bracketed by binary search on prefix sums. This is what makes BERT-48 on 16 devices take
+  well under a second.
+* **Micro-batches.** M is searched over the divisors of the global batch whose micro-batch
+  is at least ``min_slice`` samples (see ``evaluate.py`` for why there is a floor); a stage
+  may have at most ``micro_batch_size // min_slice`` replicas.
+* **Re-ranking.** The best ``rerank`` plans under the formula, plus DP and the straight
+  pipeline when valid and within memory, are simulated (``simulate_plan``); the fastest
+  simulated plan is returned. The formula ignores bubbles inside the pivot stage (4.1); the
+  simulator does not.
+"""
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from lightning_dapple.cluster import Cluster
+from lightning_dapple.errors import DappleConfigError
+from lightning_dapple.plan.costs import slice_size
+from lightning_dapple.plan.evaluate import (
+    Scored,
+    candidate_micro_batches,
+    check_inputs,
+    default_min_slice,
+    finish_plan,
+    format_bytes,
+    format_gib,
+    raise_no_memory,
+    score_stages,
+    simulate_or_none,
+    subcluster,
+)
+from lightning_dapple.plan.placement import PlacementState, placement_options
+from lightning_dapple.plan.plan import Plan, StagePlan
+from lightning_dapple.profile.model_profile import ModelProfile
+
+__all__ = [
+    "plan_dapple",
+    "dapple_search",
+    "data_parallel_candidates",
+    "straight_candidates",
+    "describe_choice",
+]
+
+_INF = float("inf")
+_NEG = float("-inf")
+RawStages = tuple[tuple[int, int, tuple[int, ...]], ...]
+
+
+# --------------------------------------------------------------------------- tables
+
+
+class _Tables:
+    """Per-profile range sums, accumulated exactly as ``stage_costs`` sums them (so ties in
+    Algorithm 1 resolve the same way in the search and in the official formula)."""
+
+    def __init__(self, profile: ModelProfile) -> None:
+        layers = profile.layers
+        n = len(layers)
+        self.n = n
+        self.pbs = profile.micro_batch_size
+        self.forward = self._range_sums([layer.forward_ms for layer in layers])
+        self.backward = self._range_sums([layer.backward_ms for layer in layers])
+        self.params = self._range_sums([layer.param_bytes for layer in layers])
+        self.stash = self._range_sums([layer.stash_bytes for layer in layers])
+        self.work = self.forward + self.backward
+        self.output = np.array([layer.output_bytes for layer in layers], dtype=float)
+
+    @staticmethod
+    def _range_sums(values: Sequence[float]) -> np.ndarray:
+        n = len(values)
+        table = np.zeros((n + 1, n + 1))
+        for a in range(n):
+            acc = 0
+            row = table[a]
+            for b in range(a, n):
+                acc = acc + values[b]
+                row[b + 1] = acc
+        return table
+
+
+# --------------------------------------------------------------------------- candidates
+
+
+@dataclass(eq=False)
+class _Cand:
+    """A planned prefix: complete stages on concrete ranks plus the features the DP needs."""
+
+    stages: RawStages
+    phases: tuple[tuple[float, float, float], ...]
+    occupied: frozenset[int]
+    end: int
+    pf: float  # sum of forward times (warm-up contribution)
+    tail: float  # max_s AR_s + B_{s..e}: the prefix's share of the ending phase
+    claim: float  # max_s h_s: how strongly the prefix pulls the pivot into itself
+    max_fb: float
+    sum_fb: float
+    smax: float  # most stages the plan may have before a prefix stage runs out of memory
+    lb: float
+    tpl: float  # latency of this prefix with the rest as one stage (paper's T_PL), inf if none
+    _records: Any = None
+
+    @property
+    def last(self) -> tuple[int, ...] | None:
+        return self.stages[-1][2] if self.stages else None
+
+    def records(self, m1: int) -> tuple[list[float], list[tuple[float, float, float]]]:
+        """Pivot records of the prefix (see module docstring) and, per record, the pivot's
+        (warm-up + steady, ending within the prefix, backward sum after the pivot)."""
+        if self._records is not None:
+            return self._records
+        phases = self.phases
+        e = len(phases) - 1
+        fb = [f + b for f, b, _ in phases]
+        hs: list[float] = []
+        data: list[tuple[float, float, float]] = []
+        best = _NEG
+        after = 0.0
+        for s in range(e, -1, -1):
+            h = m1 * fb[s] - after
+            if h > best:
+                best = h
+                q = _walk_from(phases, s, m1)
+                hs.append(h)
+                data.append(_pivot_parts(phases, q, m1))
+            after += fb[s]
+        self._records = (hs, data)
+        return self._records
+
+
+def _walk_from(phases: Sequence[tuple[float, float, float]], pivot: int, m1: int) -> int:
+    """Algorithm 1 continued from ``pivot`` towards stage 0."""
+    for s in range(pivot - 1, -1, -1):
+        own = m1 * (phases[s][0] + phases[s][1])
+        current = m1 * (phases[pivot][0] + phases[pivot][1])
+        current += sum(phases[k][0] + phases[k][1] for k in range(s + 1, pivot))
+        if own > current:
+            pivot = s
+    return pivot
+
+
+def _pivot_parts(phases: Sequence[tuple[float, float, float]], q: int, m1: int) -> tuple[float, float, float]:
+    warm = sum(phases[s][0] for s in range(q + 1))
+    steady = m1 * (phases[q][0] + phases[q][1])
+    ending = _NEG
+    for s, (_, _, allreduce) in enumerate(phases):
+        if s <= q:
+            tail = sum(phases[a][1] for a in range(s, q + 1))
+        else:
+            tail = -sum(phases[a][1] for a in range(q + 1, s + 1))
+        ending = max(ending, allreduce + tail)
+    after = sum(phases[a][1] for a in range(q + 1, len(phases)))
+    return warm + steady, ending, after
+
+
+def _dominates(a: _Cand, b: _Cand) -> bool:
+    return (
+        a.pf <= b.pf
+        and a.tail <= b.tail
+        and a.claim <= b.claim
+        and a.max_fb <= b.max_fb
+        and a.smax >= b.smax
+        and a.tpl <= b.tpl
+    )
+
+
+class _Top:
+    """The ``keep`` best complete plans seen, without duplicates."""
+
+    def __init__(self, keep: int) -> None:
+        self.keep = max(1, keep)
+        self.items: list[tuple[float, int, int, RawStages]] = []
+        self.seen: set[tuple[int, RawStages]] = set()
+
+    @property
+    def threshold(self) -> float:
+        return self.items[-1][0] if len(self.items) >= self.keep else _INF
+
+    def add(self, latency: float, micro_batches: int, stages: RawStages) -> None:
+        if latency >= self.threshold:
+            return
+        key = (micro_batches, stages)
+        if key in self.seen:
+            return
+        self.seen.add(key)
+        bisect.insort(self.items, (latency, len(stages), micro_batches, stages))
+        while len(self.items) > self.keep:
+            dropped = self.items.pop()
+            self.seen.discard((dropped[2], dropped[3]))
+
+
+# --------------------------------------------------------------------------- search
+
+
+@dataclass
+class _Settings:
+    policy: str
+    schedule: str
+    keep_per_state: int
+    straight_only: bool = False
+
+
+class _Search:
+    """One DP run for a fixed number of micro-batches M."""
+
+    def __init__(self, tables: _Tables, cluster: Cluster, global_batch_size: int, micro_batches: int, min_slice: int, settings: _Settings) -> None:
+        self.t = tables
+        self.cluster = cluster
+        self.m = micro_batches
+        self.m1 = micro_batches - 1
+        self.mbs = global_batch_size // micro_batches
+        self.whole = self.mbs / tables.pbs
+        self.rmax = min(self.mbs // min_slice, self.mbs, cluster.num_devices)
+        self.settings = settings
+        self.cap = cluster.device_memory_bytes
+        self.weight_factor = 2.0 + cluster.optimizer_state_factor
+        self.lat = cluster.latency_ms
+        self.per = cluster.devices_per_machine
+        self._p2p: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[float, float]] = {}
+
+    # -- cost helpers (the formulas of costs.py / cluster.py, vectorised) --------------
+
+    def scale(self, replicas: int) -> float:
+        return slice_size(self.mbs, replicas) / self.t.pbs
+
+    def k_of(self, t: int) -> int:
+        """K_i of a stage with ``t`` stages from it to the end (itself included)."""
+        if self.settings.schedule == "gpipe":
+            return self.m
+        wanted = t if self.settings.policy == "PA" else 2 * t - 1
+        return max(1, min(wanted, self.m))
+
+    def t_max(self, weights: np.ndarray, stash: np.ndarray) -> np.ndarray:
+        """Largest ``t`` (stages from here to the end) at which the stage still fits."""
+        room = self.cap - weights
+        with np.errstate(divide="ignore", invalid="ignore"):
+            kmax = np.where(stash > 0, np.floor(room / np.where(stash > 0, stash, 1.0)), np.where(room >= 0, _INF, -1.0))
+        kmax = np.where(room < 0, -1.0, kmax)
+        if self.settings.schedule == "gpipe":
+            return np.where(kmax >= self.m, _INF, -1.0)
+        if self.settings.policy == "PA":
+            return np.where(kmax >= self.m, _INF, kmax)
+        return np.where(kmax >= self.m, _INF, np.floor((kmax + 1) / 2))
+
+    def allreduce(self, params: np.ndarray, ranks: Sequence[int]) -> np.ndarray:
+        replicas = len(ranks)
+        if replicas <= 1:
+            return np.zeros_like(params)
+        coef = 2.0 * (replicas - 1) / replicas
+        bpm = self.cluster.bytes_per_ms(self.cluster.ring_bandwidth_gbps(ranks))
+        return np.where(params > 0, coef * params / bpm + self.lat, 0.0)
+
+    def p2p_unit(self, senders: tuple[int, ...], receivers: tuple[int, ...]) -> tuple[float, float]:
+        """``p2p_ms`` is ``bytes * unit + latency`` for any positive byte count."""
+        key = (senders, receivers)
+        if key not in self._p2p:
+            probe = 1e6
+            self._p2p[key] = ((self.cluster.p2p_ms(probe, senders, receivers) - self.lat) / probe, self.lat)
+        return self._p2p[key]
+
+    def p2p(self, num_bytes: np.ndarray, senders: tuple[int, ...], receivers: tuple[int, ...]) -> np.ndarray:
+        unit, lat = self.p2p_unit(senders, receivers)
+        return np.where(num_bytes > 0, num_bytes * unit + lat, 0.0)
+
+    def key(self, occupied: frozenset[int], last: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+        free = [self.per] * self.cluster.machines
+        for rank in occupied:
+            free[rank // self.per] -= 1
+        on = [0] * self.cluster.machines
+        for rank in last:
+            on[rank // self.per] += 1
+        return tuple(sorted(zip(free, on)))
+
+    # -- the DP ---------------------------------------------------------------------
+
+    def run(self, top: _Top) -> None:
+        n = self.t.n
+        g = self.cluster.num_devices
+        if self.rmax < 1:
+            return
+        root = _Cand((), (), frozenset(), 0, 0.0, _NEG, _NEG, 0.0, 0.0, _INF, 0.0, _INF)
+        self.complete_root(root, top)
+        states: list[dict[Any, list[_Cand]]] = [dict() for _ in range(n + 1)]
+        states[0][()] = [root]
+        for j in range(n):
+            for cands in states[j].values():
+                for cand in cands:
+                    if cand.lb >= top.threshold:
+                        continue
+                    free = g - len(cand.occupied)
+                    if free < 2 or n - j < 2:
+                        continue
+                    self.expand(cand, free, states, top)
+
+    def complete_root(self, root: _Cand, top: _Top) -> None:
+        """The one-stage plan: DP over all devices (or the single device)."""
+        g = self.cluster.num_devices
+        if g > self.rmax or (self.settings.straight_only and g != 1):
+            return
+        n = self.t.n
+        ranks = tuple(range(g))
+        s = self.scale(g)
+        f, b = self.t.forward[0, n] * s, self.t.backward[0, n] * s
+        ar = float(self.allreduce(np.array([self.t.params[0, n]]), ranks)[0])
+        mem = self.t.params[0, n] * self.weight_factor + self.k_of(1) * (self.t.stash[0, n] * s)
+        if mem > self.cap:
+            return
+        latency = f + self.m1 * (f + b) + (ar + b)
+        top.add(latency, self.m, ((0, n, ranks),))
+
+    def expand(self, cand: _Cand, free: int, states: list[dict[Any, list[_Cand]]], top: _Top) -> None:
+        t, n, m1 = self.t, self.t.n, self.m1
+        j = cand.end
+        k = len(cand.stages)  # index of the new stage
+        if cand.smax < k + 2:
+            return
+        state = PlacementState(self.cluster, cand.occupied)
+        last = cand.last
+        hs: list[float] = []
+        data: list[tuple[float, float, float]] = []
+        if cand.stages:
+            hs, data = cand.records(m1)
+        rec_h = np.array(hs)
+        rec_ws = np.array([d[0] for d in data])
+        rec_e = np.array([d[1] for d in data])
+        rec_b = np.array([d[2] for d in data])
+        boundary = t.output[j - 1] * self.whole if j > 0 else 0.0
+        sizes = range(1, min(free - 1, self.rmax) + 1) if not self.settings.straight_only else range(1, 2)
+        for r in sizes:
+            rest = free - r
+            s_r = self.scale(r)
+            s_f = self.scale(rest) if rest <= self.rmax else 0.0
+            complete_ok = rest <= self.rmax and (not self.settings.straight_only or rest == 1)
+            extend_ok = rest >= 2
+            if not complete_ok and not extend_ok:
+                continue
+            thr = top.threshold
+            # bracket the new stage's end J with the (M-1) max(F+B) bound
+            lo, hi = j + 1, n - 1  # J in [lo, hi]
+            if m1 >= 1 and thr < _INF:
+                limit = thr / m1
+                row = t.work[j, lo : hi + 1] * s_r
+                hi = lo + int(np.searchsorted(row, limit, side="left")) - 1
+                col = t.work[lo : hi + 1, n] * self.whole / rest if hi >= lo else np.zeros(0)
+                if hi >= lo:
+                    # col is non-increasing; first index where it drops below the limit
+                    below = np.nonzero(col < limit)[0]
+                    if below.size == 0:
+                        continue
+                    lo = lo + int(below[0])
+            if hi < lo:
+                continue
+            for _, ranks in placement_options(state, r):
+                thr = top.threshold
+                occupied = cand.occupied.union(ranks)
+                rest_ranks = tuple(x for x in range(self.cluster.num_devices) if x not in occupied)
+                c1 = self.cluster.p2p_ms(boundary, last, ranks) if last is not None and boundary > 0 else 0.0
+                fb1 = 2.0 * c1
+                if m1 >= 1 and m1 * max(cand.max_fb, fb1) >= thr:
+                    continue
+                J = np.arange(lo, hi + 1)
+                fn = t.forward[j, lo : hi + 1] * s_r
+                bn = t.backward[j, lo : hi + 1] * s_r
+                pn = t.params[j, lo : hi + 1]
+                an = self.allreduce(pn, ranks)
+                stn = t.stash[j, lo : hi + 1] * s_r
+                wn = pn * self.weight_factor
+                tmax_n = self.t_max(wn, stn)
+                fbn = fn + bn
+                tpl = None
+                if complete_ok:
+                    tpl = self.complete(cand, k, j, J, ranks, rest_ranks, c1, fn, bn, an, tmax_n, s_f, rec_h, rec_ws, rec_e, rec_b, top)
+                if extend_ok and lo <= n - 2:
+                    self.extend(cand, k, j, J, ranks, occupied, c1, fn, bn, an, tmax_n, fbn, rest, tpl, states, top)
+
+    def complete(self, cand, k, j, J, ranks, rest_ranks, c1, fn, bn, an, tmax_n, s_f, rec_h, rec_ws, rec_e, rec_b, top) -> np.ndarray | None:  # noqa: PLR0913
+        """Price prefix + new stage [j, J) + the rest as one stage, for every J at once;
+        record the good ones and return the latencies (inf where invalid)."""
+        t, n, m1 = self.t, self.t.n, self.m1
+        ok = tmax_n >= 2
+        fr = t.forward[J, n] * s_f
+        br = t.backward[J, n] * s_f
+        ar = self.allreduce(t.params[J, n], rest_ranks)
+        mem_r = t.params[J, n] * self.weight_factor + self.k_of(1) * (t.stash[J, n] * s_f)
+        ok &= mem_r <= self.cap
+        if not ok.any():
+            return None
+        c2 = self.p2p(t.output[J - 1] * self.whole, ranks, rest_ranks)
+        fb1, fbn, fb2, fbr = 2.0 * c1, fn + bn, 2.0 * c2, fr + br
+        # Algorithm 1 over the new phases (R, c2, n, c1), then into the prefix
+        v = m1 * fbr
+        a = np.zeros_like(v)
+        q = np.full(v.shape, 3)
+        for code, own_fb in ((2, fb2), (1, fbn), (0, fb1)):
+            l1 = m1 * own_fb
+            move = l1 > v + a
+            v = np.where(move, l1, v)
+            a = np.where(move, 0.0, a + own_fb)
+            q = np.where(move, code, q)
+        b1, b2 = c1, c2
+        pf = cand.pf
+        e_pre = cand.tail
+        w0 = pf + c1
+        w1 = w0 + fn
+        w2 = w1 + c2
+        w3 = w2 + fr
+        end3 = np.maximum.reduce([e_pre + b1 + bn + b2 + br, an + bn + b2 + br, b2 + br, ar + br])
+        end2 = np.maximum.reduce([e_pre + b1 + bn + b2, an + bn + b2, b2, ar - br])
+        end1 = np.maximum.reduce([e_pre + b1 + bn, an + bn, -b2 + np.zeros_like(v), ar - b2 - br])
+        end0 = np.maximum.reduce([e_pre + b1 + np.zeros_like(v), an - bn, -bn - b2, ar - bn - b2 - br])
+        latency = np.select([q == 3, q == 2, q == 1], [w3 + v + end3, w2 + v + end2, w1 + v + end1], w0 + v + end0)
+        if rec_h.size:
+            idx = np.searchsorted(rec_h, v + a, side="right")
+            inside = idx < rec_h.size
+            if inside.any():
+                ii = np.minimum(idx, rec_h.size - 1)
+                bq = rec_b[ii]
+                end_in = np.maximum.reduce([rec_e[ii], an - bq - b1 - bn, ar - bq - b1 - bn - b2 - br])
+                latency = np.where(inside, rec_ws[ii] + end_in, latency)
+        thr = top.threshold
+        good = np.nonzero(ok & (latency < thr))[0]
+        for i in good:
+            jj = int(J[i])
+            top.add(float(latency[i]), self.m, cand.stages + ((j, jj, ranks), (jj, n, rest_ranks)))
+        return np.where(ok, latency, _INF)
+
+    def extend(self, cand, k, j, J, ranks, occupied, c1, fn, bn, an, tmax_n, fbn, rest, tpl, states, top) -> None:  # noqa: PLR0913
+        """Turn prefix + new stage [j, J) into sub-problems at J that may still beat the bound."""
+        t, n, m1 = self.t, self.t.n, self.m1
+        if cand.smax < k + 3:
+            return
+        fb1 = 2.0 * c1
+        remaining = t.work[J, n] * self.whole / rest
+        max_fb = np.maximum(np.maximum(cand.max_fb, fb1), fbn)
+        sum_fb = cand.sum_fb + fb1 + fbn
+        if m1 >= 1:
+            lb = m1 * np.maximum(max_fb, remaining)
+        else:
+            lb = sum_fb + remaining
+        ok = (tmax_n >= 3) & (J <= n - 2) & (lb < top.threshold)
+        if not ok.any():
+            return
+        pf = cand.pf + c1 + fn
+        tail = np.maximum.reduce([cand.tail + c1 + bn, (c1 + bn) + np.zeros_like(fn), an + bn])
+        claim = np.maximum.reduce([cand.claim - fb1 - fbn, m1 * fb1 - fbn, m1 * fbn])
+        smax = np.minimum(cand.smax, k + tmax_n)
+        key = self.key(occupied, ranks)
+        base_phases = cand.phases + (((c1, c1, 0.0),) if c1 > 0 else ())
+        ar_exact = an
+        for i in np.nonzero(ok)[0]:
+            jj = int(J[i])
+            new = _Cand(
+                stages=cand.stages + ((j, jj, ranks),),
+                phases=base_phases + ((float(fn[i]), float(bn[i]), float(ar_exact[i])),),
+                occupied=occupied,
+                end=jj,
+                pf=float(pf[i]),
+                tail=float(tail[i]),
+                claim=float(claim[i]),
+                max_fb=float(max_fb[i]),
+                sum_fb=float(sum_fb[i]),
+                smax=float(smax[i]),
+                lb=float(lb[i]),
+                tpl=float(tpl[i]) if tpl is not None else _INF,
+            )
+            self.insert(states[jj], key, new)
+
+    def insert(self, bucket: dict[Any, list[_Cand]], key: Any, new: _Cand) -> None:
+        cands = bucket.get(key)
+        if cands is None:
+            bucket[key] = [new]
+            return
+        for old in cands:
+            if _dominates(old, new):
+                return
+        kept = [old for old in cands if not _dominates(new, old)]
+        kept.append(new)
+        if len(kept) > self.settings.keep_per_state:
+            kept.sort(key=lambda c: (c.tpl, c.lb, c.pf + max(c.tail, 0.0)))
+            del kept[self.settings.keep_per_state :]
+        bucket[key] = kept
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def _to_stages(raw: RawStages) -> tuple[StagePlan, ...]:
+    return tuple(StagePlan(layers=(a, b), devices=tuple(sorted(devices))) for a, b, devices in raw)
+
+
+def dapple_search(
+    profile: ModelProfile,
+    cluster: Cluster,
+    global_batch_size: int,
+    micro_batches: int | None = None,
+    schedule: str = "dapple",
+    policy: str = "PA",
+    min_slice: int | None = None,
+    keep: int = 4,
+    keep_per_state: int = 4,
+    straight_only: bool = False,
+) -> list[Scored]:
+    """The ``keep`` best plans under formula 2 that fit in memory, best first.
+
+    ``cluster`` must already be the device set to plan for (see ``subcluster``). Every plan
+    returned is re-priced with ``score_stages`` (the official cost model).
+    """
+    check_inputs(schedule, policy, global_batch_size)
+    floor = default_min_slice(profile, min_slice)
+    candidates, floor = candidate_micro_batches(global_batch_size, floor, micro_batches)
+    tables = _Tables(profile)
+    settings = _Settings(policy=policy, schedule=schedule, keep_per_state=keep_per_state, straight_only=straight_only)
+    top = _Top(keep)
+    total_work = float(tables.work[0, tables.n])
+    g = cluster.num_devices
+
+    def bound(m: int) -> float:
+        mbs = global_batch_size // m
+        return max(m - 1, 1) * total_work * (mbs / tables.pbs) / g
+
+    for m in sorted(candidates, key=lambda m: (bound(m), m)):
+        if bound(m) >= top.threshold:
+            continue
+        _Search(tables, cluster, global_batch_size, m, floor, settings).run(top)
+    scored = []
+    for _, _, m, raw in top.items:
+        item = score_stages(profile, cluster, _to_stages(raw), global_batch_size, m, policy, schedule)
+        if item.fits(cluster):
+            scored.append(item)
+    scored.sort(key=lambda item: (item.latency_ms, len(item.stages), item.micro_batches))
+    return scored
+
+
+def data_parallel_candidates(
+    profile: ModelProfile,
+    cluster: Cluster,
+    global_batch_size: int,
+    micro_batches: int | None = None,
+    schedule: str = "dapple",
+    policy: str = "PA",
+    min_slice: int | None = None,
+) -> list[Scored]:
+    """DP (one stage on all devices) at every valid M, fitting or not, best first."""
+    floor = default_min_slice(profile, min_slice)
+    candidates, floor = candidate_micro_batches(global_batch_size, floor, micro_batches)
+    g = cluster.num_devices
+    stage = (StagePlan(layers=(0, profile.num_layers), devices=tuple(range(g))),)
+    out = [
+        score_stages(profile, cluster, stage, global_batch_size, m, policy, schedule)
+        for m in candidates
+        if g <= min((global_batch_size // m) // floor, global_batch_size // m)
+    ]
+    return sorted(out, key=lambda item: (not item.fits(cluster), item.latency_ms, item.micro_batches))
+
+
+def straight_candidates(
+    profile: ModelProfile,
+    cluster: Cluster,
+    global_batch_size: int,
+    micro_batches: int | None = None,
+    schedule: str = "dapple",
+    policy: str = "PA",
+    min_slice: int | None = None,
+    keep: int = 1,
+) -> list[Scored]:
+    """The straight pipeline (one device per stage, G stages) best under formula 2.
+
+    Uses the same DP restricted to one replica per stage; needs at least G layers.
+    """
+    if profile.num_layers < cluster.num_devices:
+        return []
+    return dapple_search(
+        profile, cluster, global_batch_size, micro_batches, schedule, policy, min_slice, keep=keep, straight_only=True
+    )
+
+
+def _smallest_memory(profile: ModelProfile, cluster: Cluster, global_batch_size: int, micro_batches: int | None, schedule: str, policy: str, min_slice: int | None) -> tuple[float, str]:
+    """Peak per-device memory of the least memory-hungry plan we can name cheaply.
+
+    Over every M and every number of stages S <= min(N, G): the straight partition whose
+    largest per-device memory (weights, gradients, optimizer state and K_i stashed slices)
+    is smallest, found by a bottleneck DP built from the last stage backwards (K_i depends on
+    how many stages follow). Spare devices would only add replicas, which never add memory.
+    """
+    floor = default_min_slice(profile, min_slice)
+    candidates, floor = candidate_micro_batches(global_batch_size, floor, micro_batches)
+    tables = _Tables(profile)
+    n, g = tables.n, cluster.num_devices
+    best = (_INF, "")
+    for m in candidates:
+        search = _Search(tables, cluster, global_batch_size, m, floor, _Settings(policy, schedule, 1))
+        s1 = search.scale(1)
+        # cost[t][a]: min over partitions of layers [a, n) into t stages of the peak memory
+        prev = [_INF] * (n + 1)
+        prev[n] = 0.0
+        for stages in range(1, min(n, g) + 1):
+            kk = search.k_of(stages)
+            cur = [_INF] * (n + 1)
+            for a in range(n):
+                for b in range(a + 1, n + 1):
+                    if prev[b] == _INF or (b == n) != (stages == 1):
+                        continue
+                    mem = tables.params[a, b] * search.weight_factor + kk * (tables.stash[a, b] * s1)
+                    cur[a] = min(cur[a], max(mem, prev[b]))
+            prev = cur
+            if cur[0] < best[0]:
+                best = (cur[0], f"{stages} stage{'s' if stages > 1 else ''}, M={m}")
+    return best
+
+
+def plan_dapple(
+    profile: ModelProfile,
+    cluster: Cluster,
+    global_batch_size: int,
+    micro_batches: int | None = None,
+    schedule: str = "dapple",
+    policy: str = "PA",
+    num_devices: int | None = None,
+    min_slice: int | None = None,
+    rerank: int = 4,
+    keep_per_state: int = 4,
+) -> Plan:
+    """Plan ``profile`` on all devices of ``cluster`` with DAPPLE's planner (section 4).
+
+    Returns the plan JSON the runtime executes: stages, M, K_i (5.3), ``predicted`` (formula
+    phases, pivot, per-device memory, simulated latency and bubble) and a one-line ``reason``.
+    Raises ``DappleConfigError`` when no plan is valid or none fits in device memory.
+    """
+    check_inputs(schedule, policy, global_batch_size)
+    cluster = subcluster(cluster, num_devices)
+    best = dapple_search(
+        profile, cluster, global_batch_size, micro_batches, schedule, policy, min_slice, keep=max(rerank, 1), keep_per_state=keep_per_state
+    )
+    dp_all = data_parallel_candidates(profile, cluster, global_batch_size, micro_batches, schedule, policy, min_slice)
+    dp = [item for item in dp_all if item.fits(cluster)][:1]
+    straight = straight_candidates(profile, cluster, global_batch_size, micro_batches, schedule, policy, min_slice)
+    pool: list[Scored] = []
+    seen: set[tuple[int, tuple[StagePlan, ...]]] = set()
+    for item in [*best[: max(rerank, 1)], *dp, *straight]:
+        key = (item.micro_batches, item.stages)
+        if key not in seen:
+            seen.add(key)
+            pool.append(item)
+    if not pool:
+        need, what = _smallest_memory(profile, cluster, global_batch_size, micro_batches, schedule, policy, min_slice)
+        if need == _INF:
+            floor = default_min_slice(profile, min_slice)
+            raise DappleConfigError(
+                "global_batch_size",
+                f"no valid plan puts {profile.num_layers} layers on {cluster.num_devices} devices with micro-batch slices of at least {floor} samples",
+                "use a larger global batch, fewer devices (num_devices), or a smaller slice floor (min_slice)",
+            )
+        raise_no_memory(profile, cluster, need, what)
+    simulations: dict[int, Any] = {}
+    if rerank > 0:
+        for index, item in enumerate(pool):
+            simulations[index] = simulate_or_none(_bare_plan(item, global_batch_size, schedule, policy), profile, cluster)
+    have_sim = bool(simulations) and all(sim is not None for sim in simulations.values())
+
+    def rank(index: int) -> tuple[float, float, int]:
+        item = pool[index]
+        simulated = simulations[index].latency_ms if have_sim else item.latency_ms
+        return (simulated, item.latency_ms, len(item.stages))
+
+    chosen_index = min(range(len(pool)), key=rank) if have_sim else min(range(len(pool)), key=lambda i: (pool[i].latency_ms, len(pool[i].stages)))
+    chosen = pool[chosen_index]
+    sim = simulations.get(chosen_index)
+    dp_pair = _pair_for(pool, simulations, dp)
+    straight_pair = _pair_for(pool, simulations, straight)
+    reason = describe_choice(chosen, sim, cluster, dp_pair, straight_pair, dp_all)
+    extra = {
+        "alternatives": {
+            name: _summary(pair)
+            for name, pair in (("dp", dp_pair), ("straight", straight_pair))
+            if pair is not None
+        },
+        "min_slice": default_min_slice(profile, min_slice),
+    }
+    return finish_plan(chosen, profile, cluster, global_batch_size, policy, schedule, "dapple", reason, sim, extra)
+
+
+def _bare_plan(item: Scored, global_batch_size: int, schedule: str, policy: str) -> Plan:
+    return Plan(global_batch_size=global_batch_size, micro_batches=item.micro_batches, stages=item.stages, schedule=schedule, policy=policy)
+
+
+def _pair_for(pool: list[Scored], simulations: dict[int, Any], wanted: list[Scored]) -> tuple[Scored, Any] | None:
+    if not wanted:
+        return None
+    for index, item in enumerate(pool):
+        if item.micro_batches == wanted[0].micro_batches and item.stages == wanted[0].stages:
+            return item, simulations.get(index)
+    return wanted[0], None
+
+
+def _summary(pair: tuple[Scored, Any]) -> dict[str, Any]:
+    item, sim = pair
+    out: dict[str, Any] = {
+        "kind": item.kind(),
+        "micro_batches": item.micro_batches,
+        "latency_ms": item.latency_ms,
+        "split": [stage.end - stage.start for stage in item.stages],
+    }
+    if sim is not None:
+        out["simulated_latency_ms"] = float(sim.latency_ms)
+    return out
+
+
+def _latency(pair: tuple[Scored, Any] | tuple[Scored, None]) -> float:
+    item, sim = pair
+    return float(sim.latency_ms) if sim is not None else item.latency_ms
+
+
+def _bubble_ms(item: Scored, sim: Any) -> float:
+    """Idle time per device: simulated bubble share x latency, else the formula's L - M(F_Q+B_Q)."""
+    if sim is not None:
+        return float(sim.bubble_fraction) * float(sim.latency_ms)
+    costs = item.costs
+    q = item.prediction.pivot_stage
+    return item.latency_ms - item.micro_batches * (costs[q].forward_ms + costs[q].backward_ms)
+
+
+def _split_text(stages: Sequence[StagePlan]) -> str:
+    return ":".join(str(stage.end - stage.start) for stage in stages)
+
+
+def describe_choice(
+    chosen: Scored,
+    sim: Any,
+    cluster: Cluster,
+    dp: tuple[Scored, Any] | None,
+    straight: tuple[Scored, Any] | None,
+    dp_all: Sequence[Scored] = (),
+) -> str:
+    """One line saying why this plan, from the numbers (DAPPLE 6.2 style)."""
+    kind = chosen.kind()
+    latency = _latency((chosen, sim))
+    where = "simulated" if sim is not None else "formula"
+    if kind in ("DP", "single"):
+        ar = chosen.costs[0].allreduce_ms
+        params = chosen.costs[0].param_bytes
+        alternatives = [pair for pair in (straight,) if pair is not None]
+        text = f"DP: AllReduce of {format_bytes(params)} costs {ar:.1f} ms"
+        if alternatives:
+            other, other_sim = alternatives[0]
+            text += f", less than the {other.kind()} pipeline's bubble of {_bubble_ms(other, other_sim):.1f} ms ({latency:.1f} vs {_latency(alternatives[0]):.1f} ms per step, {where})"
+        else:
+            text += f" ({latency:.1f} ms per step, {where}); no pipeline beats it"
+        return text
+    label = "straight pipeline" if kind == "straight" else f"{kind} pipeline"
+    text = f"{label} (layers {_split_text(chosen.stages)}, M={chosen.micro_batches})"
+    if dp is not None:
+        dp_item, dp_sim = dp
+        ar = dp_item.costs[0].allreduce_ms
+        bw = cluster.ring_bandwidth_gbps(dp_item.stages[0].devices)
+        text += (
+            f": AllReduce of {format_bytes(dp_item.costs[0].param_bytes)} over {bw:g} Gbit/s would cost {ar:.1f} ms under DP "
+            f"({_latency(dp):.1f} ms per step), the pipeline's bubble costs {_bubble_ms(chosen, sim):.1f} ms ({latency:.1f} ms per step, {where})"
+        )
+    elif dp_all:
+        need = dp_all[0].peak_memory_bytes
+        text += f": DP needs {format_gib(need)} per device, more than {cluster.device_memory_gib:g} GiB; this plan takes {latency:.1f} ms per step ({where})"
+    else:
+        text += f": DP is not valid here (slices would fall below the floor); {latency:.1f} ms per step ({where})"
+    if straight is not None and kind != "straight":
+        text += f"; straight: {_latency(straight):.1f} ms"
+    return text

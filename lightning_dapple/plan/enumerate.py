@@ -1,0 +1,176 @@
+"""Exhaustive planner for small instances: the ground truth the DP planner is tested against.
+
+Every partition of the layers into consecutive stages, every replication count per stage
+(summing to all G devices, each at most ``micro_batch_size // min_slice``), every placement
+of those replicas on machines, and every candidate M are scored with the same cost model
+as the planners: ``dapple_latency(stage_costs(...))`` (DAPPLE formulas 1-2) and the memory
+filter ``stage_memory_bytes`` at K_i from ``warmup_counts`` (5.3).
+
+Placements up to symmetry. Stage ranks are kept ascending (the plan convention), so a stage's
+rank list visits its machines in machine order. Relabelling devices *within* a machine does
+not change any cost: ``allreduce_ms`` looks only at how many machines a stage spans and
+``p2p_ms`` only at the machine of each list position (two stages never share a device, and
+per-device loads are just summed per device). So a placement is exactly described by how
+many devices every stage has on every machine -- a count matrix whose rows sum to the
+replica counts and whose columns sum to the devices per machine -- and we enumerate all such
+matrices. Machines are *not* treated as interchangeable: their order decides the
+split-concat pairing in ``p2p_ms``.
+
+The search is exhaustive up to one proven bound: formula 2 is never below
+``(M-1) * max_s (F_s + B_s)`` over all stages, communication stages included (see
+``dapple_planner``'s docstring), so a partial plan whose known stages already reach the best
+latency found is not completed. ``prune=False`` turns even that off.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+from lightning_dapple.cluster import Cluster
+from lightning_dapple.plan.costs import StageCost, dapple_latency, stage_costs
+from lightning_dapple.plan.evaluate import (
+    Scored,
+    candidate_micro_batches,
+    check_inputs,
+    default_min_slice,
+    memory_per_stage,
+)
+from lightning_dapple.plan.plan import StagePlan
+from lightning_dapple.profile.model_profile import ModelProfile
+
+__all__ = ["EnumerationResult", "enumerate_best", "MAX_LAYERS", "MAX_DEVICES"]
+
+MAX_LAYERS = 8
+MAX_DEVICES = 8
+
+
+@dataclass(frozen=True)
+class EnumerationResult:
+    best: Scored | None
+    plans_scored: int
+
+    @property
+    def latency_ms(self) -> float:
+        return self.best.latency_ms if self.best is not None else float("inf")
+
+
+def _count_vectors(total: int, free: list[int]) -> Iterator[tuple[int, ...]]:
+    """Every way to take ``total`` devices with at most ``free[k]`` from machine k."""
+    if not free:
+        if total == 0:
+            yield ()
+        return
+    head, rest = free[0], free[1:]
+    room = sum(rest)
+    for take in range(max(0, total - room), min(head, total) + 1):
+        for tail in _count_vectors(total - take, rest):
+            yield (take, *tail)
+
+
+def enumerate_best(
+    profile: ModelProfile,
+    cluster: Cluster,
+    global_batch_size: int,
+    micro_batches: int | None = None,
+    schedule: str = "dapple",
+    policy: str = "PA",
+    min_slice: int | None = None,
+    prune: bool = True,
+) -> EnumerationResult:
+    """The plan with the lowest formula-2 latency that fits in memory, by brute force."""
+    check_inputs(schedule, policy, global_batch_size)
+    n, g = profile.num_layers, cluster.num_devices
+    if n > MAX_LAYERS or g > MAX_DEVICES:
+        raise ValueError(f"enumerate_best is for at most {MAX_LAYERS} layers and {MAX_DEVICES} devices, got {n} and {g}")
+    floor = default_min_slice(profile, min_slice)
+    candidates, floor = candidate_micro_batches(global_batch_size, floor, micro_batches)
+    per = cluster.devices_per_machine
+    best: Scored | None = None
+    scored = 0
+
+    for m in candidates:
+        mbs = global_batch_size // m
+        rmax = min(mbs // floor, mbs)
+        if rmax < 1:
+            continue
+        cache: dict[tuple, StageCost] = {}
+
+        def ranks_of(counts: tuple[int, ...]) -> tuple[int, ...]:
+            # representative ranks: the first ones of each machine (any others cost the same)
+            return tuple(k * per + i for k, c in enumerate(counts) for i in range(c))
+
+        def cost(a: int, b: int, counts: tuple[int, ...], nxt: tuple | None) -> StageCost:
+            key = (a, b, counts, nxt)
+            if key not in cache:
+                stage = StagePlan(layers=(a, b), devices=ranks_of(counts))
+                stages = [stage]
+                if nxt is not None:
+                    c2 = nxt[1]
+                    # receivers on the same machines take ranks after the senders'
+                    recv = tuple(
+                        k * per + (counts[k] + i) % per for k, c in enumerate(c2) for i in range(c)
+                    )
+                    stages.append(StagePlan(layers=(b, nxt[0]), devices=recv))
+                cache[key] = stage_costs(profile, cluster, stages, mbs)[0]
+            return cache[key]
+
+        def rec(start: int, free: list[int], chosen: list[tuple[int, int, tuple[int, ...]]]) -> None:
+            nonlocal best, scored
+            left = sum(free)
+            if start == n:
+                if left:
+                    return
+                costs = [
+                    cost(a, b, c, (chosen[i + 1][1], chosen[i + 1][2]) if i + 1 < len(chosen) else None)
+                    for i, (a, b, c) in enumerate(chosen)
+                ]
+                scored += 1
+                memory = memory_per_stage(costs, m, cluster, policy, schedule)
+                if max(memory) > cluster.device_memory_bytes:
+                    return
+                prediction = dapple_latency(costs, m, memory)
+                if best is None or prediction.latency_ms < best.latency_ms - 1e-12 * max(1.0, best.latency_ms):
+                    stages = tuple(
+                        StagePlan(layers=(a, b), devices=d)
+                        for (a, b, _), d in zip(chosen, _concrete(chosen, cluster))
+                    )
+                    best = Scored(stages, m, prediction, tuple(costs))
+                return
+            if left == 0:
+                return
+            if prune and best is not None and chosen and m > 1:
+                # (M-1) max(F+B) over the stages whose costs are fully known (all but the last)
+                known = 0.0
+                for i in range(len(chosen) - 1):
+                    a, b, c = chosen[i]
+                    item = cost(a, b, c, (chosen[i + 1][1], chosen[i + 1][2]))
+                    known = max(known, item.forward_ms + item.backward_ms, 2 * item.send_ms)
+                if (m - 1) * known >= best.latency_ms:
+                    return
+            for end in range(start + 1, n + 1):
+                if end == n:
+                    sizes = [left] if left <= rmax else []
+                else:
+                    sizes = list(range(1, min(left - 1, rmax) + 1))
+                for r in sizes:
+                    for counts in _count_vectors(r, free):
+                        chosen.append((start, end, counts))
+                        rec(end, [f - c for f, c in zip(free, counts)], chosen)
+                        chosen.pop()
+
+        rec(0, [per] * cluster.machines, [])
+    return EnumerationResult(best, scored)
+
+
+def _concrete(chosen: list[tuple[int, int, tuple[int, ...]]], cluster: Cluster) -> list[tuple[int, ...]]:
+    """Real, disjoint ranks for a count matrix: lowest free ranks per machine, stage by stage."""
+    per = cluster.devices_per_machine
+    used = [0] * cluster.machines
+    out = []
+    for _, _, counts in chosen:
+        ranks = []
+        for k, c in enumerate(counts):
+            ranks.extend(k * per + used[k] + i for i in range(c))
+            used[k] += c
+        out.append(tuple(sorted(ranks)))
+    return out

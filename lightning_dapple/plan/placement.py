@@ -1,0 +1,190 @@
+"""Device placement policies of DAPPLE 4.2 (Fig. 5): Fresh First, Append First, Scatter First.
+
+The planner does not enumerate every set of devices a stage could run on; DAPPLE 4.2
+"designed three policies ... and explore[s] their compositions to form the final placement
+plan". Each policy answers the pseudo function ``D(gids, n)`` of 4.3: given the ranks already
+taken (``state``), return ``n`` more ranks for the next stage, or ``None`` when fewer than
+``n`` devices are free.
+
+Our reading of the three policies (the paper gives them in words and one picture):
+
+* **Fresh First** -- take whole fresh machines (no device occupied) first, lowest machine
+  first; "it tends to put tasks within a stage onto the same machine, which can leverage
+  high-speed NVLink". Only when the fresh machines run out does it spill onto machines that
+  are already in use.
+* **Append First** -- take the free devices of machines that already have occupied devices
+  first ("helps to reduce fragmentation"); we fill the most fragmented machine (fewest free
+  devices) first, then move on to fresh machines.
+* **Scatter First** -- "use available GPUs equally from all used machines, or use GPUs
+  equally from all machines if they are all fresh". When the used machines cannot hold the
+  request we spread it over every machine with a free device. Spreading is water-filling:
+  each machine gets ``n / k`` devices, capped by what it has free, the remainder going to
+  the lowest machines.
+
+All three are deterministic: within a machine the lowest free ranks are taken, and ties
+between machines go to the lowest machine index. A machine's ranks are
+``[m * devices_per_machine, (m + 1) * devices_per_machine)`` (see ``Cluster``).
+
+Fig. 5 example (3 machines of 8, machine 0 full, ranks 8-11 occupied, request 6): Fresh First
+returns 16-21, Append First 12-15 plus 16-17, Scatter First 12-14 plus 16-18.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from lightning_dapple.cluster import Cluster
+from lightning_dapple.errors import require
+
+__all__ = [
+    "PlacementState",
+    "fresh_first",
+    "append_first",
+    "scatter_first",
+    "POLICIES",
+    "placement_options",
+]
+
+
+@dataclass(frozen=True)
+class PlacementState:
+    """Which global ranks of ``cluster`` are already given to earlier stages."""
+
+    cluster: Cluster
+    occupied: frozenset[int] = frozenset()
+
+    @classmethod
+    def empty(cls, cluster: Cluster) -> "PlacementState":
+        return cls(cluster, frozenset())
+
+    @classmethod
+    def of(cls, cluster: Cluster, occupied: Iterable[int]) -> "PlacementState":
+        ranks = frozenset(int(rank) for rank in occupied)
+        require(
+            all(0 <= rank < cluster.num_devices for rank in ranks),
+            "placement.occupied",
+            f"names ranks outside 0..{cluster.num_devices - 1}",
+            "give ranks of this cluster",
+        )
+        return cls(cluster, ranks)
+
+    @property
+    def num_free(self) -> int:
+        return self.cluster.num_devices - len(self.occupied)
+
+    def free_ranks(self, machine: int) -> list[int]:
+        per = self.cluster.devices_per_machine
+        return [rank for rank in range(machine * per, (machine + 1) * per) if rank not in self.occupied]
+
+    def free_counts(self) -> list[int]:
+        per = self.cluster.devices_per_machine
+        counts = [per] * self.cluster.machines
+        for rank in self.occupied:
+            counts[rank // per] -= 1
+        return counts
+
+    def free(self) -> tuple[int, ...]:
+        """Every free rank, ascending."""
+        return tuple(rank for rank in range(self.cluster.num_devices) if rank not in self.occupied)
+
+    def take(self, ranks: Iterable[int]) -> "PlacementState":
+        ranks = tuple(ranks)
+        require(not self.occupied.intersection(ranks), "placement", f"ranks {sorted(self.occupied.intersection(ranks))} are taken", "allocate free ranks only")
+        return PlacementState(self.cluster, self.occupied.union(ranks))
+
+
+def _allocate_in_order(state: PlacementState, machines: Iterable[int], n: int) -> tuple[int, ...] | None:
+    chosen: list[int] = []
+    for machine in machines:
+        for rank in state.free_ranks(machine):
+            if len(chosen) == n:
+                break
+            chosen.append(rank)
+        if len(chosen) == n:
+            break
+    return tuple(sorted(chosen)) if len(chosen) == n else None
+
+
+def _check_request(state: PlacementState, n: int) -> bool:
+    require(isinstance(n, int) and n >= 1, "placement.n", f"must be a positive integer, got {n!r}", "ask for at least one device")
+    return n <= state.num_free
+
+
+def fresh_first(state: PlacementState, n: int) -> tuple[int, ...] | None:
+    """Fresh First (DAPPLE 4.2): fresh machines first, lowest machine and rank first."""
+    if not _check_request(state, n):
+        return None
+    per = state.cluster.devices_per_machine
+    counts = state.free_counts()
+    fresh = [m for m, free in enumerate(counts) if free == per]
+    used = [m for m, free in enumerate(counts) if 0 < free < per]
+    return _allocate_in_order(state, fresh + used, n)
+
+
+def append_first(state: PlacementState, n: int) -> tuple[int, ...] | None:
+    """Append First (DAPPLE 4.2): fill machines already in use (fewest free first), then fresh ones."""
+    if not _check_request(state, n):
+        return None
+    per = state.cluster.devices_per_machine
+    counts = state.free_counts()
+    used = sorted((m for m, free in enumerate(counts) if 0 < free < per), key=lambda m: (counts[m], m))
+    fresh = [m for m, free in enumerate(counts) if free == per]
+    return _allocate_in_order(state, used + fresh, n)
+
+
+def _water_fill(capacity: list[int], n: int) -> list[int]:
+    """Split ``n`` over machines as evenly as their free ``capacity`` allows (lowest first on ties).
+
+    Every round either places all that is left or closes at least one full machine, so it ends.
+    """
+    share = [0] * len(capacity)
+    left = n
+    open_ = [i for i, cap in enumerate(capacity) if cap > 0]
+    while left > 0 and open_:
+        each, extra = divmod(left, len(open_))
+        still_open = []
+        for position, i in enumerate(open_):
+            want = each + (1 if position < extra else 0)
+            give = min(want, capacity[i] - share[i])
+            share[i] += give
+            left -= give
+            if share[i] < capacity[i]:
+                still_open.append(i)
+        open_ = still_open
+    return share
+
+
+def scatter_first(state: PlacementState, n: int) -> tuple[int, ...] | None:
+    """Scatter First (DAPPLE 4.2): spread evenly over the used machines, else over all with room."""
+    if not _check_request(state, n):
+        return None
+    per = state.cluster.devices_per_machine
+    counts = state.free_counts()
+    used = [m for m, free in enumerate(counts) if 0 < free < per]
+    pool = used if sum(counts[m] for m in used) >= n else [m for m, free in enumerate(counts) if free > 0]
+    shares = _water_fill([counts[m] for m in pool], n)
+    chosen: list[int] = []
+    for machine, share in zip(pool, shares):
+        chosen.extend(state.free_ranks(machine)[:share])
+    return tuple(sorted(chosen)) if len(chosen) == n else None
+
+
+Policy = Callable[[PlacementState, int], "tuple[int, ...] | None"]
+
+POLICIES: dict[str, Policy] = {
+    "fresh_first": fresh_first,
+    "append_first": append_first,
+    "scatter_first": scatter_first,
+}
+
+
+def placement_options(state: PlacementState, n: int) -> list[tuple[str, tuple[int, ...]]]:
+    """The distinct rank sets the three policies offer for ``n`` devices, in policy order."""
+    seen: set[tuple[int, ...]] = set()
+    out: list[tuple[str, tuple[int, ...]]] = []
+    for name, policy in POLICIES.items():
+        ranks = policy(state, n)
+        if ranks is not None and ranks not in seen:
+            seen.add(ranks)
+            out.append((name, ranks))
+    return out

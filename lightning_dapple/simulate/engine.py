@@ -1,0 +1,429 @@
+"""Discrete-event simulation of a schedule: the ground truth the planner's formula approximates.
+
+DAPPLE 4.1 prices a plan with a closed formula (warm-up + steady + ending phase, formulas
+1-2) that, as the paper says, "does not model [the] internal bubbles" of the pivot stage.
+This module instead *runs* a :class:`~lightning_dapple.schedule.Schedule` -- the very action
+lists the multi-process executor interprets -- against the per-stage costs of
+:func:`~lightning_dapple.plan.costs.stage_costs`, and reports what happens: when every F, B,
+W and AllReduce of every device starts and ends (the pictures of DAPPLE Fig. 3 and 4), the
+step latency, the bubble fraction and how many micro-batches each stage holds at once
+(DAPPLE 3.2 / 5.3: K_i under early backward, M under GPipe, gpipe.txt sec. 2).
+
+Model (one "clock" per stage; all replicas of a stage run the same list on equal slices,
+DAPPLE 5.2.2, so a stage is simulated once and its timeline copied to each of its devices):
+
+* a stage executes its action list strictly in order; compute actions (F, B, W) and
+  ALLREDUCE occupy the stage, nothing else does;
+* F(mb) on stage s > 0 cannot start before the activation of mb has arrived; B(mb) on a
+  stage s < S-1 cannot start before the gradient of mb has arrived from stage s+1.
+  RECV_ACT / RECV_GRAD block the stage until that arrival, and so does the compute itself;
+* SEND_ACT / SEND_GRAD are asynchronous: they issue a transfer at the stage's current time
+  and never block the sender. Each boundary has one link per direction that carries one
+  transfer at a time, first come first served in issue order; a boundary-s transfer takes
+  ``costs[s].send_ms`` in either direction. Transfers therefore overlap compute but not
+  each other on the same link;
+* B takes ``backward_ms``; when the schedule splits backward (``split_backward`` or any W
+  action: out-of-order backprop, ooo-backprop sec. 3) B takes ``backward_input_ms`` and W
+  ``backward_weight_ms``;
+* ALLREDUCE starts when the stage's preceding actions are done (i.e. at the end of its last
+  compute action in the schedules of ``schedule/builders.py``) and takes ``allreduce_ms``
+  (DAPPLE 5.2.3);
+* a schedule that lists no communication action at all is read as "implicit communication":
+  each result is sent as soon as the compute producing it ends.
+
+A schedule whose order can never complete (e.g. a stage waiting for a gradient whose
+backward is queued behind a forward that needs this stage's own later work) raises
+:class:`ScheduleDeadlock` (a ``ValueError``) naming each stuck stage and action.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
+
+from lightning_dapple.errors import require
+from lightning_dapple.plan.costs import StageCost
+from lightning_dapple.schedule.actions import Action, Kind
+from lightning_dapple.schedule.builders import Schedule, build_schedule
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from lightning_dapple.cluster import Cluster
+    from lightning_dapple.plan.plan import Plan
+    from lightning_dapple.profile.model_profile import ModelProfile
+
+__all__ = [
+    "ScheduleDeadlock",
+    "SimulationResult",
+    "Span",
+    "StageResult",
+    "check_plan_fits",
+    "simulate",
+    "simulate_plan",
+]
+
+_COMM_KINDS = (Kind.RECV_ACT, Kind.SEND_ACT, Kind.RECV_GRAD, Kind.SEND_GRAD)
+
+
+class ScheduleDeadlock(ValueError):
+    """The schedule's action order can never complete (every remaining action waits)."""
+
+
+class Span(NamedTuple):
+    """One block of a timeline: [start_ms, end_ms) of ``kind`` on ``microbatch``.
+
+    ``kind`` is "F", "B", "W" or "AR" on devices ("AR" has microbatch None), and "act" or
+    "grad" on links.
+    """
+
+    start_ms: float
+    end_ms: float
+    kind: str
+    microbatch: int | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"start_ms": self.start_ms, "end_ms": self.end_ms, "kind": self.kind, "microbatch": self.microbatch}
+
+
+@dataclass(frozen=True)
+class StageResult:
+    """What one stage did; every device of the stage did exactly the same.
+
+    ``peak_in_flight`` counts micro-batches whose F is done and whose backward is not: a
+    micro-batch leaves the count when its B ends, or, if the stage also runs a W for it
+    (split backward), when that W ends, since W still reads the stashed activations.
+    ``peak_stash_bytes`` is that count times the stash of one micro-batch slice (the
+    activation term of DAPPLE 5.3's memory bound: K_i slices under early backward, M under
+    GPipe).
+    """
+
+    stage: int
+    devices: tuple[int, ...]
+    warmup: int
+    busy_ms: float
+    end_ms: float
+    peak_in_flight: int
+    peak_stash_bytes: float
+    cost: StageCost
+    spans: tuple[Span, ...]
+
+    def busy_fraction(self, latency_ms: float) -> float:
+        return self.busy_ms / latency_ms if latency_ms > 0 else 0.0
+
+    def to_dict(self, latency_ms: float) -> dict[str, Any]:
+        return {
+            "stage": self.stage,
+            "devices": list(self.devices),
+            "warmup": self.warmup,
+            "forward_ms": self.cost.forward_ms,
+            "backward_ms": self.cost.backward_ms,
+            "send_ms": self.cost.send_ms,
+            "allreduce_ms": self.cost.allreduce_ms,
+            "stash_bytes": self.cost.stash_bytes,
+            "busy_ms": self.busy_ms,
+            "busy_fraction": self.busy_fraction(latency_ms),
+            "end_ms": self.end_ms,
+            "peak_in_flight": self.peak_in_flight,
+            "peak_stash_bytes": self.peak_stash_bytes,
+        }
+
+
+@dataclass(frozen=True)
+class SimulationResult:
+    """Outcome of one simulated training step.
+
+    ``bubble_fraction`` = 1 - (compute busy time summed over all devices) / (number of
+    devices x latency). Only F, B and W count as busy: AllReduce and waiting for transfers
+    are counted as idle, so the fraction is the share of device time not spent computing
+    (GPipe's (S-1)/(M+S-1) for a balanced pipeline without communication, gpipe.txt sec. 2).
+    ``timelines`` maps each global device rank to its spans in time order; ``transfers``
+    maps a link ("0->1" activations, "1->0" gradients) to its transfer spans.
+    """
+
+    schedule: str
+    micro_batches: int
+    latency_ms: float
+    bubble_fraction: float
+    timelines: dict[int, list[Span]]
+    stages: list[StageResult]
+    transfers: dict[str, list[Span]] = field(default_factory=dict)
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.timelines)
+
+    def to_dict(self, spans: bool = True) -> dict[str, Any]:
+        """JSON-ready form; ``spans=False`` leaves out the (long) timelines and transfers."""
+        out: dict[str, Any] = {
+            "schedule": self.schedule,
+            "micro_batches": self.micro_batches,
+            "num_devices": self.num_devices,
+            "latency_ms": self.latency_ms,
+            "bubble_fraction": self.bubble_fraction,
+            "stages": [stage.to_dict(self.latency_ms) for stage in self.stages],
+        }
+        if spans:
+            out["timelines"] = {str(device): [s.to_dict() for s in items] for device, items in self.timelines.items()}
+            out["transfers"] = {link: [s.to_dict() for s in items] for link, items in self.transfers.items()}
+        return out
+
+
+# --------------------------------------------------------------------------- simulation
+
+
+class _Link:
+    """One direction of one stage boundary: a FIFO server of transfers."""
+
+    def __init__(self, name: str, duration: float) -> None:
+        self.name = name
+        self.duration = duration
+        self.free_at = 0.0
+        self.spans: list[Span] = []
+
+    def transfer(self, issued_at: float, kind: str, microbatch: int) -> float:
+        start = max(issued_at, self.free_at)
+        end = start + self.duration
+        self.free_at = end
+        self.spans.append(Span(start, end, kind, microbatch))
+        return end
+
+
+class _Stage:
+    def __init__(self, index: int, actions: Sequence[Action]) -> None:
+        self.index = index
+        self.actions = actions
+        self.pc = 0
+        self.clock = 0.0
+        self.done: dict[tuple[Kind, int], float] = {}  # compute (kind, mb) -> end time
+        self.spans: list[Span] = []
+        self.blocked_on = ""
+
+    @property
+    def finished(self) -> bool:
+        return self.pc >= len(self.actions)
+
+
+def _check_schedule(schedule: Schedule, costs: Sequence[StageCost]) -> None:
+    num_stages = schedule.num_stages
+    require(len(schedule.actions) == num_stages, "schedule.actions", f"has {len(schedule.actions)} lists for {num_stages} stages", "give one action list per stage")
+    require(len(costs) == num_stages, "costs", f"has {len(costs)} entries for {num_stages} stages", "price every stage (stage_costs(profile, cluster, plan.stages, ...))")
+    for s, actions in enumerate(schedule.actions):
+        seen: set[tuple[Kind, int | None]] = set()
+        for action in actions:
+            where = f"schedule.actions[{s}] ({action})"
+            require(action.stage == s, where, f"belongs to stage {action.stage}", "put each action in its own stage's list")
+            if action.kind is Kind.ALLREDUCE:
+                continue
+            require(
+                action.microbatch is not None and 0 <= action.microbatch < schedule.micro_batches,
+                where,
+                f"names micro-batch {action.microbatch!r} but M = {schedule.micro_batches}",
+                "use micro-batch ids 0..M-1",
+            )
+            key = (action.kind, action.microbatch)
+            require(key not in seen, where, "appears twice", "list each action once per stage")
+            seen.add(key)
+            no_prev = action.kind in (Kind.RECV_ACT, Kind.SEND_GRAD) and s == 0
+            no_next = action.kind in (Kind.SEND_ACT, Kind.RECV_GRAD) and s == num_stages - 1
+            require(not (no_prev or no_next), where, "has no neighbouring stage to talk to", "drop it from the first/last stage's list")
+
+
+def simulate(
+    schedule: Schedule,
+    costs: Sequence[StageCost],
+    devices: Sequence[Sequence[int]] | None = None,
+) -> SimulationResult:
+    """Run ``schedule`` with per-stage ``costs``; ``devices[s]`` are stage s's global ranks.
+
+    Without ``devices`` stage s runs on the single device s. Raises ``ScheduleDeadlock`` when
+    the action order can never complete and ``DappleConfigError`` for a malformed schedule.
+    """
+    _check_schedule(schedule, costs)
+    num_stages = schedule.num_stages
+    if devices is None:
+        devices = [(s,) for s in range(num_stages)]
+    devices = [tuple(int(d) for d in group) for group in devices]
+    require(len(devices) == num_stages, "devices", f"has {len(devices)} groups for {num_stages} stages", "give one device list per stage")
+    flat = [d for group in devices for d in group]
+    require(all(devices), "devices", "has an empty group", "give every stage at least one device")
+    require(len(flat) == len(set(flat)), "devices", "lists a device in two stages", "give each device to one stage")
+
+    split = schedule.split_backward or any(a.kind is Kind.W for acts in schedule.actions for a in acts)
+    implicit = not any(a.kind in _COMM_KINDS for acts in schedule.actions for a in acts)
+    stages = [_Stage(s, schedule.actions[s]) for s in range(num_stages)]
+    act_links = [_Link(f"{s}->{s + 1}", costs[s].send_ms) for s in range(num_stages - 1)]
+    grad_links = [_Link(f"{s + 1}->{s}", costs[s].send_ms) for s in range(num_stages - 1)]
+    # arrival time at stage s of the activation (from s-1) / gradient (from s+1) of mb
+    act_arrival: list[dict[int, float]] = [{} for _ in range(num_stages)]
+    grad_arrival: list[dict[int, float]] = [{} for _ in range(num_stages)]
+
+    def send_act(s: int, mb: int, at: float) -> None:
+        act_arrival[s + 1][mb] = act_links[s].transfer(at, "act", mb)
+
+    def send_grad(s: int, mb: int, at: float) -> None:
+        grad_arrival[s - 1][mb] = grad_links[s - 1].transfer(at, "grad", mb)
+
+    def compute(st: _Stage, kind: Kind, mb: int, duration: float, ready: float) -> None:
+        start = max(st.clock, ready)
+        st.clock = start + duration
+        st.done[(kind, mb)] = st.clock
+        st.spans.append(Span(start, st.clock, kind.value, mb))
+
+    def step(st: _Stage, action: Action) -> bool:
+        """Execute ``action`` if its inputs are known; else record why not and return False."""
+        s, kind, mb = st.index, action.kind, action.microbatch
+        cost = costs[s]
+        if kind is Kind.ALLREDUCE:
+            start = st.clock
+            st.clock = start + cost.allreduce_ms
+            if cost.allreduce_ms > 0:
+                st.spans.append(Span(start, st.clock, "AR", None))
+            return True
+        assert mb is not None
+        if kind in (Kind.RECV_ACT, Kind.F) and s > 0:
+            if mb not in act_arrival[s]:
+                st.blocked_on = f"the activation of micro-batch {mb} from stage {s - 1}"
+                return False
+            arrival = act_arrival[s][mb]
+        elif kind in (Kind.RECV_GRAD, Kind.B) and s < num_stages - 1:
+            if mb not in grad_arrival[s]:
+                st.blocked_on = f"the gradient of micro-batch {mb} from stage {s + 1}"
+                return False
+            arrival = grad_arrival[s][mb]
+        else:
+            arrival = 0.0
+        needs = {Kind.B: Kind.F, Kind.W: Kind.B, Kind.SEND_ACT: Kind.F, Kind.SEND_GRAD: Kind.B}.get(kind)
+        if needs is not None and (needs, mb) not in st.done:
+            st.blocked_on = f"its own {needs.value}{mb}, which is not before it in stage {s}'s list"
+            return False
+        if kind in (Kind.RECV_ACT, Kind.RECV_GRAD):
+            st.clock = max(st.clock, arrival)
+        elif kind is Kind.F:
+            compute(st, kind, mb, cost.forward_ms, arrival)
+            if implicit and s < num_stages - 1:
+                send_act(s, mb, st.clock)
+        elif kind is Kind.B:
+            compute(st, kind, mb, cost.backward_input_ms if split else cost.backward_ms, arrival)
+            if implicit and s > 0:
+                send_grad(s, mb, st.clock)
+        elif kind is Kind.W:
+            compute(st, kind, mb, cost.backward_weight_ms, 0.0)
+        elif kind is Kind.SEND_ACT:
+            send_act(s, mb, st.clock)
+        elif kind is Kind.SEND_GRAD:
+            send_grad(s, mb, st.clock)
+        return True
+
+    # Dataflow fixpoint: every action's times depend only on earlier actions of its own
+    # stage and on transfers whose issue order is fixed by the sender's list, so running
+    # each stage as far as it can, round after round, yields the exact event times.
+    progress = True
+    while progress:
+        progress = False
+        for st in stages:
+            while not st.finished and step(st, st.actions[st.pc]):
+                st.pc += 1
+                st.blocked_on = ""
+                progress = True
+    stuck = [st for st in stages if not st.finished]
+    if stuck:
+        detail = "; ".join(f"stage {st.index} is stuck at {st.actions[st.pc]} waiting for {st.blocked_on}" for st in stuck)
+        first = stuck[0]
+        raise ScheduleDeadlock(
+            f"schedule {schedule.name!r} deadlocks at stage {first.index}, action {first.actions[first.pc]}: {detail}. "
+            "Fix: order each stage's actions so every wait can be met (under DAPPLE the warm-up counts must not grow "
+            "along the pipeline, K_i >= K_(i+1))"
+        )
+
+    latency = max((st.clock for st in stages), default=0.0)
+    results: list[StageResult] = []
+    timelines: dict[int, list[Span]] = {}
+    busy_total = 0.0
+    for st in stages:
+        busy = sum(span.end_ms - span.start_ms for span in st.spans if span.kind != "AR")
+        peak = _peak_in_flight(st.actions)
+        cost = costs[st.index]
+        results.append(
+            StageResult(
+                stage=st.index,
+                devices=devices[st.index],
+                warmup=schedule.warmups[st.index] if st.index < len(schedule.warmups) else 0,
+                busy_ms=busy,
+                end_ms=st.clock,
+                peak_in_flight=peak,
+                peak_stash_bytes=peak * cost.stash_bytes,
+                cost=cost,
+                spans=tuple(st.spans),
+            )
+        )
+        for device in devices[st.index]:
+            timelines[device] = list(st.spans)
+        busy_total += busy * len(devices[st.index])
+    timelines = dict(sorted(timelines.items()))
+    bubble = 1.0 - busy_total / (len(flat) * latency) if latency > 0 else 0.0
+    transfers = {link.name: link.spans for link in [*act_links, *grad_links]}
+    return SimulationResult(
+        schedule=schedule.name,
+        micro_batches=schedule.micro_batches,
+        latency_ms=latency,
+        bubble_fraction=bubble,
+        timelines=timelines,
+        stages=results,
+        transfers=transfers,
+    )
+
+
+def _peak_in_flight(actions: Sequence[Action]) -> int:
+    """Max micro-batches with F done and backward (B, or W when the stage has one) not done.
+
+    A stage's compute actions run in list order, which is time order, so counting along the
+    list is counting over time.
+    """
+    with_w = {a.microbatch for a in actions if a.kind is Kind.W}
+    count = peak = 0
+    for action in actions:
+        if action.kind is Kind.F:
+            count += 1
+            peak = max(peak, count)
+        elif (action.kind is Kind.B and action.microbatch not in with_w) or action.kind is Kind.W:
+            count -= 1
+    return peak
+
+
+# --------------------------------------------------------------------------- plans
+
+
+def check_plan_fits(plan: "Plan", profile: "ModelProfile", cluster: "Cluster") -> "Plan":
+    """Validate ``plan`` for this model and cluster: layers cover the profile exactly, the
+    ranks are 0..W-1 and W does not exceed the cluster's device count."""
+    plan.validate(num_layers=profile.num_layers, world_size=plan.world_size)
+    require(
+        plan.world_size <= cluster.num_devices,
+        "plan.stages[].devices",
+        f"use ranks up to {plan.world_size - 1} but cluster {cluster.name!r} has only {cluster.num_devices} devices",
+        f"use at most {cluster.num_devices} devices or a larger cluster",
+    )
+    return plan
+
+
+def simulate_plan(
+    plan: "Plan",
+    profile: "ModelProfile",
+    cluster: "Cluster",
+    schedule: str | None = None,
+) -> SimulationResult:
+    """Simulate one step of ``plan`` for ``profile`` on ``cluster``.
+
+    ``schedule`` ('dapple' or 'gpipe') overrides ``plan.schedule``; when it differs, the
+    plan's K_i (chosen for the other schedule) are dropped and refilled by the plan's policy.
+    K_i come from ``plan.with_warmups()`` (DAPPLE 5.3). Costs are those of ``stage_costs``,
+    the ones the planner's formula uses, so the two can be compared.
+    """
+    from lightning_dapple.plan.costs import stage_costs
+
+    check_plan_fits(plan, profile, cluster)
+    if schedule is not None and schedule != plan.schedule:
+        plan = replace(plan, schedule=schedule, stages=tuple(replace(stage, warmup=None) for stage in plan.stages))
+        plan.validate()
+    plan = plan.with_warmups()
+    built = build_schedule(plan.schedule, plan.num_stages, plan.micro_batches, plan.warmups)
+    costs = stage_costs(profile, cluster, plan.stages, plan.micro_batch_size)
+    return simulate(built, costs, [stage.devices for stage in plan.stages])

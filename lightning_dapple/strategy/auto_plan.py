@@ -1,0 +1,89 @@
+"""``plan="auto"``: profile the layers on a real micro-batch and run the bundled planner.
+
+Rank 0 profiles the whole layer list once (layer by layer, lightning_dapple.profile) on
+a slice of the first training batch, plans for the real world size and global batch
+(DAPPLE 4), and broadcasts the plan so every rank executes the same one. The cluster is
+the one given to the strategy, or derived from the Trainer (nodes x devices per node)
+with link speeds and memory typical of the accelerator.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_dapple.cluster import Cluster, load_cluster
+from lightning_dapple.execute.slicing import batch_size_of
+from lightning_dapple.plan.plan import Plan, plan_from_dict
+
+if TYPE_CHECKING:
+    from lightning.pytorch import LightningModule, Trainer
+    from torch import nn
+
+    from lightning_dapple.strategy.dapple_strategy import DappleStrategy
+
+
+def default_cluster(strategy: "DappleStrategy") -> Cluster:
+    """Trainer topology with per-accelerator defaults (Gbit/s, GiB)."""
+    nodes = max(1, strategy.num_nodes)
+    per_node = max(1, strategy.num_processes)
+    device = strategy.root_device
+    if device.type == "cuda":
+        memory = torch.cuda.get_device_properties(device).total_memory / 1024**3
+        return Cluster(nodes, per_node, intra_bandwidth_gbps=2400.0, inter_bandwidth_gbps=100.0, device_memory_gib=memory, name="local-gpu")
+    import os
+
+    pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 1024**3
+    return Cluster(nodes, per_node, intra_bandwidth_gbps=40.0, inter_bandwidth_gbps=10.0, device_memory_gib=max(pages / per_node, 0.5), name="local-cpu")
+
+
+def auto_plan(strategy: "DappleStrategy", trainer: "Trainer", module: "LightningModule", container: "nn.Module", sample: Any) -> Plan:
+    saved = Path(trainer.log_dir or trainer.default_root_dir) / "dapple_plan.json"
+    if trainer.ckpt_path and saved.is_file():
+        from lightning_dapple.plan.plan import load_plan
+
+        return load_plan(saved)  # resuming reuses the plan of the run
+    data: Any = None
+    if strategy.global_rank == 0:
+        try:
+            data = _plan_on_rank_zero(strategy, module, container, sample)
+        except Exception as exc:  # shared with every rank so all stop with the same message
+            data = {"__error__": str(exc), "__type__": type(exc).__name__}
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        holder = [data]
+        dist.broadcast_object_list(holder, src=0)
+        data = holder[0]
+    if "__error__" in data:
+        from lightning_dapple.errors import DappleConfigError
+
+        raise DappleConfigError("plan='auto'", f"planning failed on rank 0: {data['__error__']}", "see the message; pass an explicit plan to bypass the planner")
+    return plan_from_dict(data)
+
+
+def _plan_on_rank_zero(strategy: "DappleStrategy", module: "LightningModule", container: "nn.Module", sample: Any) -> dict[str, Any]:
+    from lightning_dapple.execute.slicing import take_rows
+    from lightning_dapple.strategy.module_adapter import LogRecorder, capture_input
+
+    from lightning_dapple.plan.api import make_plan
+    from lightning_dapple.profile.profiler import profile_layers
+
+    rows = batch_size_of(sample)
+    per_device = max(1, rows // max(1, strategy.world_size))
+    piece = take_rows(sample, 0, per_device)
+    with LogRecorder().recording(module, 0.0):
+        x = capture_input(module, lambda: module.training_step(piece, 0))
+    profile = profile_layers(
+        container, x, device=strategy.root_device, cache_dir=strategy.profile_cache, name=type(module).__name__
+    )
+    cluster = load_cluster(strategy.cluster_spec) if strategy.cluster_spec is not None else default_cluster(strategy)
+    kwargs: dict[str, Any] = {}
+    if strategy.micro_batches is not None:
+        kwargs["micro_batches"] = strategy.micro_batches
+    if strategy.schedule_name is not None:
+        kwargs["schedule"] = strategy.schedule_name
+    if strategy.policy in ("PA", "PB"):
+        kwargs["policy"] = strategy.policy
+    plan = make_plan(profile, cluster, rows, num_devices=strategy.world_size, **kwargs)
+    return plan.to_dict()

@@ -1,0 +1,198 @@
+"""Consolidated, plan-independent checkpoints for pipelined training.
+
+Every rank holds one stage's layers, but a checkpoint must be loadable by the plain
+LightningModule (no dapple) and resumable under a different plan (other stage or device
+counts). So the state dict is gathered to rank 0 with the module's original keys, and
+the optimizer state is keyed by parameter *name* instead of by position; on resume each
+rank picks the entries of the parameters it owns under the new plan. Files are written
+to a temporary name in the target directory, flushed, and renamed, so a crash leaves the
+previous checkpoint intact.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.cloud_io import get_filesystem
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+from torch import nn
+
+from lightning_dapple.errors import DappleConfigError
+
+if TYPE_CHECKING:
+    from lightning_dapple.strategy.dapple_strategy import DappleStrategy
+
+NAMED_MARKER = "dapple_keyed_by_name"
+
+
+def key_owners(module: nn.Module, container: nn.Module, path: str) -> dict[str, int | None]:
+    """Each state-dict key of the whole module -> index of the layer owning it (None: outside)."""
+    owners: dict[str, int | None] = {}
+    prefix = f"{path}."
+    for key in module.state_dict():
+        owner = None
+        if key.startswith(prefix):
+            head = key[len(prefix) :].split(".", 1)[0]
+            if head.isdigit():
+                owner = int(head)
+        owners[key] = owner
+    return owners
+
+
+def _gather_to_zero(obj: Any) -> list[Any] | None:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    out: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(obj, out, dst=0)
+    return out
+
+
+def _is_stage_leader(strategy: "DappleStrategy") -> bool:
+    assert strategy.plan is not None
+    return strategy.plan.stages[strategy.stage].devices[0] == strategy.global_rank
+
+
+def consolidated_state_dict(strategy: "DappleStrategy") -> dict[str, Any]:
+    """The whole module's state dict on rank 0 (original keys and order); {} elsewhere."""
+    module = strategy.lightning_module
+    local = module.state_dict()
+    mine: dict[str, torch.Tensor] = {}
+    if _is_stage_leader(strategy):
+        for key, value in local.items():
+            owner = strategy._key_owner.get(key)
+            if owner is not None or strategy.global_rank == 0:
+                mine[key] = value.detach().cpu()
+    gathered = _gather_to_zero(mine)
+    if gathered is None:
+        return {}
+    merged: dict[str, Any] = {}
+    for part in gathered:
+        merged.update(part)
+    ordered = {key: merged[key] for key in strategy._key_owner if key in merged}
+    missing = [key for key in strategy._key_owner if key not in merged]
+    if missing:
+        raise RuntimeError(f"checkpoint consolidation lost keys {missing[:3]}")
+    return ordered
+
+
+def _names_by_param(strategy: "DappleStrategy") -> dict[int, str]:
+    return {id(p): name for name, p in strategy.lightning_module.named_parameters()}
+
+
+def _named_optimizer_state(strategy: "DappleStrategy", optimizer: Any) -> dict[str, Any]:
+    names = _names_by_param(strategy)
+    state_dict = optimizer.state_dict()
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    index_to_name = {index: names[id(p)] for index, p in enumerate(params)}
+    return {
+        "state": {index_to_name[index]: value for index, value in state_dict["state"].items()},
+        "param_groups": [
+            {**{k: v for k, v in group.items() if k != "params"}, "params": [index_to_name[i] for i in group["params"]]}
+            for group in state_dict["param_groups"]
+        ],
+    }
+
+
+def consolidated_optimizer_state(strategy: "DappleStrategy", optimizer: Any) -> dict[str, Any]:
+    """Optimizer state of all stages keyed by parameter name, on rank 0; {} elsewhere."""
+    named = _named_optimizer_state(strategy, optimizer) if _is_stage_leader(strategy) else None
+    gathered = _gather_to_zero(named)
+    if gathered is None:
+        return {}
+    parts = [part for part in gathered if part is not None]
+    merged: dict[str, Any] = {"state": {}, "param_groups": [], NAMED_MARKER: True}
+    for part in parts:
+        merged["state"].update(_to_cpu(part["state"]))
+        for index, group in enumerate(part["param_groups"]):
+            if index == len(merged["param_groups"]):
+                merged["param_groups"].append({**group, "params": list(group["params"])})
+            else:
+                merged["param_groups"][index]["params"].extend(group["params"])
+    return merged
+
+
+def _to_cpu(value: Any) -> Any:
+    from torch.utils import _pytree as pytree
+
+    return pytree.tree_map(lambda x: x.detach().cpu() if isinstance(x, torch.Tensor) else x, value)
+
+
+def load_local_state_dict(strategy: "DappleStrategy", state_dict: dict[str, Any], strict: bool = True) -> None:
+    """Load the entries of a consolidated state dict that this rank's module holds."""
+    module = strategy.lightning_module
+    wanted = module.state_dict()
+    local = {key: value for key, value in state_dict.items() if key in wanted}
+    missing = [key for key in wanted if key not in local]
+    if strict and missing:
+        raise DappleConfigError(
+            "checkpoint state_dict", f"lacks {missing[:3]}", "resume from a checkpoint of the same model"
+        )
+    module.load_state_dict(local, strict=False)
+
+
+def load_local_optimizer_states(strategy: "DappleStrategy", states: list[dict[str, Any]]) -> None:
+    """Give each local optimizer the saved state of the parameters it now holds."""
+    names = _names_by_param(strategy)
+    for optimizer, saved in zip(strategy.optimizers, states):
+        if not saved.get(NAMED_MARKER):
+            saved = _index_keyed_to_named(strategy, saved)
+        by_name = saved["state"]
+        local_groups = []
+        local_state: dict[int, Any] = {}
+        index = 0
+        for group_number, group in enumerate(optimizer.param_groups):
+            saved_group = saved["param_groups"][min(group_number, len(saved["param_groups"]) - 1)]
+            indices = []
+            for param in group["params"]:
+                name = names[id(param)]
+                if name in by_name:
+                    local_state[index] = by_name[name]
+                indices.append(index)
+                index += 1
+            local_groups.append({**{k: v for k, v in saved_group.items() if k != "params"}, "params": indices})
+        optimizer.load_state_dict({"state": local_state, "param_groups": local_groups})
+
+
+def _index_keyed_to_named(strategy: "DappleStrategy", saved: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint of plain (non-dapple) training: positions follow the full module's
+    parameter order, as ``optimizer(self.parameters())`` builds it."""
+    order = strategy._full_parameter_names
+    positions = [i for group in saved["param_groups"] for i in group["params"]]
+    if len(positions) != len(order):
+        raise DappleConfigError(
+            "checkpoint optimizer_states",
+            "were saved by plain training with parameter groups that cannot be mapped to names",
+            "resume from a checkpoint written by the dapple strategy, or use one optimizer over self.parameters()",
+        )
+    name_of = {position: order[n] for n, position in enumerate(positions)}
+    return {
+        "state": {name_of[i]: value for i, value in saved["state"].items()},
+        "param_groups": [{**g, "params": [name_of[i] for i in g["params"]]} for g in saved["param_groups"]],
+        NAMED_MARKER: True,
+    }
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """``torch.save`` to a temporary file beside the target, fsync, then rename over it."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        fs = get_filesystem(path)
+        if fs.protocol not in ("file", ("file", "local")) and "file" not in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
+            return super().save_checkpoint(checkpoint, path, storage_options)
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        handle, temp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+        try:
+            with os.fdopen(handle, "wb") as stream:
+                torch.save(checkpoint, stream)
+                stream.flush()
+                os.fsync(stream.fileno())
+            os.replace(temp, target)
+        except BaseException:
+            if os.path.exists(temp):
+                os.unlink(temp)
+            raise

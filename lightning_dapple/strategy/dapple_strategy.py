@@ -1,0 +1,531 @@
+"""``Trainer(strategy="dapple")``: DAPPLE hybrid pipeline/data parallelism for Lightning.
+
+The strategy reuses Lightning's DDP machinery for what is the same (launchers, process
+group set-up, cluster environments) and replaces what differs:
+
+* ``setup`` resolves the plan (a file, a Plan, or ``"auto"``: profile + plan, DAPPLE 4),
+  keeps only this rank's stage of the layer sequence (the rest are freed before the
+  optimizer is built, so ``configure_optimizers`` sees local parameters), and builds the
+  schedule (DAPPLE 3.2/5.3 early backward or GPipe) and the process groups;
+* ``training_step`` runs the whole schedule for the global batch: every micro-batch's
+  forward and backward, split-concat transfers, and the per-stage gradient AllReduce
+  (5.2.3). ``backward`` then only restores the gradients it computed (Lightning zeroes
+  gradients between the step and the backward call) and runs the backward hooks;
+* gradient clipping by norm uses the global norm over all stages;
+* checkpoints are consolidated: one file, the module's original state-dict keys,
+  optimizer state keyed by parameter name, written atomically (see ``checkpoint.py``).
+"""
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.plugins.precision import DoublePrecision, Precision
+from lightning.pytorch.plugins.precision.half import HalfPrecision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+
+from lightning_dapple.errors import DappleConfigError, require
+from lightning_dapple.execute.clipping import clip_grad_norm_global
+from lightning_dapple.execute.failure import FailureChannel
+from lightning_dapple.execute.groups import PlanGroups, build_groups
+from lightning_dapple.execute.runner import StageRunner
+from lightning_dapple.execute.slicing import batch_size_of
+from lightning_dapple.plan.plan import Plan, load_plan, plan_from_dict
+from lightning_dapple.schedule.builders import schedule_for_plan
+from lightning_dapple.strategy import checkpoint as ckpt
+from lightning_dapple.strategy.module_adapter import (
+    FreedLayer,
+    LogRecorder,
+    capture_input,
+    check_parameters_in_layers,
+    find_layers,
+    forward_replaced,
+    loss_of,
+    replay_logs,
+)
+
+log = logging.getLogger(__name__)
+
+PlanSpec = "str | Path | Plan | dict[str, Any]"
+
+
+class _TrainCallbacks:
+    """Enter the user's training_step on the first and last stages (module_adapter)."""
+
+    def __init__(self, module: LightningModule, batch_idx: int, recorder: LogRecorder, step_name: str = "training_step") -> None:
+        self.module = module
+        self.batch_idx = batch_idx
+        self.recorder = recorder
+        self.step = getattr(module, step_name)
+        self.batch_rows = 1
+
+    def make_input(self, batch: Any) -> Any:
+        with self.recorder.recording(self.module, 0.0):
+            return capture_input(self.module, lambda: self.step(batch, self.batch_idx))
+
+    def compute_loss(self, batch: Any, forward: Callable[..., Any]) -> torch.Tensor:
+        weight = batch_size_of(batch) / self.batch_rows
+        with forward_replaced(self.module, forward), self.recorder.recording(self.module, weight):
+            return loss_of(self.step(batch, self.batch_idx))
+
+
+class _EvalCallbacks:
+    def __init__(self, module: LightningModule, step_name: str, args: tuple, recorder: LogRecorder) -> None:
+        self.module = module
+        self.step = getattr(module, step_name)
+        self.args = args
+        self.recorder = recorder
+        self.keep_output = step_name == "predict_step"
+
+    def make_input(self, batch: Any) -> Any:
+        with self.recorder.recording(self.module, 0.0):
+            return capture_input(self.module, lambda: self.step(batch, *self.args))
+
+    def compute_output(self, batch: Any, forward: Callable[..., Any], weight: float) -> Any:
+        with forward_replaced(self.module, forward), self.recorder.recording(self.module, weight):
+            output = self.step(batch, *self.args)
+        if not self.keep_output:
+            return None
+        return _to_cpu(output)
+
+
+def _to_cpu(value: Any) -> Any:
+    from torch.utils import _pytree as pytree
+
+    return pytree.tree_map(lambda x: x.detach().cpu() if isinstance(x, torch.Tensor) else x, value)
+
+
+def _combine_outputs(parts: list[Any]) -> Any:
+    if parts and all(isinstance(p, torch.Tensor) and p.dim() > 0 for p in parts):
+        return torch.cat(parts)
+    if parts and all(isinstance(p, dict) for p in parts):
+        return {key: _combine_outputs([p[key] for p in parts]) for key in parts[0]}
+    if parts and all(isinstance(p, (tuple, list)) for p in parts):
+        return type(parts[0])(_combine_outputs(list(items)) for items in zip(*parts))
+    return parts
+
+
+def _merge_logs(per_replica: list[Any]) -> dict[str, tuple[float, float, dict[str, Any]]]:
+    merged: dict[str, tuple[float, float, dict[str, Any]]] = {}
+    for logs in per_replica:
+        for name, (total, weight, kwargs) in (logs or {}).items():
+            if name in merged:
+                merged[name] = (merged[name][0] + total, merged[name][1] + weight, kwargs)
+            else:
+                merged[name] = (total, weight, kwargs)
+    return merged
+
+
+class DappleStrategy(DDPStrategy):
+    """Hybrid pipeline/data-parallel training (DAPPLE) behind ``Trainer(strategy=...)``.
+
+    Args:
+        plan: ``"auto"`` (profile and plan on the first fit), a plan JSON path, a Plan or
+            its dict. A hand-written plan needs only global_batch_size, micro_batches and
+            each stage's layers and devices.
+        micro_batches, schedule, policy: override the plan's M, schedule ("dapple" or
+            "gpipe") and K_i policy ("PA", "PB").
+        cluster: a cluster preset/file/Cluster for auto planning; default derived from
+            the Trainer's nodes x devices.
+        layers: attribute path of the module's layer sequence.
+        loss_reduction: "mean" (the loss is a mean over samples) or "sum".
+        timeout_s: bound on every wait for a peer; a failure on one rank stops all ranks.
+        profile_cache: directory for cached layer profiles.
+    """
+
+    strategy_name = "dapple"
+
+    def __init__(
+        self,
+        plan: Any = "auto",
+        micro_batches: int | None = None,
+        schedule: str | None = None,
+        policy: str | None = None,
+        cluster: Any = None,
+        layers: str = "layers",
+        loss_reduction: Literal["mean", "sum"] = "mean",
+        timeout_s: float = 120.0,
+        profile_cache: str | None = None,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(start_method=start_method, timeout=timedelta(seconds=timeout_s), **kwargs)
+        require(loss_reduction in ("mean", "sum"), "loss_reduction", f"is {loss_reduction!r}", "use 'mean' or 'sum'")
+        require(schedule in (None, "dapple", "gpipe"), "schedule", f"is {schedule!r}", "use 'dapple' or 'gpipe'")
+        require(policy in (None, "PA", "PB", "auto"), "policy", f"is {policy!r}", "use 'PA', 'PB' or 'auto'")
+        require(
+            micro_batches is None or (isinstance(micro_batches, int) and micro_batches > 0),
+            "micro_batches",
+            f"is {micro_batches!r}",
+            "use a positive integer or leave it out",
+        )
+        self.plan_spec = plan
+        self.micro_batches = micro_batches
+        self.schedule_name = schedule
+        self.policy = policy
+        self.cluster_spec = cluster
+        self.layers_path = layers
+        self.loss_reduction = loss_reduction
+        self.timeout_s = timeout_s
+        self.profile_cache = profile_cache
+        self.plan: Plan | None = None
+        self.runner: StageRunner | None = None
+        self.failure: FailureChannel | None = None
+        self.groups: PlanGroups | None = None
+        self._layer_container: nn.Module | None = None
+        self._key_owner: dict[str, int | None] = {}
+        self._full_parameter_names: list[str] = []
+        self._freed: dict[int, nn.Module] = {}
+        self._saved_grads: list[torch.Tensor | None] | None = None
+        self.last_stats: Any = None
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            "dapple", cls, description="DAPPLE pipeline/data-parallel strategy (subprocess launcher)", start_method="popen"
+        )
+        strategy_registry.register(
+            "dapple_spawn", cls, description="DAPPLE pipeline/data-parallel strategy (spawn launcher)", start_method="spawn"
+        )
+
+    # -- set-up ------------------------------------------------------------------
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Every rank iterates the same global batches: one sampler replica for all."""
+        return {"num_replicas": 1, "rank": 0}
+
+    @property
+    def stage(self) -> int:
+        assert self.plan is not None
+        return self.plan.stage_of_rank(self.global_rank)
+
+    def setup(self, trainer: Trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        # Every rank iterates the user's DataLoader unchanged: the same global batches in
+        # the order one device would see them (Lightning would otherwise inject a
+        # shuffling DistributedSampler that shards the data per rank).
+        trainer._accelerator_connector.use_distributed_sampler = False
+        self._check_precision()
+        module = self.lightning_module
+        assert module is not None
+        require(
+            module.automatic_optimization,
+            "automatic_optimization",
+            "is off; manual optimization is not supported by the pipeline",
+            "use automatic optimization (the default)",
+        )
+        if trainer.state.fn == TrainerFn.FITTING:
+            require(
+                trainer.accumulate_grad_batches == 1 or self._requested_micro_batches() == 1,
+                "Trainer(accumulate_grad_batches)",
+                f"is {trainer.accumulate_grad_batches} but the plan already accumulates over micro-batches",
+                "set accumulate_grad_batches=1 and raise DappleStrategy(micro_batches=...) or the global batch instead",
+            )
+        self.precision_plugin.convert_module(module)
+        if self.plan is None:
+            self._prepare_pipeline(trainer, module)
+        self.model_to_device()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            from lightning.fabric.utilities.optimizer import _optimizers_to_device
+
+            _optimizers_to_device(self.optimizers, self.root_device)
+        self._install_clipping()
+
+    def _check_precision(self) -> None:
+        plugin = self.precision_plugin
+        supported = type(plugin) in (Precision, DoublePrecision) or isinstance(plugin, HalfPrecision)
+        require(
+            supported,
+            "Trainer(precision)",
+            f"uses {type(plugin).__name__}, which the dapple strategy does not support",
+            "use precision='32-true', '64-true', 'bf16-true' or '16-true'",
+        )
+
+    def _requested_micro_batches(self) -> int:
+        if self.micro_batches is not None:
+            return self.micro_batches
+        if isinstance(self.plan_spec, Plan):
+            return self.plan_spec.micro_batches
+        if isinstance(self.plan_spec, dict):
+            return int(self.plan_spec.get("micro_batches", 2))
+        if isinstance(self.plan_spec, (str, Path)) and str(self.plan_spec) != "auto":
+            return load_plan(self.plan_spec).micro_batches
+        return 2
+
+    def _prepare_pipeline(self, trainer: Trainer, module: LightningModule) -> None:
+        container = find_layers(module, self.layers_path)
+        check_parameters_in_layers(module, container, self.layers_path)
+        sample = self._sample_batch(trainer)
+        self._check_forward_is_layers(module, container, sample, trainer)
+        plan = self._resolve_plan(trainer, module, container, sample)
+        plan = plan.validate(num_layers=len(container), world_size=self.world_size).with_warmups()
+        self.plan = plan
+        self._save_plan(trainer)
+        self._key_owner = ckpt.key_owners(module, container, self.layers_path)
+        self._full_parameter_names = [name for name, _ in module.named_parameters()]
+        stage = plan.stages[self.stage]
+        for index in range(len(container)):
+            if not (stage.start <= index < stage.end):
+                self._freed[index] = container[index].to("meta")  # structure kept, memory released
+                container[index] = FreedLayer(index, self._stage_of_layer(index))
+        self._layer_container = container
+        self.failure = FailureChannel(self.global_rank, timeout_s=self.timeout_s)
+        self.groups = build_groups(plan)
+        local = [container[i] for i in range(stage.start, stage.end)]
+        self.runner = StageRunner(
+            plan, schedule_for_plan(plan), self.global_rank, local, self.root_device, self.failure, self.groups, self.loss_reduction
+        )
+
+    def _stage_of_layer(self, index: int) -> int:
+        assert self.plan is not None
+        for number, stage in enumerate(self.plan.stages):
+            if stage.start <= index < stage.end:
+                return number
+        raise IndexError(index)
+
+    def _sample_batch(self, trainer: Trainer) -> Any:
+        from lightning.pytorch.trainer.connectors.data_connector import _request_dataloader
+
+        loop = {
+            TrainerFn.FITTING: trainer.fit_loop,
+            TrainerFn.VALIDATING: trainer.validate_loop,
+            TrainerFn.TESTING: trainer.test_loop,
+            TrainerFn.PREDICTING: trainer.predict_loop,
+        }[trainer.state.fn]
+        loader = _request_dataloader(loop._data_source)
+        if isinstance(loader, (list, tuple)):
+            loader = loader[0]
+        try:
+            batch = next(iter(loader))
+        except StopIteration:
+            raise DappleConfigError("dataloader", "is empty", "give the Trainer a dataloader with at least one batch") from None
+        return self.batch_to_device(batch)
+
+    def _check_forward_is_layers(self, module: LightningModule, container: nn.Module, batch: Any, trainer: Trainer) -> None:
+        """DAPPLE executes the layer list; a forward that does more would silently differ."""
+        step_name = "training_step" if trainer.state.fn == TrainerFn.FITTING else {
+            TrainerFn.VALIDATING: "validation_step",
+            TrainerFn.TESTING: "test_step",
+            TrainerFn.PREDICTING: "predict_step",
+        }[trainer.state.fn]
+        from lightning_dapple.execute.slicing import take_rows
+
+        sample = take_rows(batch, 0, min(2, batch_size_of(batch)))
+        recorder = LogRecorder()
+        with recorder.recording(module, 0.0):
+            x = capture_input(module, lambda: getattr(module, step_name)(sample, 0))
+        state = torch.random.get_rng_state()
+        was_training = module.training
+        module.eval()
+        try:
+            with torch.no_grad():
+                expected = module(x)
+                actual = x
+                for layer in container:
+                    actual = layer(actual)
+        finally:
+            module.train(was_training)
+            torch.random.set_rng_state(state)
+        from torch.utils import _pytree as pytree
+
+        left, right = pytree.tree_leaves(expected), pytree.tree_leaves(actual)
+        same = len(left) == len(right) and all(
+            isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+            for a, b in zip(left, right)
+        )
+        require(
+            same,
+            f"{type(module).__name__}.forward",
+            f"does not equal applying '{self.layers_path}' in order on a sample batch",
+            f"make forward(x) apply only the layers of '{self.layers_path}' in order (move pre/post-processing into a layer or into the step)",
+        )
+
+    def _resolve_plan(self, trainer: Trainer, module: LightningModule, container: nn.Module, sample: Any) -> Plan:
+        spec = self.plan_spec
+        if isinstance(spec, Plan):
+            plan = spec
+        elif isinstance(spec, dict):
+            plan = plan_from_dict(spec)
+        elif isinstance(spec, (str, Path)) and str(spec) != "auto":
+            plan = load_plan(spec)
+        else:
+            from lightning_dapple.strategy.auto_plan import auto_plan
+
+            plan = auto_plan(self, trainer, module, container, sample)
+        from dataclasses import replace
+
+        overrides: dict[str, Any] = {}
+        if self.micro_batches is not None:
+            overrides["micro_batches"] = self.micro_batches
+        if self.schedule_name is not None:
+            overrides["schedule"] = self.schedule_name
+        if self.policy in ("PA", "PB"):
+            overrides["policy"] = self.policy
+        if overrides:
+            stages = tuple(replace(stage, warmup=None) for stage in plan.stages) if {"micro_batches", "schedule", "policy"} & set(overrides) else plan.stages
+            plan = replace(plan, stages=stages, **overrides)
+        batch_rows = batch_size_of(sample)
+        require(
+            plan.global_batch_size == batch_rows,
+            "plan.global_batch_size",
+            f"is {plan.global_batch_size} but the DataLoader yields batches of {batch_rows}",
+            "make the DataLoader's batch size the global batch of one optimizer step, or fix the plan",
+        )
+        return plan
+
+    def _save_plan(self, trainer: Trainer) -> None:
+        assert self.plan is not None
+        directory = Path(trainer.log_dir or trainer.default_root_dir)  # a collective: every rank asks
+        if self.global_rank != 0:
+            return
+        self.plan.save(directory / "dapple_plan.json")
+        rank_zero_info(f"dapple plan ({self.plan.kind()}, M={self.plan.micro_batches}, schedule={self.plan.schedule}):")
+        for index, stage in enumerate(self.plan.stages):
+            rank_zero_info(f"  stage {index}: layers [{stage.start}, {stage.end}) on ranks {list(stage.devices)}, K={stage.warmup}")
+
+    def _install_clipping(self) -> None:
+        plugin = self.precision_plugin
+        strategy = self
+
+        def clip_grad_by_norm(optimizer: Any, clip_val: float) -> None:
+            assert strategy.plan is not None
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            replicas = strategy.plan.stages[strategy.stage].replicas
+            clip_grad_norm_global(params, float(clip_val), replicas, strategy.failure, group=strategy.groups.plan if strategy.groups else None)
+
+        plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
+
+    def _setup_model(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def configure_ddp(self) -> None:  # no DDP wrapper: replicas sync per stage in the runner
+        pass
+
+    # -- training ------------------------------------------------------------------
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        assert self.runner is not None and self.plan is not None
+        module = self.lightning_module
+        batch, batch_idx = args[0], (args[1] if len(args) > 1 else kwargs.get("batch_idx", 0))
+        recorder = LogRecorder()
+        callbacks = _TrainCallbacks(module, batch_idx, recorder)
+        callbacks.batch_rows = batch_size_of(batch)
+        scale = 1.0 / self.lightning_module.trainer.accumulate_grad_batches
+        try:
+            with self.precision_plugin.train_step_context():
+                loss, logs = self.runner.train_step(batch, callbacks, extras=recorder.summary)
+        except BaseException as exc:
+            self.failure.report(exc)
+            raise
+        params = self.runner.parameters
+        if scale != 1.0:
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+        self._saved_grads = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        self.last_stats = self.runner.stats
+        dtype = next((p.dtype for p in params), torch.float32)
+        replay_logs(module, _merge_logs(logs), callbacks.batch_rows, dtype)
+        return {"loss": loss.to(dtype)}
+
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """The pipeline already ran every backward; restore its gradients, run the hooks."""
+        module = self.lightning_module
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        if self._saved_grads is not None and self.runner is not None:
+            for param, grad in zip(self.runner.parameters, self._saved_grads):
+                if grad is None:
+                    continue
+                param.grad = grad if param.grad is None else param.grad + grad
+            self._saved_grads = None
+        return self.precision_plugin.post_backward(closure_loss, module)
+
+    # -- evaluation ----------------------------------------------------------------
+    def _eval(self, step_name: str, args: tuple) -> Any:
+        assert self.runner is not None
+        module = self.lightning_module
+        batch = args[0]
+        recorder = LogRecorder()
+        callbacks = _EvalCallbacks(module, step_name, tuple(args[1:]), recorder)
+        try:
+            with torch.no_grad():
+                outputs = self.runner.forward_step(batch, callbacks)
+                logs = self.runner._share_extras(recorder.summary() if self.runner.is_last else None)
+        except BaseException as exc:
+            self.failure.report(exc)
+            raise
+        dtype = next((p.dtype for p in module.parameters()), torch.float32)
+        replay_logs(module, _merge_logs(logs), batch_size_of(batch), dtype)
+        return _combine_outputs(outputs) if step_name == "predict_step" else None
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            return self._eval("validation_step", args)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            return self._eval("test_step", args)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.predict_step_context():
+            return self._eval("predict_step", args)
+
+    # -- checkpoints ---------------------------------------------------------------
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        assert self.plan is not None and self.runner is not None
+        return ckpt.consolidated_state_dict(self)
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        return ckpt.consolidated_optimizer_state(self, optimizer)
+
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        ckpt.load_local_state_dict(self, checkpoint["state_dict"], strict=strict)
+
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        ckpt.load_local_optimizer_states(self, checkpoint["optimizer_states"])
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        if self.is_global_zero:
+            self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @property
+    def checkpoint_io(self) -> Any:
+        if self._checkpoint_io is None:
+            self._checkpoint_io = ckpt.AtomicCheckpointIO()
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: Any) -> None:
+        self._checkpoint_io = io
+
+    def on_train_end(self) -> None:
+        """Give rank 0 the whole trained model back, as plain training would leave it.
+
+        Every rank takes part in gathering the consolidated weights; rank 0 rebuilds the
+        layers it freed from their meta-device skeletons and loads them.
+        """
+        if self.plan is None or self.plan.num_stages == 1:
+            return
+        state = ckpt.consolidated_state_dict(self)
+        if self.global_rank != 0 or self._layer_container is None:
+            return
+        prefix = f"{self.layers_path}."
+        for index, skeleton in sorted(self._freed.items()):
+            layer = skeleton.to_empty(device=self.root_device)
+            head = f"{prefix}{index}."
+            layer.load_state_dict({k[len(head):]: v for k, v in state.items() if k.startswith(head)})
+            self._layer_container[index] = layer
+        self._freed = {}

@@ -1,0 +1,204 @@
+"""How an ordinary LightningModule is driven stage by stage without changing its code.
+
+A qualifying module keeps its layers in a sequence (``self.layers`` by default) and its
+``forward`` applies them in order; its ``training_step`` calls ``self(x)``. The pipeline
+then needs two things from user code (DAPPLE 5.2.1 builds per-stage graphs from the
+model; here the module's own step functions are reused instead):
+
+* on the first stage, the input of layer 0 for a batch slice: the step function is run
+  with ``forward`` replaced by a hook that records its argument and stops the step;
+* on the last stage, the loss (or validation/predict output) for a slice: the step
+  function is run with ``forward`` answering with the stage's output.
+
+``self.log`` calls made on the last stage are recorded here and replayed on every rank,
+so loggers, the progress bar and callbacks on rank 0 (a first-stage rank) see them.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+from lightning_dapple.errors import DappleConfigError
+
+
+class _InputCaptured(Exception):
+    """Raised by the capturing forward to stop a step once layer 0's input is known."""
+
+    def __init__(self, value: Any) -> None:
+        super().__init__("input captured")
+        self.value = value
+
+
+class FreedLayer(nn.Module):
+    """Stands in for a layer that lives on another stage; calling it is a bug."""
+
+    def __init__(self, index: int, stage: int) -> None:
+        super().__init__()
+        self.index = index
+        self.stage = stage
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(f"layer {self.index} lives on pipeline stage {self.stage}; it was freed on this rank")
+
+    def extra_repr(self) -> str:
+        return f"index={self.index}, on_stage={self.stage}"
+
+
+def find_layers(module: nn.Module, path: str) -> nn.Module:
+    """The layer sequence at attribute ``path`` (dotted), or a clear error."""
+    target: Any = module
+    for part in path.split("."):
+        if not hasattr(target, part):
+            raise DappleConfigError(
+                "DappleStrategy(layers=...)",
+                f"{type(module).__name__} has no attribute '{path}' holding its layer sequence",
+                "keep the layers in an nn.Sequential/nn.ModuleList (e.g. self.layers) or pass DappleStrategy(layers='encoder.blocks')",
+            )
+        target = getattr(target, part)
+    if not isinstance(target, (nn.Sequential, nn.ModuleList)) or len(target) == 0:
+        raise DappleConfigError(
+            "DappleStrategy(layers=...)",
+            f"'{path}' is a {type(target).__name__}, not a non-empty nn.Sequential or nn.ModuleList",
+            "hold the layers in an nn.Sequential or nn.ModuleList",
+        )
+    return target
+
+
+def check_parameters_in_layers(module: nn.Module, layers: nn.Module, path: str) -> None:
+    inside = {id(p) for p in layers.parameters()}
+    outside = [name for name, p in module.named_parameters() if id(p) not in inside]
+    if outside:
+        raise DappleConfigError(
+            "model parameters",
+            f"{outside[:3]} live outside '{path}', so no pipeline stage would own them",
+            f"move them into a layer of '{path}'",
+        )
+    owners: dict[int, int] = {}
+    for index, layer in enumerate(layers):
+        for p in layer.parameters():
+            if owners.setdefault(id(p), index) != index:
+                raise DappleConfigError(
+                    "model parameters",
+                    f"a parameter is shared by layers {owners[id(p)]} and {index} (tied weights)",
+                    "untie the weights; a parameter cannot live on two pipeline stages",
+                )
+
+
+@contextlib.contextmanager
+def forward_replaced(module: nn.Module, forward: Callable[..., Any]) -> Iterator[None]:
+    """Temporarily make ``module(...)`` call ``forward`` (instance attribute shadows the method)."""
+    had = "forward" in module.__dict__
+    previous = module.__dict__.get("forward")
+    module.forward = forward  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        if had:
+            module.forward = previous  # type: ignore[method-assign]
+        else:
+            del module.forward
+
+
+def capture_input(module: nn.Module, step: Callable[[], Any]) -> Any:
+    """Run ``step`` until it calls ``self(x)``; return ``x`` (a tuple if several args)."""
+
+    def capturing(*args: Any, **kwargs: Any) -> Any:
+        if kwargs:
+            raise DappleConfigError(
+                "forward", "was called with keyword arguments", "call self(x) with one positional input (a tensor or a tuple/dict)"
+            )
+        raise _InputCaptured(args[0] if len(args) == 1 else args)
+
+    with forward_replaced(module, capturing):
+        try:
+            step()
+        except _InputCaptured as captured:
+            return captured.value
+    raise DappleConfigError(
+        "training_step", "returned without calling self(...)", "compute the model output with self(x) inside the step"
+    )
+
+
+def loss_of(output: Any) -> torch.Tensor:
+    """The loss tensor of a step's return value (a tensor or a dict with 'loss')."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, dict) and isinstance(output.get("loss"), torch.Tensor):
+        return output["loss"]
+    raise DappleConfigError(
+        "training_step", f"returned {type(output).__name__}", "return the loss tensor or a dict with a 'loss' tensor"
+    )
+
+
+@dataclass
+class LoggedValue:
+    weighted_sum: float
+    weight: float
+    kwargs: dict[str, Any]
+
+
+@dataclass
+class LogRecorder:
+    """Collects ``self.log`` calls made on the last stage during one step."""
+
+    values: dict[str, LoggedValue] = field(default_factory=dict)
+    weight: float = 1.0
+
+    @contextlib.contextmanager
+    def recording(self, module: nn.Module, weight: float) -> Iterator[None]:
+        self.weight = weight
+        original = module.log
+
+        def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+            if args:
+                raise DappleConfigError("self.log", "got positional options", "pass log options as keywords")
+            self.add(name, value, kwargs)
+
+        module.log = log  # type: ignore[method-assign]
+        original_dict = module.log_dict
+
+        def log_dict(dictionary: dict[str, Any], **kwargs: Any) -> None:
+            for key, value in dictionary.items():
+                self.add(key, value, kwargs)
+
+        module.log_dict = log_dict  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            module.log = original  # type: ignore[method-assign]
+            module.log_dict = original_dict  # type: ignore[method-assign]
+
+    def add(self, name: str, value: Any, kwargs: dict[str, Any]) -> None:
+        from torchmetrics import Metric
+
+        if isinstance(value, Metric):
+            cache = getattr(value, "_forward_cache", None)
+            if cache is None:
+                raise DappleConfigError(
+                    f"self.log('{name}', metric)",
+                    "logs a torchmetrics Metric that was not called this step",
+                    "call the metric (metric(preds, target)) before logging it, or log metric.compute()",
+                )
+            value = cache
+        number = float(value.detach().float().mean()) if isinstance(value, torch.Tensor) else float(value)
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("batch_size", "sync_dist", "rank_zero_only")}
+        entry = self.values.get(name)
+        if entry is None:
+            self.values[name] = LoggedValue(number * self.weight, self.weight, kwargs)
+        else:
+            entry.weighted_sum += number * self.weight
+            entry.weight += self.weight
+
+    def summary(self) -> dict[str, tuple[float, float, dict[str, Any]]]:
+        return {name: (v.weighted_sum, v.weight, v.kwargs) for name, v in self.values.items()}
+
+
+def replay_logs(module: nn.Module, logs: dict[str, tuple[float, float, dict[str, Any]]], batch_size: int, dtype: torch.dtype) -> None:
+    """Log the combined values on this rank, weighted per step by the global batch size."""
+    for name, (weighted_sum, weight, kwargs) in logs.items():
+        value = torch.tensor(weighted_sum / weight if weight else 0.0, dtype=torch.float64)
+        module.log(name, value.to(dtype if dtype.is_floating_point else torch.float32), batch_size=batch_size, **kwargs)

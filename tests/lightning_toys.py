@@ -1,0 +1,66 @@
+"""LightningModules and data for Trainer-level tests of the dapple strategy."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule
+from torch.utils.data import DataLoader, TensorDataset
+
+import toy_models
+
+
+class MLPModule(LightningModule):
+    def __init__(self, lr: float = 1e-2, fail_at_step: int | None = None, fail_rank: int | None = None) -> None:
+        super().__init__()
+        torch.manual_seed(1234)
+        self.layers = toy_models.mlp_layers()
+        self.lr = lr
+        self.fail_at_step = fail_at_step
+        self.fail_rank = fail_rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        out = self(x)
+        if self.fail_at_step is not None and batch_idx == self.fail_at_step and (self.fail_rank is None or self.global_rank == self.fail_rank):
+            raise RuntimeError(f"deliberate failure at step {batch_idx}")
+        loss = F.mse_loss(out, y)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.mse_loss(self(x), y)
+        self.log("val_loss", loss)
+
+    def predict_step(self, batch, batch_idx):
+        x, _ = batch
+        return self(x)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=self.lr)
+
+
+def mlp_loader(steps: int = 3, rows: int = 12, dtype: torch.dtype = torch.float64) -> DataLoader:
+    xs, ys = zip(*(toy_models.mlp_batch(step, rows) for step in range(steps)))
+    data = TensorDataset(torch.cat(xs).to(dtype), torch.cat(ys).to(dtype))
+    return DataLoader(data, batch_size=rows, shuffle=False)
+
+
+def single_device_run(steps: int = 3, clip: float = 0.5) -> tuple[dict, list[float]]:
+    """Plain training on one device: the reference the strategy must match."""
+    model = MLPModule().double()
+    opt = torch.optim.Adam(model.parameters(), lr=model.lr)
+    losses = []
+    for x, y in mlp_loader(steps):
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        losses.append(float(loss))
+    return {k: v.clone() for k, v in model.state_dict().items()}, losses
