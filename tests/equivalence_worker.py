@@ -82,13 +82,14 @@ def run_cases(rank: int, world: int, cases: list[tuple[str, dict, str]]) -> list
         local = [model[i] for i in range(stage.start, stage.end)]
         runner = StageRunner(plan, schedule_for_plan(plan), rank, local, torch.device("cpu"), failure, groups)
         opt = torch.optim.Adam(runner.parameters, lr=LR)
-        losses, peaks = [], []
+        losses, peaks, stash = [], [], []
         for step in range(STEPS):
             loss, _ = runner.train_step(make_batch(name, step), Callbacks(name))
             clip_grad_norm_global(runner.parameters, CLIP, stage.replicas, failure, group=groups.plan)
             opt.step()
             losses.append(float(loss))
             peaks.append(runner.stats.peak_in_flight)
+            stash.append(runner.stats.peak_stash_bytes)
         diff = 0.0
         for offset, layer in enumerate(local):
             for key, value in layer.state_dict().items():
@@ -98,6 +99,7 @@ def run_cases(rank: int, world: int, cases: list[tuple[str, dict, str]]) -> list
                 "param_diff": diff,
                 "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
                 "peak_in_flight": max(peaks),
+                "peak_stash_bytes": max(stash),
                 "warmup": plan.with_warmups().stages[plan.stage_of_rank(rank)].warmup,
                 "stage": plan.stage_of_rank(rank),
             }

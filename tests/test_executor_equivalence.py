@@ -6,9 +6,14 @@ plain single-process run on the same global batches (issue acceptance: 1e-10).
 from __future__ import annotations
 
 import pytest
+import torch
 
 from dist_harness import run_ranks
-from equivalence_worker import run_cases
+from equivalence_worker import make_batch, make_model, run_cases
+from lightning_dapple.cluster import Cluster
+from lightning_dapple.plan.plan import plan_from_dict
+from lightning_dapple.profile.profiler import profile_layers
+from lightning_dapple.simulate import simulate_plan
 
 PLANS = {
     # layer counts: mlp has 5 layers, the transformer 5 (embed, 3 blocks, head)
@@ -44,3 +49,24 @@ def test_every_plan_and_schedule_matches_single_device(micro_batches: int) -> No
             assert res["loss_diff"] < 1e-10, (case_name, res)
             expected_peak = micro_batches if case_name.endswith("gpipe") else res["warmup"]
             assert res["peak_in_flight"] == expected_peak, (case_name, res)
+    _check_stash_against_simulator(micro_batches, results)
+
+
+def _check_stash_against_simulator(micro_batches: int, results: dict) -> None:
+    """The executor's measured peak stashed bytes equal the simulator's (profile stash x
+    micro-batches in flight) where slices are even, so the profile scales exactly."""
+    cases = _cases(micro_batches)
+    profiles = {}
+    for index, (model, plan_data, schedule) in enumerate(cases):
+        plan = plan_from_dict({**plan_data, "schedule": schedule})
+        if any(plan.micro_batch_size % stage.replicas for stage in plan.stages):
+            continue
+        if model not in profiles:
+            layers = make_model(model)
+            x = make_batch(model, 0)[0][: plan.micro_batch_size]
+            profiles[model] = profile_layers(layers, x, repeats=1, warmup=0)
+        sim = simulate_plan(plan, profiles[model], Cluster(1, 4))
+        for rank in range(plan.world_size):
+            stage = plan.stage_of_rank(rank)
+            measured = results[rank][index]["peak_stash_bytes"]
+            assert measured == pytest.approx(sim.stages[stage].peak_stash_bytes, rel=1e-9), (model, plan_data, schedule, rank)

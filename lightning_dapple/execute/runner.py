@@ -32,6 +32,7 @@ from lightning_dapple.execute.groups import PlanGroups
 from lightning_dapple.execute.slicing import batch_size_of, flatten, slice_rows, take_rows
 from lightning_dapple.execute.transport import Peer, Transport
 from lightning_dapple.plan.plan import Plan
+from lightning_dapple.profile.stash import StashMeter, parameter_storages
 from lightning_dapple.schedule.actions import Kind
 from lightning_dapple.schedule.builders import Schedule
 
@@ -72,30 +73,6 @@ class _MicroBatch:
     loss: torch.Tensor | None = None
 
 
-class _StashCounter:
-    """Bytes of distinct storages autograd saves for backward, parameters excluded."""
-
-    def __init__(self, exclude: set[int]) -> None:
-        self.exclude = exclude
-        self.seen: set[int] = set()
-        self.bytes = 0
-
-    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        try:
-            storage = tensor.untyped_storage()
-            key = storage.data_ptr()
-            if key not in self.exclude and key not in self.seen and storage.nbytes() > 0:
-                self.seen.add(key)
-                self.bytes += storage.nbytes()
-        except (RuntimeError, NotImplementedError):  # tensors without storage (e.g. some subclasses)
-            pass
-        return tensor
-
-    @staticmethod
-    def unpack(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
-
-
 class StageRunner:
     """Runs this rank's part of a plan, one action list per step."""
 
@@ -127,6 +104,7 @@ class StageRunner:
         self.is_last = self.stage == plan.num_stages - 1
         self.stats = StageStats()
         self.parameters = [p for layer in self.layers for p in layer.parameters() if p.requires_grad]
+        self._counter: StashMeter | None = None
 
     # -- helpers ---------------------------------------------------------------
     def _rows(self, stage: int, replica: int, batch_rows: int, microbatch: int) -> tuple[int, int]:
@@ -137,8 +115,17 @@ class StageRunner:
         return [Peer(rank, self._rows(stage, index, batch_rows, microbatch)) for index, rank in enumerate(devices)]
 
     def run_layers(self, x: Any) -> Any:
-        for layer in self.layers:
-            x = layer(x)
+        """Apply the stage's layers; while a forward is being measured, count what each
+        layer stashes (the layers only: the loss's own saves are not in any profile)."""
+        meter = self._counter
+        if meter is None:
+            for layer in self.layers:
+                x = layer(x)
+            return x
+        with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+            for layer in self.layers:
+                meter.next_layer()
+                x = layer(x)
         return x
 
     def check_batch(self, batch_rows: int) -> None:
@@ -164,7 +151,7 @@ class StageRunner:
         for param in self.parameters:
             param.grad = None
         self.stats = StageStats()
-        exclude = {p.untyped_storage().data_ptr() for p in self.parameters}
+        exclude = parameter_storages(self.parameters)
         state: dict[int, _MicroBatch] = {}
         in_flight: set[int] = set()
         loss_sum = torch.zeros((), dtype=torch.float64)
@@ -182,9 +169,11 @@ class StageRunner:
                 assert mb is not None
                 start = clock()
                 item = state.setdefault(mb, _MicroBatch(rows=self._rows(self.stage, self.replica, batch_rows, mb)))
-                counter = _StashCounter(exclude)
-                with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
+                counter = self._counter = StashMeter(exclude)
+                try:
                     self._forward(item, take_rows(batch, *item.rows), callbacks, batch_rows)
+                finally:
+                    self._counter = None
                 if self.is_last and item.loss is not None:
                     loss_sum += item.loss.detach().to(torch.float64).cpu()
                 in_flight.add(mb)

@@ -48,6 +48,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from lightning_dapple.profile.stash import StashMeter, parameter_storages
 from torch import nn
 
 from lightning_dapple.errors import DappleConfigError, require
@@ -164,21 +166,6 @@ def _timed(device: torch.device, fn: Callable[[], Any]) -> tuple[float, Any]:
     return (time.perf_counter() - start) * 1000.0, result
 
 
-def _storage_key(tensor: torch.Tensor) -> tuple[str, int] | None:
-    try:
-        storage = tensor.untyped_storage()
-    except (RuntimeError, NotImplementedError):
-        return None
-    return (str(tensor.device), storage.data_ptr())
-
-
-def _storage_nbytes(tensor: torch.Tensor) -> int:
-    try:
-        return int(tensor.untyped_storage().nbytes())
-    except (RuntimeError, NotImplementedError):
-        return tensor.numel() * tensor.element_size()
-
-
 def _layer_home(layer: nn.Module) -> torch.device | None:
     for tensor in layer.parameters():
         return tensor.device
@@ -227,7 +214,7 @@ def _measure_layer(
     """Profile one layer (already on ``device``) on input ``x`` (already on ``device``)."""
     params = [p for p in layer.parameters() if p.requires_grad]
     param_bytes = sum(p.numel() * p.element_size() for p in layer.parameters())
-    param_storages = {key for p in layer.parameters() if (key := _storage_key(p)) is not None}
+    param_storages_ptrs = parameter_storages(list(layer.parameters()))
 
     def grad_input() -> tuple[Any, list[torch.Tensor]]:
         leaves: list[torch.Tensor] = []
@@ -241,19 +228,13 @@ def _measure_layer(
 
         return map_tensors(x, make_leaf), leaves
 
-    # Stash: storages saved for backward during one forward, the layer's parameters excluded.
-    saved: dict[tuple[str, int] | int, int] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        key = _storage_key(tensor)
-        if key is None or key not in param_storages:
-            saved[key if key is not None else id(tensor)] = _storage_nbytes(tensor)
-        return tensor
-
+    # Stash: tensors saved for backward during one forward, the layer's parameters
+    # excluded, by the rule the executor uses too (profile/stash.py).
+    meter = StashMeter(param_storages_ptrs)
     xg, _ = grad_input()
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
         out = _call(layer, index, xg)
-    stash_bytes = sum(saved.values())
+    stash_bytes = meter.bytes
     output_bytes = tensor_bytes(out)
     differentiable = [t for t in iter_tensors(out) if t.requires_grad]
     generator = torch.Generator(device="cpu").manual_seed(1234 + index)
