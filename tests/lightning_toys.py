@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from lightning.pytorch import LightningModule
+import json
+
+from lightning.pytorch import Callback, LightningModule
 from torch.utils.data import DataLoader, TensorDataset
 
 import toy_models
@@ -51,16 +53,32 @@ def mlp_loader(steps: int = 3, rows: int = 12, dtype: torch.dtype = torch.float6
     return DataLoader(data, batch_size=rows, shuffle=False)
 
 
-def single_device_run(steps: int = 3, clip: float = 0.5) -> tuple[dict, list[float]]:
+def single_device_run(steps: int = 3, clip: float = 0.5, return_model: bool = False, epochs: int = 1):
     """Plain training on one device: the reference the strategy must match."""
     model = MLPModule().double()
     opt = torch.optim.Adam(model.parameters(), lr=model.lr)
     losses = []
-    for x, y in mlp_loader(steps):
+    for x, y in [batch for _ in range(epochs) for batch in mlp_loader(steps)]:
         opt.zero_grad()
         loss = F.mse_loss(model(x), y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         losses.append(float(loss))
+    if return_model:
+        return model, losses
     return {k: v.clone() for k, v in model.state_dict().items()}, losses
+
+
+class LossRecorder(Callback):
+    """Writes rank 0's logged train_loss per global step to a JSON file."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.losses: dict[int, float] = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_rank == 0:
+            self.losses[trainer.global_step] = float(trainer.callback_metrics["train_loss"])
+            with open(self.path, "w") as stream:
+                json.dump(self.losses, stream)

@@ -184,7 +184,7 @@ class LogRecorder:
                     "call the metric (metric(preds, target)) before logging it, or log metric.compute()",
                 )
             value = cache
-        number = float(value.detach().float().mean()) if isinstance(value, torch.Tensor) else float(value)
+        number = float(value.detach().to(torch.float64).mean()) if isinstance(value, torch.Tensor) else float(value)
         kwargs = {k: v for k, v in kwargs.items() if k not in ("batch_size", "sync_dist", "rank_zero_only")}
         entry = self.values.get(name)
         if entry is None:
