@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Install (scripts/install.sh) and run the whole test suite. Exit code 5 (no tests ran)
+# counts as a failure.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/install.sh || exit 1
+.venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+status=$?
+if [ "$status" -eq 5 ]; then
+  echo "pytest collected no tests: failing" >&2
+  exit 1
+fi
+exit "$status"
