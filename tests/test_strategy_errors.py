@@ -1,0 +1,107 @@
+"""Bad input to the dapple strategy fails before training with a message naming the fix.
+
+One device, in this process: the checks run in ``setup``, before any step."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+
+import lightning_dapple  # noqa: F401
+from lightning_dapple.errors import DappleConfigError
+from lightning_dapple.strategy import DappleStrategy
+from lightning_toys import MLPModule, mlp_loader
+
+ONE_STAGE = {"global_batch_size": 12, "micro_batches": 2, "stages": [{"layers": [0, 5], "devices": [0]}]}
+
+
+class NoLayers(MLPModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = self.layers
+        del self.layers
+
+    def forward(self, x):
+        return self.blocks(x)
+
+
+class ExtraForward(MLPModule):
+    def forward(self, x):
+        return super().forward(x) * 2.0  # more than the layer sequence
+
+
+def _fit(tmp_path: Path, model, plan=ONE_STAGE, precision="64-true", loader=None, **trainer_kwargs):
+    trainer = Trainer(
+        strategy=DappleStrategy(plan=plan, timeout_s=20),
+        accelerator="cpu",
+        devices=1,
+        precision=precision,
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+        **trainer_kwargs,
+    )
+    trainer.fit(model, loader or mlp_loader(2))
+    return trainer
+
+
+@pytest.mark.parametrize(
+    ("case", "match"),
+    [
+        ("no_layers", "no attribute 'layers'.*DappleStrategy\\(layers="),
+        ("forward", "does not equal applying 'layers' in order"),
+        ("coverage", "ends at layer 3 but the model has 5 layers"),
+        ("world", "world size 1"),
+        ("split", "cannot be split into 5 equal micro-batches"),
+        ("batch", "DataLoader yields batches of 6"),
+        ("accumulate", "accumulate_grad_batches"),
+        ("precision", "does not support"),
+    ],
+)
+def test_bad_input_fails_before_training(tmp_path: Path, case: str, match: str) -> None:
+    model = {"no_layers": NoLayers, "forward": ExtraForward}.get(case, MLPModule)().double()
+    plan, kwargs = ONE_STAGE, {}
+    if case == "coverage":
+        plan = {**ONE_STAGE, "stages": [{"layers": [0, 3], "devices": [0]}]}
+    elif case == "world":
+        plan = {**ONE_STAGE, "stages": [{"layers": [0, 2], "devices": [0]}, {"layers": [2, 5], "devices": [1]}]}
+    elif case == "split":
+        plan = {**ONE_STAGE, "micro_batches": 5}
+    elif case == "batch":
+        kwargs["loader"] = mlp_loader(2, rows=6)
+    elif case == "accumulate":
+        kwargs["accumulate_grad_batches"] = 2
+    elif case == "precision":
+        kwargs["precision"] = "bf16-mixed"
+        model = model.float()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(DappleConfigError, match=match) as info:
+        _fit(tmp_path, model, plan=plan, **kwargs)
+    assert "Fix:" in str(info.value)
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k].to(before[k].dtype)) for k in before)  # no step ran
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [({"schedule": "1f1b"}, "schedule"), ({"policy": "PC"}, "policy"), ({"micro_batches": 0}, "micro_batches"), ({"loss_reduction": "max"}, "loss_reduction")],
+)
+def test_bad_strategy_arguments(kwargs: dict, match: str) -> None:
+    with pytest.raises(DappleConfigError, match=match):
+        DappleStrategy(**kwargs)
+
+
+def test_one_device_plan_trains_like_plain_lightning(tmp_path: Path) -> None:
+    """The single-stage, single-device plan is plain gradient accumulation over M slices."""
+    from lightning_toys import single_device_run
+
+    model = MLPModule().double()
+    _fit(tmp_path, model, gradient_clip_val=0.5)
+    reference, _ = single_device_run(2, clip=0.5)
+    state = model.state_dict()
+    assert max(float((state[k] - reference[k]).abs().max()) for k in reference) < 1e-12
