@@ -81,8 +81,13 @@ class Plan:
     schedule: str = "dapple"
     policy: str = "PA"
     predicted: Prediction | None = None
+    # Out-of-order backprop (ooo-backprop sec. 3, 5.2): split backward into B (input
+    # gradients, sent upstream at once) and W (weight gradients, deferred); first_k is
+    # Algorithm 2's k for the ending phase (None: chosen by the planner/executor).
     planner: str = "manual"
     reason: str = ""
+    ooo: bool = False
+    first_k: int | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -217,8 +222,11 @@ class Plan:
             "schedule": self.schedule,
             "policy": self.policy,
             "planner": self.planner,
+            "ooo": self.ooo,
             "stages": [stage.to_dict() for stage in self.stages],
         }
+        if self.first_k is not None:
+            out["first_k"] = self.first_k
         if self.predicted is not None:
             out["predicted"] = self.predicted.to_dict()
         if self.reason:
@@ -295,6 +303,8 @@ def plan_from_dict(data: Any, source: str = "plan") -> Plan:
         predicted=predicted,
         planner=str(data.get("planner", "manual")),
         reason=str(data.get("reason", "")),
+        ooo=bool(data.get("ooo", False)),
+        first_k=data.get("first_k"),
         extra=dict(data.get("extra", {})),
     )
     return plan.validate()
