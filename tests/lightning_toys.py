@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+import torchmetrics
 import torch.nn.functional as F
 import json
 
@@ -19,6 +20,7 @@ class MLPModule(LightningModule):
         self.lr = lr
         self.fail_at_step = fail_at_step
         self.fail_rank = fail_rank
+        self.val_mse = torchmetrics.MeanSquaredError()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
@@ -36,8 +38,11 @@ class MLPModule(LightningModule):
 
     def validation_step(self, batch, batch_idx):
         x, y = batch
-        loss = F.mse_loss(self(x), y)
+        out = self(x)
+        loss = F.mse_loss(out, y)
         self.log("val_loss", loss)
+        self.val_mse(out, y)
+        self.log("val_mse", self.val_mse)
 
     def predict_step(self, batch, batch_idx):
         x, _ = batch

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 
 import lightning_dapple  # noqa: F401  (registers the strategies)
 from lightning_dapple.strategy import DappleStrategy
@@ -43,8 +43,11 @@ def _trainer(tmp_path: Path, plan, devices: int, steps: int, **kwargs) -> Traine
 @pytest.mark.timeout(300)
 def test_fit_matches_single_device_and_logs_global_loss(tmp_path: Path) -> None:
     model = MLPModule().double()
-    trainer = _trainer(tmp_path, TWO_BY_TWO, 4, 3, gradient_clip_val=0.5, enable_checkpointing=False, limit_val_batches=1, val_check_interval=3)
+    best = ModelCheckpoint(dirpath=str(tmp_path / "best"), monitor="val_loss", mode="min")
+    stop = EarlyStopping(monitor="val_loss", patience=10)
+    trainer = _trainer(tmp_path, TWO_BY_TWO, 4, 3, gradient_clip_val=0.5, limit_val_batches=1, val_check_interval=3, callbacks=[best, stop])
     trainer.fit(model, mlp_loader(3), mlp_loader(1))
+    assert Path(best.best_model_path).is_file()  # monitored a metric logged on the last stage
     reference, losses = single_device_run(3, clip=0.5)
     state = model.state_dict()
     assert set(state) == set(reference)  # rank 0 got the whole model back
@@ -54,6 +57,7 @@ def test_fit_matches_single_device_and_logs_global_loss(tmp_path: Path) -> None:
     with torch.no_grad():
         expected_val = float(F.mse_loss(model(x), y))
     assert float(trainer.callback_metrics["val_loss"]) == pytest.approx(expected_val, abs=1e-10)
+    assert float(trainer.callback_metrics["val_mse"]) == pytest.approx(expected_val, abs=1e-6)  # torchmetrics
     plan = json.loads((tmp_path / "dapple_plan.json").read_text())
     assert [s["warmup"] for s in plan["stages"]] == [2, 1]
 
