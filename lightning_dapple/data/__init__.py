@@ -17,7 +17,7 @@ DATAMODULES: dict[str, type] = {"mlm": MaskedLMDataModule, "translation": Transl
 FOR_MODEL: dict[str, str] = {"bert": "mlm", "gnmt": "translation", "vgg": "shapes"}
 
 TINY_DATA_KWARGS: dict[str, dict[str, Any]] = {
-    "mlm": {"vocab_size": 64, "seq_len": 32, "num_masks": 4, "batch_size": 32},
+    "mlm": {"vocab_size": 64, "seq_len": 16, "num_masks": 2, "batch_size": 32},
     "translation": {"vocab_size": 32, "src_len": 8, "batch_size": 32},
     "shapes": {"num_classes": 4, "image_size": 32, "batch_size": 32},
 }

@@ -59,8 +59,15 @@ def markov_sequences(count: int, length: int, transitions: torch.Tensor, generat
     vocab_size = transitions.shape[0]
     out = torch.empty(count, length, dtype=torch.long)
     out[:, 0] = torch.randint(FIRST_WORD_ID, vocab_size, (count,), generator=generator)
+    # Sample among each word's few successors only: inverse CDF over the top-k weights.
+    branching = int((transitions > 0).sum(dim=1).max())
+    weights, successors = transitions.topk(branching, dim=1)
+    cumulative = weights.cumsum(dim=1)
+    draws = torch.rand(length, count, 1, generator=generator, dtype=torch.float64)
     for position in range(1, length):
-        out[:, position] = torch.multinomial(transitions[out[:, position - 1]], 1, generator=generator).squeeze(1)
+        previous = out[:, position - 1]
+        choice = (draws[position] >= cumulative[previous]).sum(dim=1).clamp_max(branching - 1)
+        out[:, position] = successors[previous, choice]
     return out
 
 
@@ -127,9 +134,10 @@ def shape_images(count: int, image_size: int, num_classes: int, noise: float, ge
 
 
 def read_lines(path: str | Path) -> list[str]:
+    """The non-blank lines of a UTF-8 text file (not stripped: tabs at the ends are kept)."""
     file = Path(path)
     require(file.is_file(), "path", f"{str(path)!r} is not a file", "point path at a UTF-8 text file")
-    return [line.strip() for line in file.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return [line for line in file.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
 def build_vocab(sentences: Sequence[Sequence[str]], vocab_size: int) -> dict[str, int]:
@@ -240,13 +248,14 @@ class MaskedLMDataModule(_GeneratedDataModule):
         val_samples: int = 256,
         seed: int = 0,
         vocab_size: int = 64,
-        seq_len: int = 32,
-        num_masks: int = 4,
+        seq_len: int = 16,
+        num_masks: int = 2,
         branching: int = 3,
         path: str | None = None,
         val_fraction: float = 0.1,
     ) -> None:
         super().__init__(batch_size, num_samples, val_samples, seed, path, val_fraction)
+        self.save_hyperparameters()
         require(0 < num_masks < seq_len, "num_masks", f"must be in [1, seq_len), got {num_masks}", "mask a few positions per sequence")
         require(vocab_size > FIRST_WORD_ID + 1, "vocab_size", f"must exceed {FIRST_WORD_ID + 1}", "raise vocab_size")
         self.vocab_size = vocab_size
@@ -278,7 +287,7 @@ class TranslationDataModule(_GeneratedDataModule):
     by a fixed permutation (``seed``); ``T = S + 1`` (BOS / EOS). With ``path``: one
     ``source<TAB>target`` pair per line, whitespace-split, a shared vocabulary of the most
     frequent words, sources cut/padded to ``src_len``, targets to ``tgt_len`` (padding id 0
-    is ignored by the loss).
+    is ignored by the loss); pairs with an empty side are skipped.
     """
 
     def __init__(
@@ -294,6 +303,7 @@ class TranslationDataModule(_GeneratedDataModule):
         val_fraction: float = 0.1,
     ) -> None:
         super().__init__(batch_size, num_samples, val_samples, seed, path, val_fraction)
+        self.save_hyperparameters()
         require(vocab_size > FIRST_WORD_ID + 1, "vocab_size", f"must exceed {FIRST_WORD_ID + 1}", "raise vocab_size")
         require(src_len > 0, "src_len", f"must be positive, got {src_len}", "pass e.g. 8")
         self.vocab_size = vocab_size
@@ -312,7 +322,9 @@ class TranslationDataModule(_GeneratedDataModule):
         for number, line in enumerate(read_lines(self.path), start=1):
             parts = line.split("\t")
             require(len(parts) == 2, "path", f"line {number} has {len(parts) - 1} tabs", "write one 'source<TAB>target' pair per line")
-            pairs.append((parts[0].split(), parts[1].split()))
+            source, target = parts[0].split(), parts[1].split()
+            if source and target:  # an empty side would leave nothing to attend to or predict
+                pairs.append((source, target))
         train_index, val_index = split_indices(len(pairs), self.val_fraction, g)
         self.vocab = build_vocab([side for i in train_index.tolist() for side in pairs[i]], self.vocab_size)
         src = torch.tensor([encode(s, self.vocab, self.src_len) for s, _ in pairs])
@@ -345,6 +357,7 @@ class ShapesDataModule(_GeneratedDataModule):
         val_fraction: float = 0.1,
     ) -> None:
         super().__init__(batch_size, num_samples, val_samples, seed, path, val_fraction)
+        self.save_hyperparameters()
         require(1 < num_classes <= len(SHAPE_CLASSES) or path is not None, "num_classes", f"must be in [2, {len(SHAPE_CLASSES)}], got {num_classes}", "pick fewer classes")
         require(image_size >= 8, "image_size", f"must be >= 8, got {image_size}", "pass e.g. 32")
         self.num_classes = num_classes

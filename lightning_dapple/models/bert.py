@@ -93,8 +93,9 @@ class BertMLM(SequentialLightningModule):
     number of positions per sequence and padding id 0, ``labels`` (B, T) holding the
     original id at masked positions and -100 elsewhere. The loss is each sample's mean
     cross-entropy over its masked positions, averaged over samples. Tiny variant:
-    ``BertMLM(vocab_size=64, hidden=32, layers=2, heads=2, ffn=64, seq_len=32, lr=2e-3)``.
-    Optimiser: AdamW (DAPPLE trains BERT-48 with Adam).
+    ``BertMLM(vocab_size=64, hidden=64, layers=2, heads=2, ffn=128, seq_len=16, dropout=0,
+    lr=3e-3)``. Optimiser: AdamW (DAPPLE trains BERT-48 with Adam). ``seq_len`` sizes
+    ``example_input_array``; any length up to ``max_positions`` runs.
     """
 
     def __init__(

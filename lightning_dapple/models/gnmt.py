@@ -1,17 +1,17 @@
 """GNMT (Wu et al. 2016) as a chain of pipeline layers: one LSTM layer per pipeline layer.
 
 GNMT-16 is one of DAPPLE's benchmark models (DAPPLE Table 1: 291M parameters, profiled at
-batch 64; Table 4 plans it with GBS 1024 and a 9:7 split, noting decoder layers cost about
-1.45x an encoder layer). Layers::
+batch 64; Table 4 plans it with GBS 1024 and a 9:7 split, which the arXiv version, sec.
+VI-C, explains by decoder layers costing about 1.45x an encoder layer). Layers::
 
     0              GNMTEmbedding   (src ids (B, S), tgt_in ids (B, T))
                                    -> {src: (B, S, H), src_mask: (B, S), tgt: (B, T, H)}
     1              EncoderLayer    bidirectional LSTM, src -> (B, S, 2H)
-    2 .. E         EncoderLayer    LSTM, src -> (B, S, H); residual from layer 3 on
+    2 .. E         EncoderLayer    LSTM, src -> (B, S, H); residual from encoder layer 3 on
     E + 1          AttentionDecoderLayer
                                    LSTM over tgt; attention of its outputs over the final
                                    encoder states -> {h: (B, T, H), ctx: (B, T, H)}
-    E + 2 .. E + D DecoderLayer    LSTM over [h; ctx] -> {h, ctx}; residual from layer 3 on
+    E + 2 .. E + D DecoderLayer    LSTM over [h; ctx] -> {h, ctx}; residual from decoder layer 3 on
     E + D + 1      GNMTOutput      h -> logits (B, T, V)
 
 As in GNMT, attention is computed once, from the output of the bottom decoder layer, and
@@ -25,8 +25,8 @@ attention and ignored in the loss). Dropout is applied to the input of every LST
 and of the output projection.
 
 Parameter count: with the default 32000-word vocabulary the full model has 276.7M
-parameters; with the 36548-word shared BPE vocabulary of the TensorFlow NMT WMT16 En-De
-setup it has 290.7M, DAPPLE's 291M.
+parameters; with a 36548-word vocabulary (the size of a shared ~32k-merge BPE vocabulary
+for WMT16 En-De) it has 290.7M, DAPPLE's 291M (``PAPER_KWARGS['gnmt']``).
 """
 from __future__ import annotations
 
@@ -169,6 +169,7 @@ class GNMT(SequentialLightningModule):
         check_positive(vocab_size=vocab_size, hidden=hidden, decoder_layers=decoder_layers, src_len=src_len, tgt_len=tgt_len, lr=lr)
         check_dropout(dropout)
         require(encoder_layers >= 2, "encoder_layers", f"must be >= 2, got {encoder_layers}", "the bottom layer is bidirectional; use 2 or more")
+        require(residual_from >= 3, "residual_from", f"must be >= 3, got {residual_from}", "layers 1-2 change width; GNMT starts residuals at 3")
         encoder = [EncoderLayer(hidden, hidden, dropout, bidirectional=True), EncoderLayer(2 * hidden, hidden, dropout)]
         encoder += [EncoderLayer(hidden, hidden, dropout, residual=i >= residual_from) for i in range(3, encoder_layers + 1)]
         decoder: list[nn.Module] = [AttentionDecoderLayer(hidden, dropout)]

@@ -311,7 +311,8 @@ class DappleStrategy(DDPStrategy):
             batch = next(iter(loader))
         except StopIteration:
             raise DappleConfigError("dataloader", "is empty", "give the Trainer a dataloader with at least one batch") from None
-        return self.batch_to_device(batch)
+        # as the loops do before a step: e.g. 64-true turns float inputs into float64
+        return self.precision_plugin.convert_input(self.batch_to_device(batch))
 
     def _check_forward_is_layers(self, module: LightningModule, container: nn.Module, batch: Any, trainer: Trainer) -> None:
         """DAPPLE executes the layer list; a forward that does more would silently differ."""
