@@ -24,6 +24,7 @@ from lightning_dapple.errors import require
 from lightning_dapple.models.common import (
     IGNORE_INDEX,
     PAD_ID,
+    ClassifierSteps,
     SequentialLightningModule,
     check_dropout,
     check_positive,
@@ -86,7 +87,7 @@ class MLMHead(nn.Module):
         return self.decoder(self.transform(hidden))
 
 
-class BertMLM(SequentialLightningModule):
+class BertMLM(ClassifierSteps, SequentialLightningModule):
     """BERT with an MLM head; the default is BERT-48 of DAPPLE Table 1 (hidden 1024, 48 layers, 16 heads).
 
     Batches are ``(input_ids, labels)``: ``input_ids`` (B, T) with ``[MASK]`` at a fixed
@@ -145,29 +146,6 @@ class BertMLM(SequentialLightningModule):
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return per_sample_token_loss(logits, labels, IGNORE_INDEX)
-
-    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
-        input_ids, labels = batch
-        logits = self(input_ids)
-        loss = self.loss(logits, labels)
-        self.log("train_loss", loss, prog_bar=True)
-        self.train_acc(logits.argmax(-1), labels)
-        self.log("train_acc", self.train_acc, prog_bar=True)
-        return loss
-
-    def validation_step(self, batch, batch_idx: int) -> torch.Tensor:
-        input_ids, labels = batch
-        logits = self(input_ids)
-        loss = self.loss(logits, labels)
-        self.log("val_loss", loss, prog_bar=True)
-        self.val_acc(logits.argmax(-1), labels)
-        self.log("val_acc", self.val_acc, prog_bar=True)
-        return loss
-
-    def predict_step(self, batch, batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
-        """Predicted ids (B, T) at every position (read them at the masked ones)."""
-        input_ids = batch[0] if isinstance(batch, (list, tuple)) else batch
-        return self(input_ids).argmax(-1)
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)

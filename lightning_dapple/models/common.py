@@ -48,6 +48,33 @@ class SequentialLightningModule(L.LightningModule):
         return count_parameters(self)
 
 
+class ClassifierSteps:
+    """Training/validation/predict steps of a model whose batch is ``(inputs, labels)``
+    and whose output is class logits: the loss (``self.loss``), accuracy metrics
+    ``self.train_acc``/``self.val_acc`` on the argmax, logged as Lightning code does."""
+
+    def _step(self, batch: Any, stage: str) -> torch.Tensor:
+        inputs, labels = batch
+        logits = self(inputs)
+        loss = self.loss(logits, labels)
+        self.log(f"{stage}_loss", loss, prog_bar=True)
+        metric = getattr(self, f"{stage}_acc")
+        metric(logits.argmax(-1), labels)
+        self.log(f"{stage}_acc", metric, prog_bar=True)
+        return loss
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self._step(batch, "train")
+
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self._step(batch, "val")
+
+    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
+        """Predicted ids: the argmax over the last dimension of the logits."""
+        inputs = batch[0] if isinstance(batch, (list, tuple)) else batch
+        return self(inputs).argmax(-1)
+
+
 def count_parameters(module: nn.Module) -> int:
     """Number of parameter elements (works on meta-device models)."""
     return sum(p.numel() for p in module.parameters())

@@ -24,7 +24,7 @@ from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_dapple.errors import require
-from lightning_dapple.models.common import SequentialLightningModule, check_dropout, check_positive
+from lightning_dapple.models.common import ClassifierSteps, SequentialLightningModule, check_dropout, check_positive
 
 # VGG configuration E: channels per conv; "M" ends a block with 2x2 max-pooling.
 VGG19_CONFIG = (64, 64, "M", 128, 128, "M", 256, 256, 256, 256, "M", 512, 512, 512, 512, "M", 512, 512, 512, 512, "M")
@@ -51,7 +51,7 @@ class FCLayer(nn.Module):
         return self.dropout(F.relu(self.linear(x.flatten(1))))
 
 
-class VGG19(SequentialLightningModule):
+class VGG19(ClassifierSteps, SequentialLightningModule):
     """VGG-19 image classifier; the default is the ImageNet model of DAPPLE Table 1.
 
     Batches are ``(images (B, 3, S, S), labels (B,))``; loss is the mean cross-entropy
@@ -109,29 +109,6 @@ class VGG19(SequentialLightningModule):
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits, labels)
-
-    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
-        images, labels = batch
-        logits = self(images)
-        loss = self.loss(logits, labels)
-        self.log("train_loss", loss, prog_bar=True)
-        self.train_acc(logits.argmax(-1), labels)
-        self.log("train_acc", self.train_acc, prog_bar=True)
-        return loss
-
-    def validation_step(self, batch, batch_idx: int) -> torch.Tensor:
-        images, labels = batch
-        logits = self(images)
-        loss = self.loss(logits, labels)
-        self.log("val_loss", loss, prog_bar=True)
-        self.val_acc(logits.argmax(-1), labels)
-        self.log("val_acc", self.val_acc, prog_bar=True)
-        return loss
-
-    def predict_step(self, batch, batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
-        """Predicted class ids (B,)."""
-        images = batch[0] if isinstance(batch, (list, tuple)) else batch
-        return self(images).argmax(-1)
 
     def configure_optimizers(self):
         if self.hparams.optimizer == "adam":
