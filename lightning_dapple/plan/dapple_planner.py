@@ -55,6 +55,7 @@ How this differs from a literal reading, and why:
 from __future__ import annotations
 
 import bisect
+import heapq
 import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
@@ -176,11 +177,12 @@ class _Cand:
 
 
 def _walk_from(phases: Sequence[tuple[float, float, float]], pivot: int, m1: int) -> int:
-    """Algorithm 1 continued from ``pivot`` towards stage 0."""
+    """Algorithm 1 continued from ``pivot`` towards stage 0 (as ``costs.pivot_stage``:
+    the work charged against a move runs from s + 1 up to and including the pivot)."""
     for s in range(pivot - 1, -1, -1):
         own = m1 * (phases[s][0] + phases[s][1])
         current = m1 * (phases[pivot][0] + phases[pivot][1])
-        current += sum(phases[k][0] + phases[k][1] for k in range(s + 1, pivot))
+        current += sum(phases[k][0] + phases[k][1] for k in range(s + 1, pivot + 1))
         if own > current:
             pivot = s
     return pivot
@@ -201,14 +203,50 @@ def _pivot_parts(phases: Sequence[tuple[float, float, float]], q: int, m1: int) 
 
 
 def _dominates(a: _Cand, b: _Cand) -> bool:
+    """``a`` is at least as good as ``b`` for every completion we can reason about.
+
+    Only ``tpl`` and ``max_fb`` of the ranking are compared, so the pre-filter in
+    ``expand`` compares ranks before building a candidate only when that is safe.
+    """
     return (
-        a.pf <= b.pf
+        a.tpl <= b.tpl
+        and a.max_fb <= b.max_fb
+        and a.pf <= b.pf
         and a.tail <= b.tail
         and a.claim <= b.claim
-        and a.max_fb <= b.max_fb
         and a.smax >= b.smax
-        and a.tpl <= b.tpl
     )
+
+
+def _rank(c: _Cand) -> tuple[float, ...]:
+    """Which of a sub-problem's non-dominated candidates to keep when there are too many:
+    the paper's own criterion first (T_PL, the latency with the rest as one stage), then
+    the bound, then balance."""
+    return (c.tpl, c.lb, c.max_fb, c.claim, c.pf + max(c.tail, 0.0), -c.smax)
+
+
+BEAM_MODE = "mixed"
+
+
+def _beam_select(layer: list[_Cand], beam: int) -> list[_Cand]:
+    """The sub-problems of one layer j worth expanding: half by the bound (optimistic),
+    half by T_PL (the latency actually reached with the rest as one stage)."""
+    if BEAM_MODE == "lb":
+        return sorted(layer, key=lambda c: (c.lb, c.tpl))[:beam]
+    if BEAM_MODE == "tpl":
+        return sorted(layer, key=lambda c: (c.tpl, c.lb))[:beam]
+    by_bound = sorted(layer, key=lambda c: (c.lb, c.tpl))
+    by_tpl = sorted(layer, key=lambda c: (c.tpl, c.lb))
+    chosen: list[_Cand] = []
+    seen: set[int] = set()
+    for a, b in zip(by_bound, by_tpl):
+        for c in (a, b):
+            if id(c) not in seen and len(chosen) < beam:
+                seen.add(id(c))
+                chosen.append(c)
+        if len(chosen) >= beam:
+            break
+    return chosen
 
 
 class _Top:
@@ -245,12 +283,83 @@ class _Settings:
     schedule: str
     keep_per_state: int
     straight_only: bool = False
+    extended: bool = True
+    beam: int | None = None
+
+    @property
+    def beam_insert(self) -> int:
+        """Sub-problems admitted per layer when a beam is set (more than are expanded)."""
+        return 4 * (self.beam or 0)
+
+
+@dataclass
+class _Succ:
+    """One placement of a next stage: its ranks, what is left, and the new state's key."""
+
+    r: int
+    ranks: tuple[int, ...]
+    occupied: frozenset[int]
+    rest: tuple[int, ...]
+    key: Any = None  # filled when first needed
+
+
+def p2p_ms_fast(cluster: Cluster, num_bytes: float, senders: Sequence[int], receivers: Sequence[int]) -> float:
+    """``Cluster.p2p_ms`` in O(a + b) instead of O(a b): the split-concat pieces (DAPPLE
+    5.2.2) are the overlaps of two partitions of [0, 1), found by one sweep in the same
+    (sender, receiver) order, so the sums are accumulated exactly as ``p2p_ms`` does.
+    ``tests/test_planner.py`` checks the two agree."""
+    if num_bytes <= 0:
+        return 0.0
+    a, b = len(senders), len(receivers)
+    per = cluster.devices_per_machine
+    network_out: dict[int, float] = {}
+    network_in: dict[int, float] = {}
+    local_out: dict[int, float] = {}
+    local_in: dict[int, float] = {}
+    i = j = 0
+    while i < a and j < b:
+        lo = max(i / a, j / b)
+        end_i, end_j = (i + 1) / a, (j + 1) / b
+        hi = min(end_i, end_j)
+        if hi > lo + 1e-12:
+            src, dst = senders[i], receivers[j]
+            if src != dst:
+                size = (hi - lo) * num_bytes
+                ms, md = src // per, dst // per
+                if ms != md:
+                    network_out[ms] = network_out.get(ms, 0.0) + size
+                    network_in[md] = network_in.get(md, 0.0) + size
+                else:
+                    local_out[src] = local_out.get(src, 0.0) + size
+                    local_in[dst] = local_in.get(dst, 0.0) + size
+        if end_i < end_j:
+            i += 1
+        elif end_j < end_i:
+            j += 1
+        else:
+            i += 1
+            j += 1
+    network = max([*network_out.values(), *network_in.values(), 0.0]) / cluster.bytes_per_ms(cluster.inter_bandwidth_gbps)
+    local = max([*local_out.values(), *local_in.values(), 0.0]) / cluster.bytes_per_ms(cluster.intra_bandwidth_gbps)
+    if network == 0.0 and local == 0.0:
+        return 0.0
+    return max(network, local) + cluster.latency_ms
+
+
+class _Shared:
+    """Memo tables that do not depend on M: placements offered per placement state."""
+
+    def __init__(self) -> None:
+        self.successors: dict[tuple, list[_Succ]] = {}
 
 
 class _Search:
     """One DP run for a fixed number of micro-batches M."""
 
-    def __init__(self, tables: _Tables, cluster: Cluster, global_batch_size: int, micro_batches: int, min_slice: int, settings: _Settings) -> None:
+    def __init__(self, tables: _Tables, cluster: Cluster, global_batch_size: int, micro_batches: int, min_slice: int, settings: _Settings, shared: _Shared | None = None) -> None:
+        self.shared = shared or _Shared()
+        self._c1: dict[tuple, float] = {}
+        self.shallow = False
         self.t = tables
         self.cluster = cluster
         self.m = micro_batches
@@ -283,6 +392,14 @@ class _Search:
         with np.errstate(divide="ignore", invalid="ignore"):
             kmax = np.where(stash > 0, np.floor(room / np.where(stash > 0, stash, 1.0)), np.where(room >= 0, _INF, -1.0))
         kmax = np.where(room < 0, -1.0, kmax)
+        # floor() of a quotient can be one off; settle it with the exact test the filter uses
+        finite = np.isfinite(kmax) & (kmax >= 0)
+        safe = np.where(finite, kmax, 0.0)
+        up = finite & (weights + (safe + 1) * stash <= self.cap)
+        kmax = np.where(up, kmax + 1, kmax)
+        safe = np.where(finite, kmax, 0.0)
+        down = finite & (weights + safe * stash > self.cap)
+        kmax = np.where(down, kmax - 1, kmax)
         if self.settings.schedule == "gpipe":
             return np.where(kmax >= self.m, _INF, -1.0)
         if self.settings.policy == "PA":
@@ -302,7 +419,7 @@ class _Search:
         key = (senders, receivers)
         if key not in self._p2p:
             probe = 1e6
-            self._p2p[key] = ((self.cluster.p2p_ms(probe, senders, receivers) - self.lat) / probe, self.lat)
+            self._p2p[key] = ((p2p_ms_fast(self.cluster, probe, senders, receivers) - self.lat) / probe, self.lat)
         return self._p2p[key]
 
     def p2p(self, num_bytes: np.ndarray, senders: tuple[int, ...], receivers: tuple[int, ...]) -> np.ndarray:
@@ -318,26 +435,42 @@ class _Search:
             on[rank // self.per] += 1
         return tuple(sorted(zip(free, on)))
 
+    def bound(self, max_fb, sum_fb, remaining):  # noqa: ANN001, ANN201 - arrays or floats
+        """Lower bound on formula 2 for any completion of a prefix (see ``lower_bound``)."""
+        return np.maximum(self.m1 * max_fb, sum_fb + self.m * remaining)
+
     # -- the DP ---------------------------------------------------------------------
 
-    def run(self, top: _Top) -> None:
+    def run(self, top: _Top, shallow: bool = False) -> None:
+        """The DP over sub-problems in order of planned layers j. ``shallow`` prices only
+        the plans of at most two stages (used to order the M candidates)."""
         n = self.t.n
         g = self.cluster.num_devices
         if self.rmax < 1:
             return
         root = _Cand((), (), frozenset(), 0, 0.0, _NEG, _NEG, 0.0, 0.0, _INF, 0.0, _INF)
         self.complete_root(root, top)
+        self.shallow = shallow
+        if shallow:
+            if g >= 2 and n >= 2:
+                self.expand(root, g, [dict() for _ in range(n + 1)], top)
+            return
         states: list[dict[Any, list[_Cand]]] = [dict() for _ in range(n + 1)]
         states[0][()] = [root]
+        self._beam_lbs: list[list[float]] = [[] for _ in range(n + 1)]
+        beam = self.settings.beam
         for j in range(n):
-            for cands in states[j].values():
-                for cand in cands:
-                    if cand.lb >= top.threshold:
-                        continue
-                    free = g - len(cand.occupied)
-                    if free < 2 or n - j < 2:
-                        continue
-                    self.expand(cand, free, states, top)
+            layer = [cand for cands in states[j].values() for cand in cands]
+            states[j] = {}
+            if beam is not None and len(layer) > beam:
+                layer = _beam_select(layer, beam)
+            for cand in layer:
+                if cand.lb >= top.threshold:
+                    continue
+                free = g - len(cand.occupied)
+                if free < 2 or n - j < 2:
+                    continue
+                self.expand(cand, free, states, top)
 
     def complete_root(self, root: _Cand, top: _Top) -> None:
         """The one-stage plan: DP over all devices (or the single device)."""
@@ -355,164 +488,229 @@ class _Search:
         latency = f + self.m1 * (f + b) + (ar + b)
         top.add(latency, self.m, ((0, n, ranks),))
 
+    def successors(self, occupied: frozenset[int], last: tuple[int, ...] | None, r: int) -> list[_Succ]:
+        """The placements the policies offer for r devices after ``occupied`` (DAPPLE 4.2),
+        memoised across M."""
+        key = (occupied, last, r, self.settings.extended)
+        found = self.shared.successors.get(key)
+        if found is None:
+            state = PlacementState(self.cluster, occupied)
+            found = []
+            for _, ranks in placement_options(state, r, near=last, extended=self.settings.extended):
+                taken = occupied.union(ranks)
+                rest = tuple(x for x in range(self.cluster.num_devices) if x not in taken)
+                found.append(_Succ(r, ranks, taken, rest))
+            self.shared.successors[key] = found
+        return found
+
     def expand(self, cand: _Cand, free: int, states: list[dict[Any, list[_Cand]]], top: _Top) -> None:
+        """All successors of one sub-problem at once: every replica count r, every placement
+        the policies offer and every end J of the new stage, as (pairs x J) arrays."""
         t, n, m1 = self.t, self.t.n, self.m1
         j = cand.end
         k = len(cand.stages)  # index of the new stage
         if cand.smax < k + 2:
             return
-        state = PlacementState(self.cluster, cand.occupied)
         last = cand.last
-        hs: list[float] = []
-        data: list[tuple[float, float, float]] = []
-        if cand.stages:
-            hs, data = cand.records(m1)
-        rec_h = np.array(hs)
-        rec_ws = np.array([d[0] for d in data])
-        rec_e = np.array([d[1] for d in data])
-        rec_b = np.array([d[2] for d in data])
         boundary = t.output[j - 1] * self.whole if j > 0 else 0.0
-        sizes = range(1, min(free - 1, self.rmax) + 1) if not self.settings.straight_only else range(1, 2)
-        for r in sizes:
-            rest = free - r
-            s_r = self.scale(r)
-            s_f = self.scale(rest) if rest <= self.rmax else 0.0
-            complete_ok = rest <= self.rmax and (not self.settings.straight_only or rest == 1)
-            extend_ok = rest >= 2
-            if not complete_ok and not extend_ok:
+        thr = top.threshold
+        rmax = self.rmax
+        straight = self.settings.straight_only
+        can_extend = cand.smax >= k + 3
+        sizes = [
+            r
+            for r in range(1, min(free - 1, rmax) + 1)
+            if (not straight or r == 1)
+            and ((free - r <= rmax and (not straight or free - r == 1)) or (free - r >= 2 and can_extend))
+        ]
+        if not sizes:
+            return
+        # bracket the new stage's end J with parts of the bound: known F+B plus the new
+        # stage's (grows with J), (M-1) x the new stage's F+B, known F+B plus M x the work left
+        # per remaining device (shrinks with J)
+        row = t.work[j, j + 1 : n]
+        if thr < _INF:
+            s_r = np.array([self.scale(r) for r in sizes])[:, None]
+            per_rest = np.array([self.m * self.whole / (free - r) for r in sizes])[:, None]
+            room = thr - cand.sum_fb
+            fbn_low = row[None, :] * s_r
+            mask = (fbn_low < room) & (t.work[j + 1 : n, n][None, :] * per_rest < room)
+            if m1 >= 1:
+                mask &= m1 * fbn_low < thr
+        else:
+            mask = np.ones((len(sizes), n - 1 - j), dtype=bool)
+        usable = {r: index for index, r in enumerate(sizes) if mask[index].any()}
+        if not usable:
+            return
+        pairs = []
+        rows = []
+        for r, index in usable.items():
+          for succ in self.successors(cand.occupied, last, r):
+            if last is not None and boundary > 0:
+                ckey = (j, last, succ.ranks)
+                c1 = self._c1.get(ckey)
+                if c1 is None:
+                    c1 = self._c1[ckey] = p2p_ms_fast(self.cluster, boundary, last, succ.ranks)
+            else:
+                c1 = 0.0
+            if m1 >= 1 and m1 * max(cand.max_fb, 2.0 * c1) >= thr:
                 continue
-            thr = top.threshold
-            # bracket the new stage's end J with the (M-1) max(F+B) bound
-            lo, hi = j + 1, n - 1  # J in [lo, hi]
-            if m1 >= 1 and thr < _INF:
-                limit = thr / m1
-                row = t.work[j, lo : hi + 1] * s_r
-                hi = lo + int(np.searchsorted(row, limit, side="left")) - 1
-                col = t.work[lo : hi + 1, n] * self.whole / rest if hi >= lo else np.zeros(0)
-                if hi >= lo:
-                    # col is non-increasing; first index where it drops below the limit
-                    below = np.nonzero(col < limit)[0]
-                    if below.size == 0:
-                        continue
-                    lo = lo + int(below[0])
-            if hi < lo:
-                continue
-            for _, ranks in placement_options(state, r):
-                thr = top.threshold
-                occupied = cand.occupied.union(ranks)
-                rest_ranks = tuple(x for x in range(self.cluster.num_devices) if x not in occupied)
-                c1 = self.cluster.p2p_ms(boundary, last, ranks) if last is not None and boundary > 0 else 0.0
-                fb1 = 2.0 * c1
-                if m1 >= 1 and m1 * max(cand.max_fb, fb1) >= thr:
+            rest = free - succ.r
+            complete_ok = rest <= rmax and (not straight or rest == 1)
+            extend_ok = rest >= 2 and can_extend
+            pairs.append((succ.r, succ.ranks, succ.rest, succ.occupied, c1, succ, complete_ok, extend_ok))
+            rows.append(index)
+        if not pairs:
+            return
+        inside_all = mask[rows]
+        columns = np.nonzero(inside_all.any(axis=0))[0]
+        lo0, hi0 = j + 1 + int(columns[0]), j + 1 + int(columns[-1])
+        inside = inside_all[:, columns[0] : columns[-1] + 1]
+        J = np.arange(lo0, hi0 + 1)
+        rs = [p[0] for p in pairs]
+        rests = [len(p[2]) for p in pairs]
+        col = lambda values: np.array(values, dtype=float)[:, None]  # noqa: E731
+        s_r = col([self.scale(r) for r in rs])
+        s_f = col([self.scale(f) if f <= self.rmax else 0.0 for f in rests])
+        c1 = col([p[4] for p in pairs])
+        complete_ok = np.array([p[6] for p in pairs])[:, None]
+        extend_ok = np.array([p[7] for p in pairs])[:, None]
+        # the new stage n = [j, J) on `ranks`
+        fn = t.forward[j, lo0 : hi0 + 1][None, :] * s_r
+        bn = t.backward[j, lo0 : hi0 + 1][None, :] * s_r
+        pn = t.params[j, lo0 : hi0 + 1][None, :]
+        an = self.allreduce_rows(pn, [p[1] for p in pairs])
+        tmax_n = self.t_max(pn * self.weight_factor, t.stash[j, lo0 : hi0 + 1][None, :] * s_r)
+        fbn = fn + bn
+        fb1 = 2.0 * c1
+        tpl = np.full(fn.shape, _INF)
+        if complete_ok.any() and cand.smax >= k + 2:
+            tpl = self.complete_rows(cand, k, j, J, pairs, inside & complete_ok, c1, fn, bn, an, tmax_n, s_f, top)
+        # successors that stay sub-problems: the layers after J still to be split
+        remaining = t.work[lo0 : hi0 + 1, n][None, :] * (self.whole / col(rests))
+        max_fb = np.maximum(np.maximum(cand.max_fb, fb1), fbn)
+        sum_fb = cand.sum_fb + fb1 + fbn
+        lb = self.bound(max_fb, sum_fb, remaining)
+        ok = inside & extend_ok & (tmax_n >= 3) & (J[None, :] <= n - 2) & (lb < top.threshold)
+        if self.shallow or not ok.any():
+            return
+        beam = self.settings.beam
+        if beam is not None:
+            # a sub-problem layer keeps only its `beam` lowest bounds; skip what cannot enter
+            width = self.settings.beam_insert
+            cut = np.array([-self._beam_lbs[jj][0] if len(self._beam_lbs[jj]) >= width else _INF for jj in J.tolist()])
+            ok &= lb < cut[None, :]
+            if not ok.any():
+                return
+        pf = cand.pf + c1 + fn
+        tail = np.maximum(np.maximum(cand.tail + c1 + bn, c1 + bn), an + bn)
+        claim = np.maximum(np.maximum(cand.claim - fb1 - fbn, m1 * fb1 - fbn), m1 * fbn)
+        smax = np.minimum(cand.smax, k + tmax_n)
+        full = self.settings.keep_per_state
+        for p, i in zip(*np.nonzero(ok)):
+            pair = pairs[p]
+            jj = int(J[i])
+            succ = pair[5]
+            key = succ.key
+            if key is None:
+                key = succ.key = self.key(succ.occupied, succ.ranks)
+            bucket = states[jj].get(key)
+            if bucket is not None and len(bucket) >= full:
+                worst = bucket[-1]
+                # ranks behind every kept candidate and cannot dominate the worst of them
+                if tpl[p, i] > worst.tpl and max_fb[p, i] > worst.max_fb:
                     continue
-                J = np.arange(lo, hi + 1)
-                fn = t.forward[j, lo : hi + 1] * s_r
-                bn = t.backward[j, lo : hi + 1] * s_r
-                pn = t.params[j, lo : hi + 1]
-                an = self.allreduce(pn, ranks)
-                stn = t.stash[j, lo : hi + 1] * s_r
-                wn = pn * self.weight_factor
-                tmax_n = self.t_max(wn, stn)
-                fbn = fn + bn
-                tpl = None
-                if complete_ok:
-                    tpl = self.complete(cand, k, j, J, ranks, rest_ranks, c1, fn, bn, an, tmax_n, s_f, rec_h, rec_ws, rec_e, rec_b, top)
-                if extend_ok and lo <= n - 2:
-                    self.extend(cand, k, j, J, ranks, occupied, c1, fn, bn, an, tmax_n, fbn, rest, tpl, states, top)
+            c = pair[4]
+            new = _Cand(
+                stages=cand.stages + ((j, jj, pair[1]),),
+                phases=cand.phases + (((c, c, 0.0),) if c > 0 else ()) + ((float(fn[p, i]), float(bn[p, i]), float(an[p, i])),),
+                occupied=pair[3],
+                end=jj,
+                pf=float(pf[p, i]),
+                tail=float(tail[p, i]),
+                claim=float(claim[p, i]),
+                max_fb=float(max_fb[p, i]),
+                sum_fb=float(sum_fb[p, i]),
+                smax=float(smax[p, i]),
+                lb=float(lb[p, i]),
+                tpl=float(tpl[p, i]),
+            )
+            self.insert(states[jj], key, new)
+            if beam is not None:
+                heap = self._beam_lbs[jj]
+                if len(heap) < self.settings.beam_insert:
+                    heapq.heappush(heap, -new.lb)
+                elif new.lb < -heap[0]:
+                    heapq.heapreplace(heap, -new.lb)
 
-    def complete(self, cand, k, j, J, ranks, rest_ranks, c1, fn, bn, an, tmax_n, s_f, rec_h, rec_ws, rec_e, rec_b, top) -> np.ndarray | None:  # noqa: PLR0913
-        """Price prefix + new stage [j, J) + the rest as one stage, for every J at once;
-        record the good ones and return the latencies (inf where invalid)."""
+    def allreduce_rows(self, params: np.ndarray, groups: Sequence[tuple[int, ...]]) -> np.ndarray:
+        """``allreduce_ms`` of ``params`` (one row, broadcast) for each rank group (rows)."""
+        coef = np.array([2.0 * (len(g) - 1) / len(g) if len(g) > 1 else 0.0 for g in groups])[:, None]
+        bpm = np.array([self.cluster.bytes_per_ms(self.cluster.ring_bandwidth_gbps(g)) for g in groups])[:, None]
+        multi = np.array([len(g) > 1 for g in groups])[:, None]
+        return np.where(multi & (params > 0), coef * params / bpm + self.lat, 0.0)
+
+    def complete_rows(self, cand, k, j, J, pairs, valid, c1, fn, bn, an, tmax_n, s_f, top) -> np.ndarray:  # noqa: PLR0913
+        """Price prefix + new stage [j, J) + the rest as one stage (formula 2, incrementally);
+        record the plans that enter the top list; return the latencies (inf if invalid)."""
         t, n, m1 = self.t, self.t.n, self.m1
-        ok = tmax_n >= 2
-        fr = t.forward[J, n] * s_f
-        br = t.backward[J, n] * s_f
-        ar = self.allreduce(t.params[J, n], rest_ranks)
-        mem_r = t.params[J, n] * self.weight_factor + self.k_of(1) * (t.stash[J, n] * s_f)
-        ok &= mem_r <= self.cap
-        if not ok.any():
-            return None
-        c2 = self.p2p(t.output[J - 1] * self.whole, ranks, rest_ranks)
+        lo0, hi0 = int(J[0]), int(J[-1])
+        fr = t.forward[lo0 : hi0 + 1, n][None, :] * s_f
+        br = t.backward[lo0 : hi0 + 1, n][None, :] * s_f
+        pr = t.params[lo0 : hi0 + 1, n][None, :]
+        ar = self.allreduce_rows(pr, [p[2] for p in pairs])
+        mem_r = pr * self.weight_factor + self.k_of(1) * (t.stash[lo0 : hi0 + 1, n][None, :] * s_f)
+        valid = valid & (tmax_n >= 2) & (mem_r <= self.cap)
+        if not valid.any():
+            return np.full(fn.shape, _INF)
+        out = (t.output[lo0 - 1 : hi0] * self.whole)[None, :]
+        units = np.array([self.p2p_unit(p[1], p[2])[0] for p in pairs])[:, None]
+        c2 = np.where(out > 0, out * units + self.lat, 0.0)
         fb1, fbn, fb2, fbr = 2.0 * c1, fn + bn, 2.0 * c2, fr + br
-        # Algorithm 1 over the new phases (R, c2, n, c1), then into the prefix
+        # Algorithm 1 over the new phases (R, c2, n, c1); a = F+B after the phase being
+        # checked up to and including the pivot (costs.pivot_stage)
         v = m1 * fbr
-        a = np.zeros_like(v)
+        a = fbr + 0.0
         q = np.full(v.shape, 3)
-        for code, own_fb in ((2, fb2), (1, fbn), (0, fb1)):
+        for code, own_fb in ((2, fb2), (1, fbn), (0, fb1 + 0.0 * v)):
             l1 = m1 * own_fb
             move = l1 > v + a
             v = np.where(move, l1, v)
-            a = np.where(move, 0.0, a + own_fb)
+            a = np.where(move, own_fb, a + own_fb)
             q = np.where(move, code, q)
         b1, b2 = c1, c2
-        pf = cand.pf
         e_pre = cand.tail
-        w0 = pf + c1
+        w0 = cand.pf + c1
         w1 = w0 + fn
         w2 = w1 + c2
         w3 = w2 + fr
-        end3 = np.maximum.reduce([e_pre + b1 + bn + b2 + br, an + bn + b2 + br, b2 + br, ar + br])
-        end2 = np.maximum.reduce([e_pre + b1 + bn + b2, an + bn + b2, b2, ar - br])
-        end1 = np.maximum.reduce([e_pre + b1 + bn, an + bn, -b2 + np.zeros_like(v), ar - b2 - br])
-        end0 = np.maximum.reduce([e_pre + b1 + np.zeros_like(v), an - bn, -bn - b2, ar - bn - b2 - br])
-        latency = np.select([q == 3, q == 2, q == 1], [w3 + v + end3, w2 + v + end2, w1 + v + end1], w0 + v + end0)
-        if rec_h.size:
+        end3 = np.maximum(np.maximum(e_pre + b1 + bn + b2 + br, an + bn + b2 + br), np.maximum(b2 + br, ar + br))
+        end2 = np.maximum(np.maximum(e_pre + b1 + bn + b2, an + bn + b2), np.maximum(b2, ar - br))
+        end1 = np.maximum(np.maximum(e_pre + b1 + bn, an + bn), np.maximum(-b2, ar - b2 - br))
+        end0 = np.maximum(np.maximum(e_pre + b1 + 0.0 * v, an - bn), np.maximum(-bn - b2, ar - bn - b2 - br))
+        latency = np.where(q == 3, w3 + v + end3, np.where(q == 2, w2 + v + end2, np.where(q == 1, w1 + v + end1, w0 + v + end0)))
+        if cand.stages:
+            hs, data = cand.records(m1)
+            rec_h = np.array(hs)
             idx = np.searchsorted(rec_h, v + a, side="right")
-            inside = idx < rec_h.size
-            if inside.any():
+            inner = idx < rec_h.size
+            if inner.any():
                 ii = np.minimum(idx, rec_h.size - 1)
-                bq = rec_b[ii]
-                end_in = np.maximum.reduce([rec_e[ii], an - bq - b1 - bn, ar - bq - b1 - bn - b2 - br])
-                latency = np.where(inside, rec_ws[ii] + end_in, latency)
+                rec_ws = np.array([d[0] for d in data])[ii]
+                rec_e = np.array([d[1] for d in data])[ii]
+                bq = np.array([d[2] for d in data])[ii]
+                end_in = np.maximum(np.maximum(rec_e, an - bq - b1 - bn), ar - bq - b1 - bn - b2 - br)
+                latency = np.where(inner, rec_ws + end_in, latency)
+        latency = np.where(valid, latency, _INF)
         thr = top.threshold
-        good = np.nonzero(ok & (latency < thr))[0]
-        for i in good:
+        for p, i in zip(*np.nonzero(latency < thr)):
+            pair = pairs[p]
             jj = int(J[i])
-            top.add(float(latency[i]), self.m, cand.stages + ((j, jj, ranks), (jj, n, rest_ranks)))
-        return np.where(ok, latency, _INF)
-
-    def extend(self, cand, k, j, J, ranks, occupied, c1, fn, bn, an, tmax_n, fbn, rest, tpl, states, top) -> None:  # noqa: PLR0913
-        """Turn prefix + new stage [j, J) into sub-problems at J that may still beat the bound."""
-        t, n, m1 = self.t, self.t.n, self.m1
-        if cand.smax < k + 3:
-            return
-        fb1 = 2.0 * c1
-        remaining = t.work[J, n] * self.whole / rest
-        max_fb = np.maximum(np.maximum(cand.max_fb, fb1), fbn)
-        sum_fb = cand.sum_fb + fb1 + fbn
-        if m1 >= 1:
-            lb = m1 * np.maximum(max_fb, remaining)
-        else:
-            lb = sum_fb + remaining
-        ok = (tmax_n >= 3) & (J <= n - 2) & (lb < top.threshold)
-        if not ok.any():
-            return
-        pf = cand.pf + c1 + fn
-        tail = np.maximum.reduce([cand.tail + c1 + bn, (c1 + bn) + np.zeros_like(fn), an + bn])
-        claim = np.maximum.reduce([cand.claim - fb1 - fbn, m1 * fb1 - fbn, m1 * fbn])
-        smax = np.minimum(cand.smax, k + tmax_n)
-        key = self.key(occupied, ranks)
-        base_phases = cand.phases + (((c1, c1, 0.0),) if c1 > 0 else ())
-        ar_exact = an
-        for i in np.nonzero(ok)[0]:
-            jj = int(J[i])
-            new = _Cand(
-                stages=cand.stages + ((j, jj, ranks),),
-                phases=base_phases + ((float(fn[i]), float(bn[i]), float(ar_exact[i])),),
-                occupied=occupied,
-                end=jj,
-                pf=float(pf[i]),
-                tail=float(tail[i]),
-                claim=float(claim[i]),
-                max_fb=float(max_fb[i]),
-                sum_fb=float(sum_fb[i]),
-                smax=float(smax[i]),
-                lb=float(lb[i]),
-                tpl=float(tpl[i]) if tpl is not None else _INF,
-            )
-            self.insert(states[jj], key, new)
+            top.add(float(latency[p, i]), self.m, cand.stages + ((j, jj, pair[1]), (jj, n, pair[2])))
+        return latency
 
     def insert(self, bucket: dict[Any, list[_Cand]], key: Any, new: _Cand) -> None:
+        """Keep the ``keep_per_state`` best (``_rank``) non-dominated candidates, sorted."""
         cands = bucket.get(key)
         if cands is None:
             bucket[key] = [new]
@@ -522,9 +720,8 @@ class _Search:
                 return
         kept = [old for old in cands if not _dominates(new, old)]
         kept.append(new)
-        if len(kept) > self.settings.keep_per_state:
-            kept.sort(key=lambda c: (c.tpl, c.lb, c.pf + max(c.tail, 0.0)))
-            del kept[self.settings.keep_per_state :]
+        kept.sort(key=_rank)
+        del kept[self.settings.keep_per_state :]
         bucket[key] = kept
 
 
@@ -533,6 +730,32 @@ class _Search:
 
 def _to_stages(raw: RawStages) -> tuple[StagePlan, ...]:
     return tuple(StagePlan(layers=(a, b), devices=tuple(sorted(devices))) for a, b, devices in raw)
+
+
+SMALL_INSTANCE = 256  # layers x devices up to which the search keeps everything it can
+
+
+def search_effort(num_layers: int, num_devices: int, keep_per_state: int | None = None, beam: int | None | str = "auto") -> tuple[int, int | None]:
+    """(candidates kept per sub-problem, sub-problems expanded per layer) for an instance.
+
+    Small instances (layers x devices <= 256, which covers every exhaustive check) keep four
+    non-dominated candidates per sub-problem and no beam: the search then matches brute force
+    (tests/test_planner_optimality.py). Larger ones keep two and expand, per number of
+    planned layers j, only the 16 sub-problems with the lowest bound (admitting 64): a
+    beam that keeps BERT-48 on 16 devices and 128 layers on 64 devices within the time
+    budget while finding the same plans as the unbounded search on the Table 4 models
+    (benchmarks/bench_planner.py).
+    """
+    small = num_layers * num_devices <= SMALL_INSTANCE
+    if keep_per_state is None:
+        keep_per_state = 4 if small else 2
+    if beam == "auto":
+        beam = None if small else 16
+    if beam is not None and (not isinstance(beam, int) or beam < 1):
+        raise DappleConfigError("beam", f"must be a positive integer, None or 'auto', got {beam!r}", "leave it at 'auto'")
+    if not isinstance(keep_per_state, int) or keep_per_state < 1:
+        raise DappleConfigError("keep_per_state", f"must be a positive integer, got {keep_per_state!r}", "leave it out")
+    return keep_per_state, beam  # type: ignore[return-value]
 
 
 def dapple_search(
@@ -544,38 +767,130 @@ def dapple_search(
     policy: str = "PA",
     min_slice: int | None = None,
     keep: int = 4,
-    keep_per_state: int = 4,
+    keep_per_state: int | None = None,
     straight_only: bool = False,
+    extended_placement: bool = True,
+    beam: int | None | str = "auto",
 ) -> list[Scored]:
     """The ``keep`` best plans under formula 2 that fit in memory, best first.
 
     ``cluster`` must already be the device set to plan for (see ``subcluster``). Every plan
-    returned is re-priced with ``score_stages`` (the official cost model).
+    returned is re-priced with ``score_stages`` (the official cost model). The search effort
+    (``keep_per_state``, ``beam``) defaults by instance size, see ``search_effort``.
     """
     check_inputs(schedule, policy, global_batch_size)
     floor = default_min_slice(profile, min_slice)
     candidates, floor = candidate_micro_batches(global_batch_size, floor, micro_batches)
+    keep_per_state, beam = search_effort(profile.num_layers, cluster.num_devices, keep_per_state, beam)
     tables = _Tables(profile)
-    settings = _Settings(policy=policy, schedule=schedule, keep_per_state=keep_per_state, straight_only=straight_only)
+    settings = _Settings(policy=policy, schedule=schedule, keep_per_state=keep_per_state, straight_only=straight_only, extended=extended_placement, beam=beam)
     top = _Top(keep)
+    shared = _Shared()
     total_work = float(tables.work[0, tables.n])
     g = cluster.num_devices
 
     def bound(m: int) -> float:
-        mbs = global_batch_size // m
-        return max(m - 1, 1) * total_work * (mbs / tables.pbs) / g
+        # no plan beats M x (all work of one micro-batch) / G (lower_bound with an empty prefix)
+        return m * total_work * ((global_batch_size // m) / tables.pbs) / g
 
-    for m in sorted(candidates, key=lambda m: (bound(m), m)):
+    # Order the M candidates by their best plan of at most two stages (cheap), so that the
+    # full searches start with a tight bound and later M are pruned hard.
+    searches = {m: _Search(tables, cluster, global_batch_size, m, floor, settings, shared) for m in candidates}
+    shallow_best: dict[int, float] = {}
+    for m, search in searches.items():
+        probe = _Top(1)
+        search.run(probe, shallow=True)
+        shallow_best[m] = probe.items[0][0] if probe.items else _INF
+        for latency, _, mm, raw in probe.items:
+            top.add(latency, mm, raw)
+    for m in sorted(candidates, key=lambda m: (shallow_best[m], m)):
         if bound(m) >= top.threshold:
             continue
-        _Search(tables, cluster, global_batch_size, m, floor, settings).run(top)
+        searches[m].run(top)
     scored = []
     for _, _, m, raw in top.items:
         item = score_stages(profile, cluster, _to_stages(raw), global_batch_size, m, policy, schedule)
         if item.fits(cluster):
             scored.append(item)
+    if beam is not None and scored and not straight_only:
+        # the beam may have cut the way to a better plan: polish the best ones locally
+        polished = [polish(profile, cluster, item, global_batch_size, policy, schedule, floor) for item in scored[:2]]
+        known = {(item.micro_batches, item.stages) for item in scored}
+        scored.extend(item for item in polished if (item.micro_batches, item.stages) not in known)
     scored.sort(key=lambda item: (item.latency_ms, len(item.stages), item.micro_batches))
     return scored
+
+
+def _consecutive(shape: Sequence[tuple[int, int, int]]) -> tuple[StagePlan, ...]:
+    stages = []
+    rank = 0
+    for a, b, r in shape:
+        stages.append(StagePlan(layers=(a, b), devices=tuple(range(rank, rank + r))))
+        rank += r
+    return tuple(stages)
+
+
+def polish(
+    profile: ModelProfile,
+    cluster: Cluster,
+    start: Scored,
+    global_batch_size: int,
+    policy: str,
+    schedule: str,
+    min_slice: int,
+    rounds: int = 12,
+) -> Scored:
+    """Hill-climb from a DP result with small edits, keeping what formula 2 likes better.
+
+    Used after a beam-limited search (large instances), where the beam may have dropped the
+    prefix of a better plan: shift a stage boundary by 1, 2, 4 or 8 layers, move one replica
+    between two stages, merge two neighbours, or split a replicated stage in two. Edits that
+    change replica counts place stages on consecutive ranks; every candidate is priced with
+    ``score_stages`` and must fit in memory with slices of at least ``min_slice`` samples.
+    """
+    n = profile.num_layers
+    m = start.micro_batches
+    mbs = global_batch_size // m
+    rmax = min(mbs // min_slice, mbs)
+    best = start
+    seen: set[tuple] = {tuple((s.start, s.end, s.devices) for s in start.stages)}
+    for _ in range(rounds):
+        shape = [(s.start, s.end, s.replicas) for s in best.stages]
+        options: list[tuple[StagePlan, ...]] = []
+        for i in range(len(shape) - 1):
+            for delta in (-8, -4, -2, -1, 1, 2, 4, 8):
+                cut = best.stages[i].end + delta
+                if best.stages[i].start < cut < best.stages[i + 1].end:
+                    edited = list(best.stages)
+                    edited[i] = StagePlan((edited[i].start, cut), edited[i].devices)
+                    edited[i + 1] = StagePlan((cut, edited[i + 1].end), edited[i + 1].devices)
+                    options.append(tuple(edited))
+        for i in range(len(shape)):
+            for k in range(len(shape)):
+                if i != k and shape[i][2] >= 2 and shape[k][2] + 1 <= rmax:
+                    edited_shape = list(shape)
+                    edited_shape[i] = (shape[i][0], shape[i][1], shape[i][2] - 1)
+                    edited_shape[k] = (shape[k][0], shape[k][1], shape[k][2] + 1)
+                    options.append(_consecutive(edited_shape))
+            if i + 1 < len(shape) and shape[i][2] + shape[i + 1][2] <= rmax:
+                options.append(_consecutive(shape[:i] + [(shape[i][0], shape[i + 1][1], shape[i][2] + shape[i + 1][2])] + shape[i + 2 :]))
+            a, b, r = shape[i]
+            if r >= 2 and b - a >= 2:
+                mid = (a + b) // 2
+                options.append(_consecutive(shape[:i] + [(a, mid, r // 2), (mid, b, r - r // 2)] + shape[i + 1 :]))
+        improved = None
+        for stages in options:
+            key = tuple((s.start, s.end, s.devices) for s in stages)
+            if key in seen or any(s.replicas > rmax for s in stages):
+                continue
+            seen.add(key)
+            item = score_stages(profile, cluster, stages, global_batch_size, m, policy, schedule)
+            if item.fits(cluster) and item.latency_ms < (improved or best).latency_ms - 1e-9:
+                improved = item
+        if improved is None:
+            break
+        best = improved
+    return best
 
 
 def data_parallel_candidates(
@@ -665,7 +980,8 @@ def plan_dapple(
     num_devices: int | None = None,
     min_slice: int | None = None,
     rerank: int = 4,
-    keep_per_state: int = 4,
+    keep_per_state: int | None = None,
+    beam: int | None | str = "auto",
 ) -> Plan:
     """Plan ``profile`` on all devices of ``cluster`` with DAPPLE's planner (section 4).
 
@@ -676,7 +992,7 @@ def plan_dapple(
     check_inputs(schedule, policy, global_batch_size)
     cluster = subcluster(cluster, num_devices)
     best = dapple_search(
-        profile, cluster, global_batch_size, micro_batches, schedule, policy, min_slice, keep=max(rerank, 1), keep_per_state=keep_per_state
+        profile, cluster, global_batch_size, micro_batches, schedule, policy, min_slice, keep=max(rerank, 1), keep_per_state=keep_per_state, beam=beam
     )
     dp_all = data_parallel_candidates(profile, cluster, global_batch_size, micro_batches, schedule, policy, min_slice)
     dp = [item for item in dp_all if item.fits(cluster)][:1]

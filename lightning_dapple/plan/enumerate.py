@@ -13,13 +13,17 @@ not change any cost: ``allreduce_ms`` looks only at how many machines a stage sp
 per-device loads are just summed per device). So a placement is exactly described by how
 many devices every stage has on every machine -- a count matrix whose rows sum to the
 replica counts and whose columns sum to the devices per machine -- and we enumerate all such
-matrices. Machines are *not* treated as interchangeable: their order decides the
-split-concat pairing in ``p2p_ms``.
+matrices. Machines are *not* treated as interchangeable in general: their order decides the
+split-concat pairing in ``p2p_ms``. The exception is one device per machine (configs B and C
+of the paper): then every transfer between two stages crosses machines, each machine's link
+carries exactly its one device's share, and a ring spans machines iff it has two or more
+members, so only the replica counts matter and one canonical placement per count is scored.
 
-The search is exhaustive up to one proven bound: formula 2 is never below
-``(M-1) * max_s (F_s + B_s)`` over all stages, communication stages included (see
-``dapple_planner``'s docstring), so a partial plan whose known stages already reach the best
-latency found is not completed. ``prune=False`` turns even that off.
+The search is exhaustive up to a proven bound (``dapple_planner.lower_bound``): formula 2
+is never below ``(M-1) max_s (F_s + B_s)`` over all stages, communication stages included,
+nor below the F + B of a planned prefix plus M times the remaining work per remaining
+device, so a partial plan whose bound already reaches the best latency found is not
+completed. ``prune=False`` turns even that off.
 """
 from __future__ import annotations
 
@@ -67,6 +71,17 @@ def _count_vectors(total: int, free: list[int]) -> Iterator[tuple[int, ...]]:
             yield (take, *tail)
 
 
+def _first_free(total: int, free: list[int]) -> Iterator[tuple[int, ...]]:
+    """One device per machine: which machines a stage takes does not matter (see module doc)."""
+    counts = [0] * len(free)
+    for k, room in enumerate(free):
+        if total and room:
+            counts[k] = 1
+            total -= 1
+    if total == 0:
+        yield tuple(counts)
+
+
 def enumerate_best(
     profile: ModelProfile,
     cluster: Cluster,
@@ -87,6 +102,11 @@ def enumerate_best(
     per = cluster.devices_per_machine
     best: Scored | None = None
     scored = 0
+
+    # work[a]: F + B of layers a.. at the profile's batch (for the bound)
+    work = [0.0] * (n + 1)
+    for a in range(n - 1, -1, -1):
+        work[a] = work[a + 1] + profile.layers[a].forward_ms + profile.layers[a].backward_ms
 
     for m in candidates:
         mbs = global_batch_size // m
@@ -114,7 +134,8 @@ def enumerate_best(
                 cache[key] = stage_costs(profile, cluster, stages, mbs)[0]
             return cache[key]
 
-        def rec(start: int, free: list[int], chosen: list[tuple[int, int, tuple[int, ...]]]) -> None:
+        def rec(start: int, free: list[int], chosen: list[tuple[int, int, tuple[int, ...]]], known_max: float, known_sum: float) -> None:
+            # known_max / known_sum: F+B of every chosen stage and of every transfer between them
             nonlocal best, scored
             left = sum(free)
             if start == n:
@@ -138,27 +159,32 @@ def enumerate_best(
                 return
             if left == 0:
                 return
-            if prune and best is not None and chosen and m > 1:
-                # (M-1) max(F+B) over the stages whose costs are fully known (all but the last)
-                known = 0.0
-                for i in range(len(chosen) - 1):
-                    a, b, c = chosen[i]
-                    item = cost(a, b, c, (chosen[i + 1][1], chosen[i + 1][2]))
-                    known = max(known, item.forward_ms + item.backward_ms, 2 * item.send_ms)
-                if (m - 1) * known >= best.latency_ms:
-                    return
             for end in range(start + 1, n + 1):
                 if end == n:
                     sizes = [left] if left <= rmax else []
                 else:
                     sizes = list(range(1, min(left - 1, rmax) + 1))
                 for r in sizes:
-                    for counts in _count_vectors(r, free):
+                    for counts in (_count_vectors(r, free) if per > 1 else _first_free(r, free)):
+                        own = cost(start, end, counts, None)
+                        new_max = max(known_max, own.forward_ms + own.backward_ms)
+                        new_sum = known_sum + own.forward_ms + own.backward_ms
+                        if chosen:
+                            a, b, c = chosen[-1]
+                            send = cost(a, b, c, (end, counts)).send_ms
+                            new_max = max(new_max, 2 * send)
+                            new_sum += 2 * send
+                        if prune and best is not None:
+                            devices_left = left - r
+                            rest = work[end] * (mbs / profile.micro_batch_size) / devices_left if devices_left else 0.0
+                            bound = max((m - 1) * new_max, new_sum + m * rest)
+                            if bound >= best.latency_ms:
+                                continue
                         chosen.append((start, end, counts))
-                        rec(end, [f - c for f, c in zip(free, counts)], chosen)
+                        rec(end, [f - c for f, c in zip(free, counts)], chosen, new_max, new_sum)
                         chosen.pop()
 
-        rec(0, [per] * cluster.machines, [])
+        rec(0, [per] * cluster.machines, [], 0.0, 0.0)
     return EnumerationResult(best, scored)
 
 

@@ -41,7 +41,11 @@ __all__ = [
     "fresh_first",
     "append_first",
     "scatter_first",
+    "append_near",
+    "scatter_all",
+    "balance_first",
     "POLICIES",
+    "EXTENDED_POLICIES",
     "placement_options",
 ]
 
@@ -169,6 +173,55 @@ def scatter_first(state: PlacementState, n: int) -> tuple[int, ...] | None:
     return tuple(sorted(chosen)) if len(chosen) == n else None
 
 
+def append_near(state: PlacementState, n: int, near: Iterable[int] = ()) -> tuple[int, ...] | None:
+    """Append First, preferring the machines of ``near`` (the previous stage's ranks).
+
+    An extension of ours: keeping consecutive stages on the same machines sends their
+    activations over NVLink instead of the network. Machines of ``near`` are tried first (in
+    machine order), then the rest as in Append First.
+    """
+    if not _check_request(state, n):
+        return None
+    per = state.cluster.devices_per_machine
+    counts = state.free_counts()
+    home = sorted({rank // per for rank in near})
+    others = [m for m in sorted((m for m, f in enumerate(counts) if 0 < f < per), key=lambda m: (counts[m], m)) if m not in home]
+    fresh = [m for m, f in enumerate(counts) if f == per and m not in home]
+    return _allocate_in_order(state, [*home, *others, *fresh], n)
+
+
+def scatter_all(state: PlacementState, n: int) -> tuple[int, ...] | None:
+    """Scatter over every machine with a free device, used or fresh (an extension of ours)."""
+    if not _check_request(state, n):
+        return None
+    counts = state.free_counts()
+    pool = [m for m, free in enumerate(counts) if free > 0]
+    shares = _water_fill([counts[m] for m in pool], n)
+    chosen: list[int] = []
+    for machine, share in zip(pool, shares):
+        chosen.extend(state.free_ranks(machine)[:share])
+    return tuple(sorted(chosen)) if len(chosen) == n else None
+
+
+def balance_first(state: PlacementState, n: int) -> tuple[int, ...] | None:
+    """Take each device from the machine with the most free devices (an extension of ours).
+
+    Leaves the free devices as evenly spread as possible: DAPPLE 4.2 notes that scattering
+    "could also serve as an intermediate state to allocate GPU with minimal fragmentation".
+    """
+    if not _check_request(state, n):
+        return None
+    counts = state.free_counts()
+    take = [0] * len(counts)
+    for _ in range(n):
+        machine = max(range(len(counts)), key=lambda m: (counts[m] - take[m], -m))
+        take[machine] += 1
+    chosen: list[int] = []
+    for machine, share in enumerate(take):
+        chosen.extend(state.free_ranks(machine)[:share])
+    return tuple(sorted(chosen))
+
+
 Policy = Callable[[PlacementState, int], "tuple[int, ...] | None"]
 
 POLICIES: dict[str, Policy] = {
@@ -177,14 +230,38 @@ POLICIES: dict[str, Policy] = {
     "scatter_first": scatter_first,
 }
 
+EXTENDED_POLICIES: dict[str, Policy] = {
+    "scatter_all": scatter_all,
+    "balance_first": balance_first,
+}
 
-def placement_options(state: PlacementState, n: int) -> list[tuple[str, tuple[int, ...]]]:
-    """The distinct rank sets the three policies offer for ``n`` devices, in policy order."""
+
+def placement_options(
+    state: PlacementState,
+    n: int,
+    near: Iterable[int] | None = None,
+    extended: bool = True,
+) -> list[tuple[str, tuple[int, ...]]]:
+    """The distinct rank sets offered for ``n`` devices, the paper's three policies first.
+
+    With ``extended`` (the planner's default) three more candidates are offered:
+    ``append_near`` the previous stage ``near``, ``scatter_all`` and ``balance_first``. They
+    cost a few more DP transitions and close most of the gap to an exhaustive search over
+    all placements (tests/test_planner_optimality.py).
+    """
     seen: set[tuple[int, ...]] = set()
     out: list[tuple[str, tuple[int, ...]]] = []
-    for name, policy in POLICIES.items():
-        ranks = policy(state, n)
+
+    def offer(name: str, ranks: tuple[int, ...] | None) -> None:
         if ranks is not None and ranks not in seen:
             seen.add(ranks)
             out.append((name, ranks))
+
+    for name, policy in POLICIES.items():
+        offer(name, policy(state, n))
+    if extended:
+        if near:
+            offer("append_near", append_near(state, n, near))
+        for name, policy in EXTENDED_POLICIES.items():
+            offer(name, policy(state, n))
     return out

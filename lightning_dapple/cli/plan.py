@@ -1,0 +1,105 @@
+"""``dapple-plan``: plan a model for a cluster and say why (DAPPLE section 4).
+
+    dapple-plan --profile FILE --cluster NAME|FILE --global-batch-size N [--micro-batches M]
+                [--planner dapple|pipedream] [--schedule dapple|gpipe] [--policy PA|PB]
+                [--profile-batch-size N] [--memory-gib X] [--json] [--out plan.json]
+    dapple-plan --recipe bert --cluster paper-a
+
+Prints a rich table of stages and the one-line reason; ``--json`` prints only the plan
+JSON (docs/formats.md), the file ``DappleStrategy(plan=...)`` executes. Bad input prints one
+line ``error: <field>: <problem>. Fix: <fix>`` and exits 2.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from lightning_dapple.errors import DappleConfigError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dapple-plan", description=__doc__.split("\n\n")[0])
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--profile", help="profile JSON or PipeDream graph text file")
+    source.add_argument("--recipe", help="plan a recipe's full-size model (bert, gnmt, vgg)")
+    parser.add_argument("--cluster", required=True, help="paper-a, paper-b, paper-c, MxD (e.g. 2x8) or a JSON/YAML file")
+    parser.add_argument("--global-batch-size", type=int, help="samples per optimizer step (default for --recipe: the paper's)")
+    parser.add_argument("--micro-batches", type=int, help="M; chosen by the planner when left out")
+    parser.add_argument("--planner", choices=("dapple", "pipedream"), default="dapple")
+    parser.add_argument("--schedule", choices=("dapple", "gpipe"), default="dapple")
+    parser.add_argument("--policy", choices=("PA", "PB"), default="PA")
+    parser.add_argument("--profile-batch-size", type=int, help="batch size of a graph-text profile without pbs-N in its name")
+    parser.add_argument("--memory-gib", type=float, help="override the cluster's device memory")
+    parser.add_argument("--device", default="V100", help="device preset for estimated recipe profiles (V100, A100, H100)")
+    parser.add_argument("--json", action="store_true", help="print only the plan JSON")
+    parser.add_argument("--out", help="also write the plan JSON to this file")
+    return parser
+
+
+class _ArgumentError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2, as for every other bad input
+        raise _ArgumentError(message)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    parser.__class__ = _Parser
+    try:
+        args = parser.parse_args(argv)
+        return _run(args)
+    except _ArgumentError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except DappleConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from lightning_dapple.cluster import load_cluster
+    from lightning_dapple.plan.api import make_plan
+    from lightning_dapple.plan.explain import plan_summary, plan_table
+    from lightning_dapple.profile.model_profile import load_profile
+
+    if args.recipe:
+        from lightning_dapple.app.recipe_profile import recipe_global_batch, recipe_profile
+
+        profile = recipe_profile(args.recipe, device=args.device)
+        global_batch = args.global_batch_size or recipe_global_batch(args.recipe)
+    else:
+        profile = load_profile(args.profile, profile_batch_size=args.profile_batch_size)
+        global_batch = args.global_batch_size
+    if global_batch is None:
+        raise DappleConfigError("--global-batch-size", "is missing", "pass the number of samples of one optimizer step")
+    if global_batch <= 0:
+        raise DappleConfigError("--global-batch-size", f"is {global_batch}", "pass a positive number of samples")
+    cluster = load_cluster(args.cluster, device_memory_gib=args.memory_gib)
+    kwargs = {"schedule": args.schedule, "policy": args.policy}
+    if args.micro_batches is not None:
+        kwargs["micro_batches"] = args.micro_batches
+    plan = make_plan(profile, cluster, global_batch, planner=args.planner, **kwargs)
+    if args.out:
+        plan.save(args.out)
+    if args.json:
+        print(plan.to_json())
+        return 0
+    console = Console()
+    console.print(plan_table(plan, profile, cluster))
+    console.print(plan_summary(plan))
+    if args.out:
+        console.print(f"plan written to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

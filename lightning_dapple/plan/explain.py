@@ -1,0 +1,60 @@
+"""The plan as a person reads it: a rich table of stages and a summary of why.
+
+DAPPLE 6.2 explains plans by their shape (DP, straight, P:Q), split position and the
+balance of AllReduce against pipeline bubbles; the table shows the numbers behind that
+(per-stage F/B per micro-batch, AllReduce, memory per device against the budget) and the
+summary the predicted phases (formulas 1-2), the simulated latency and the planner's reason.
+"""
+from __future__ import annotations
+
+from rich.table import Table
+
+from lightning_dapple.cluster import GIB, Cluster
+from lightning_dapple.plan.costs import stage_costs, stage_memory_bytes
+from lightning_dapple.plan.plan import Plan
+from lightning_dapple.profile.model_profile import ModelProfile
+
+
+def _devices(devices: tuple[int, ...]) -> str:
+    if len(devices) > 2 and list(devices) == list(range(devices[0], devices[-1] + 1)):
+        return f"{devices[0]}-{devices[-1]}"
+    return ",".join(str(d) for d in devices)
+
+
+def plan_table(plan: Plan, profile: ModelProfile, cluster: Cluster) -> Table:
+    """Stages, layers, devices, replication, K_i, per-micro-batch costs and memory."""
+    plan = plan.with_warmups()
+    costs = stage_costs(profile, cluster, plan.stages, plan.micro_batch_size)
+    estimate = " (ESTIMATE)" if profile.estimated else ""
+    title = f"{plan.kind()} plan for {profile.name}{estimate}: M={plan.micro_batches}, schedule={plan.schedule}, policy={plan.policy}"
+    table = Table(title=title)
+    for column in ("stage", "layers", "first .. last layer", "devices", "x", "K", "F ms", "B ms", "send ms", "AllReduce ms", "memory/device", "recompute"):
+        table.add_column(column, justify="right" if column not in ("first .. last layer", "devices") else "left")
+    for index, (stage, cost) in enumerate(zip(plan.stages, costs)):
+        in_flight = plan.micro_batches if plan.schedule == "gpipe" else int(stage.warmup or 1)
+        memory = stage_memory_bytes(cost, in_flight, cluster)
+        names = f"{profile.layers[stage.start].name[:18]} .. {profile.layers[stage.end - 1].name[:18]}"
+        over = " [red]> budget[/red]" if memory > cluster.device_memory_bytes else ""
+        table.add_row(
+            str(index), f"[{stage.start}, {stage.end})", names, _devices(stage.devices), str(stage.replicas), str(stage.warmup),
+            f"{cost.forward_ms:.2f}", f"{cost.backward_ms:.2f}", f"{cost.send_ms:.2f}", f"{cost.allreduce_ms:.1f}",
+            f"{memory / GIB:.2f} / {cluster.device_memory_gib:g} GiB{over}", stage.recompute,
+        )
+    return table
+
+
+def plan_summary(plan: Plan) -> str:
+    """Predicted phases, simulated latency, bubble and the planner's reason, as lines."""
+    lines = []
+    p = plan.predicted
+    if p is not None:
+        lines.append(
+            f"predicted latency {p.latency_ms:.1f} ms = warm-up {p.warmup_ms:.1f} + steady {p.steady_ms:.1f} + ending {p.ending_ms:.1f} "
+            f"(pivot stage {p.pivot_stage})"
+        )
+        if p.simulated_latency_ms is not None:
+            bubble = f", bubble {100 * p.bubble_fraction:.1f}%" if p.bubble_fraction is not None else ""
+            lines.append(f"simulated latency {p.simulated_latency_ms:.1f} ms{bubble}")
+    if plan.reason:
+        lines.append(f"why: {plan.reason}")
+    return "\n".join(lines)
