@@ -1,7 +1,8 @@
-"""Train a small transformer with Trainer(strategy="dapple") on 4 CPU processes.
+"""Train a small model with Trainer(strategy="dapple") on 4 CPU processes, in plain Python.
 
-The embedded default of the README's quick start: generated data, an automatic plan
-when the planner is available (plan="auto"), the plan table and JSON in the log dir.
+The README's quick start runs the Hydra app instead (``dapple-train recipe=bert_tiny``);
+this script shows the same strategy in your own Lightning code: generated data, an
+automatic plan (plan="auto"), the plan JSON in the log dir.
 """
 from __future__ import annotations
 
@@ -69,5 +70,6 @@ if __name__ == "__main__":
         enable_checkpointing=False,
     )
     trainer.fit(Regressor(), data())
+    log_dir = trainer.log_dir  # a collective: every rank asks
     if trainer.global_rank == 0:
-        print(f"final train_loss {float(trainer.callback_metrics['train_loss']):.4f}; plan in {trainer.log_dir}/dapple_plan.json")
+        print(f"final train_loss {float(trainer.callback_metrics['train_loss']):.4f}; plan in {log_dir}/dapple_plan.json")

@@ -38,7 +38,7 @@ def plan_table(plan: Plan, profile: ModelProfile, cluster: Cluster) -> Table:
         table.add_row(
             str(index), f"[{stage.start}, {stage.end})", names, _devices(stage.devices), str(stage.replicas), str(stage.warmup),
             f"{cost.forward_ms:.2f}", f"{cost.backward_ms:.2f}", f"{cost.send_ms:.2f}", f"{cost.allreduce_ms:.1f}",
-            f"{memory / GIB:.2f} / {cluster.device_memory_gib:g} GiB{over}", stage.recompute,
+            f"{memory / GIB:.2f} / {cluster.device_memory_gib:.1f} GiB{over}", stage.recompute,
         )
     return table
 

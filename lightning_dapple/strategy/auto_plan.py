@@ -48,7 +48,7 @@ def auto_plan(strategy: "DappleStrategy", trainer: "Trainer", module: "Lightning
     data: Any = None
     if strategy.global_rank == 0:
         try:
-            data = _plan_on_rank_zero(strategy, module, container, sample)
+            data = _plan_on_rank_zero(strategy, module, container, sample, saved.parent)
         except Exception as exc:  # shared with every rank so all stop with the same message
             data = {"__error__": str(exc), "__type__": type(exc).__name__}
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -62,7 +62,7 @@ def auto_plan(strategy: "DappleStrategy", trainer: "Trainer", module: "Lightning
     return plan_from_dict(data)
 
 
-def _plan_on_rank_zero(strategy: "DappleStrategy", module: "LightningModule", container: "nn.Module", sample: Any) -> dict[str, Any]:
+def _plan_on_rank_zero(strategy: "DappleStrategy", module: "LightningModule", container: "nn.Module", sample: Any, directory: Path) -> dict[str, Any]:
     from lightning_dapple.execute.slicing import take_rows
     from lightning_dapple.strategy.module_adapter import LogRecorder, capture_input
 
@@ -86,4 +86,8 @@ def _plan_on_rank_zero(strategy: "DappleStrategy", module: "LightningModule", co
     if strategy.policy in ("PA", "PB"):
         kwargs["policy"] = strategy.policy
     plan = make_plan(profile, cluster, rows, num_devices=strategy.world_size, **kwargs)
+    from lightning_dapple.plan.plan import atomic_write_text
+
+    atomic_write_text(directory / "dapple_profile.json", profile.to_json() + "\n")
+    strategy._planning_inputs = (profile, cluster)
     return plan.to_dict()

@@ -184,6 +184,7 @@ class DappleStrategy(DDPStrategy):
         self._key_owner: dict[str, int | None] = {}
         self._full_parameter_names: list[str] = []
         self._freed: dict[int, nn.Module] = {}
+        self._planning_inputs: Any = None  # (profile, cluster) on rank 0 after plan="auto"
         self._saved_grads: list[torch.Tensor | None] | None = None
         self.last_stats: Any = None
 
@@ -387,11 +388,24 @@ class DappleStrategy(DDPStrategy):
         return plan
 
     def _save_plan(self, trainer: Trainer) -> None:
+        """Rank 0 writes the plan JSON (and, for planned runs, its table) to the log dir."""
         assert self.plan is not None
         directory = Path(trainer.log_dir or trainer.default_root_dir)  # a collective: every rank asks
         if self.global_rank != 0:
             return
         self.plan.save(directory / "dapple_plan.json")
+        if self._planning_inputs is not None:
+            from rich.console import Console
+
+            from lightning_dapple.plan.explain import plan_summary, plan_table
+            from lightning_dapple.plan.plan import atomic_write_text
+
+            profile, cluster = self._planning_inputs
+            console = Console(record=True, width=160)
+            console.print(plan_table(self.plan, profile, cluster))
+            console.print(plan_summary(self.plan))
+            atomic_write_text(directory / "dapple_plan.txt", console.export_text())
+            return
         rank_zero_info(f"dapple plan ({self.plan.kind()}, M={self.plan.micro_batches}, schedule={self.plan.schedule}):")
         for index, stage in enumerate(self.plan.stages):
             rank_zero_info(f"  stage {index}: layers [{stage.start}, {stage.end}) on ranks {list(stage.devices)}, K={stage.warmup}")
