@@ -1,0 +1,285 @@
+"""Lightning callbacks of ``dapple-train``: thread limit, step timer, plan report and timelines.
+
+They run inside the worker processes (every rank runs every callback hook), so anything
+that gathers across ranks (step times, peak stash, the measured timeline) does so in a
+hook all ranks reach (``on_train_end``), and only rank 0 writes files, always into the
+run directory given at construction, atomically (temp file + rename).
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+
+from lightning_dapple.app.report import plan_table, render_text, write_text
+
+__all__ = ["PipelineReport", "StepTimer", "WorkerSetup", "gather_to_zero", "quiet_warnings"]
+
+
+def _world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def gather_to_zero(obj: Any) -> list[Any] | None:
+    """Every rank's ``obj`` on rank 0 (``None`` elsewhere). A collective: call on all ranks."""
+    import torch.distributed as dist
+
+    rank, world = _world()
+    if world == 1:
+        return [obj]
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, obj)  # gloo and NCCL both support it
+    return gathered if rank == 0 else None
+
+
+# Warnings that say nothing to a dapple-train user: the run dir already holds Hydra's files;
+# the strategy replays every rank's logs (no sync_dist needed); the data is generated in
+# memory (no DataLoader workers needed).
+QUIET_WARNINGS = (
+    r".*Experiment logs directory .* exists and is not empty.*",
+    r".*It is recommended to use `self\.log\(.*sync_dist=True.*",
+    r".*does not have many workers.*",
+    r".*isinstance\(treespec, LeafSpec\).*",
+)
+
+
+def quiet_warnings() -> None:
+    import warnings
+
+    for pattern in QUIET_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern)
+
+
+class WorkerSetup(Callback):
+    """In every worker: ``torch.set_num_threads(threads)`` (the processes share the cores)
+    and the app's warning filters (spawned workers do not inherit them)."""
+
+    def __init__(self, threads: int) -> None:
+        self.threads = threads
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        import torch
+
+        quiet_warnings()
+        if self.threads > 0:
+            torch.set_num_threads(self.threads)
+
+
+class StepTimer(Callback):
+    """Wall time of every training step and the peak stashed bytes, max over ranks.
+
+    A step is timed from ``on_train_batch_start`` to ``on_train_batch_end`` (the whole
+    pipelined schedule, gradient sync and optimizer step). At the end rank 0 writes
+    ``step_times.json``: per step the slowest rank's time, the median over the steps
+    after ``warmup_steps``, and the largest ``runner.stats.peak_stash_bytes`` any rank
+    saw in any step.
+    """
+
+    def __init__(self, run_dir: str, warmup_steps: int = 5) -> None:
+        self.run_dir = run_dir
+        self.warmup_steps = warmup_steps
+        self.times_s: list[float] = []
+        self.peak_stash_bytes = 0
+        self._start: float | None = None
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self._start is None:
+            return
+        self.times_s.append(time.perf_counter() - self._start)
+        self._start = None
+        runner = getattr(trainer.strategy, "runner", None)
+        stats = getattr(runner, "stats", None)
+        if stats is not None:
+            self.peak_stash_bytes = max(self.peak_stash_bytes, int(getattr(stats, "peak_stash_bytes", 0)))
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        gathered = gather_to_zero((self.times_s, self.peak_stash_bytes))
+        if gathered is None:
+            return
+        steps = min(len(times) for times, _ in gathered)
+        step_ms = [1e3 * max(times[i] for times, _ in gathered) for i in range(steps)]
+        skip = min(self.warmup_steps, max(steps - 1, 0))
+        kept = step_ms[skip:]
+        summary = {
+            "steps": steps,
+            "warmup_steps": skip,
+            "median_step_ms": statistics.median(kept) if kept else None,
+            "mean_step_ms": statistics.fmean(kept) if kept else None,
+            "step_ms": step_ms,
+            "peak_stash_bytes": max(peak for _, peak in gathered),
+            "peak_stash_bytes_per_rank": [peak for _, peak in gathered],
+            "ranks": len(gathered),
+        }
+        write_text(Path(self.run_dir) / "step_times.json", json.dumps(summary, indent=2) + "\n")
+
+
+class PipelineReport(Callback):
+    """The plan table, the simulated timeline and the measured timeline of a dapple run.
+
+    * ``on_train_start`` (rank 0 only, no collective): for an explicit plan, print the plan
+      table and write ``dapple_plan.txt`` and ``dapple_profile.json`` (plan="auto" runs get
+      both from the strategy); simulate one step of the plan with the layer profile
+      (``profile``, or the one plan="auto" measured) on ``cluster`` and draw
+      ``timeline_simulated.png``.
+    * ``on_train_end`` (all ranks): gather each rank's F/B/W spans of the last step
+      (``strategy.runner.stats.timeline``) to rank 0, which writes
+      ``timeline_measured.json`` and draws ``timeline_measured.png``.
+    """
+
+    def __init__(
+        self,
+        run_dir: str,
+        cluster: dict[str, Any],
+        profile: dict[str, Any] | None = None,
+        profile_cache: str | None = None,
+        table: bool = True,
+        simulated: bool = True,
+        measured: bool = True,
+    ) -> None:
+        self.run_dir = run_dir
+        self.cluster = cluster
+        self.profile = profile
+        self.profile_cache = profile_cache
+        self.table = table
+        self.simulated = simulated
+        self.measured = measured
+        self.notes: list[str] = []
+
+    # -- start: plan table and simulation (rank 0) ---------------------------------------
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        plan = getattr(trainer.strategy, "plan", None)
+        if plan is None or trainer.global_rank != 0:
+            return
+        run_dir = Path(self.run_dir)
+        profile = self._load_profile(run_dir)
+        if profile is not None and not (run_dir / "dapple_profile.json").is_file():
+            write_text(run_dir / "dapple_profile.json", profile.to_json() + "\n")
+        if self.table and not (run_dir / "dapple_plan.txt").is_file():
+            # plan="auto" runs get the table from the strategy; explicit plans get it here
+            self._write_table(plan, profile, run_dir)
+        if self.simulated:
+            try:
+                self._simulate(plan, profile, run_dir)
+            except Exception as exc:  # a picture must never stop training
+                self._note(run_dir, f"simulated timeline not drawn: {type(exc).__name__}: {exc}")
+
+    def _load_profile(self, run_dir: Path) -> Any:
+        """The layer profile of this run: measured by the app for an explicit plan, or the
+        one plan="auto" measured (``dapple_profile.json``, else the profile cache)."""
+        from lightning_dapple.profile.model_profile import profile_from_dict
+
+        if self.profile is not None:
+            return profile_from_dict(self.profile)
+        files = [run_dir / "dapple_profile.json"]
+        if self.profile_cache:
+            files += sorted(Path(self.profile_cache).glob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True)
+        for file in files:
+            if file.is_file():
+                try:
+                    return profile_from_dict(json.loads(file.read_text()), source=file.name)
+                except Exception:
+                    continue
+        return None
+
+    def _write_table(self, plan: Any, profile: Any, run_dir: Path) -> None:
+        """The project's plan table (lightning_dapple.plan.explain) when a profile is at hand,
+        else the app's own; printed and written to ``dapple_plan.txt``."""
+        import sys
+
+        from rich.console import Console
+
+        parts: list[Any] = []
+        if profile is not None:
+            try:
+                parts = _explained(plan, profile, dict(self.cluster))
+            except Exception as exc:  # the table must never stop training
+                self._note(run_dir, f"plan explanation not available: {type(exc).__name__}: {exc}")
+                parts = []
+        if not parts:
+            parts = [plan_table(plan)]
+        console = Console(width=None if sys.stdout.isatty() else 160)
+        for part in parts:
+            console.print(part)
+        write_text(run_dir / "dapple_plan.txt", "".join(render_text(part, width=160) for part in parts))
+
+    def _simulate(self, plan: Any, profile: Any, run_dir: Path) -> None:
+        from lightning_dapple.cluster import load_cluster
+        from lightning_dapple.simulate import draw_timeline, simulate_plan
+
+        if profile is None:
+            self._note(run_dir, "simulated timeline not drawn: no layer profile")
+            return
+        result = simulate_plan(plan, profile, load_cluster(dict(self.cluster)))
+        write_text(run_dir / "timeline_simulated.json", json.dumps(result.to_dict(), indent=1) + "\n")
+        tmp = run_dir / ".timeline_simulated.png.tmp.png"
+        draw_timeline(
+            result,
+            tmp,
+            title=f"simulated: {result.schedule}, M={result.micro_batches}, step {result.latency_ms:.2f} ms, "
+            f"bubble {100 * result.bubble_fraction:.1f}% ({profile.device} profile, cluster {self.cluster.get('name')})",
+        )
+        os.replace(tmp, run_dir / "timeline_simulated.png")
+
+    def _note(self, run_dir: Path, text: str) -> None:
+        self.notes.append(text)
+        with open(run_dir / "notes.txt", "a", encoding="utf-8") as handle:
+            handle.write(text + "\n")
+
+    # -- end: measured timeline (all ranks) -----------------------------------------------
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        plan = getattr(trainer.strategy, "plan", None)
+        if plan is None or not self.measured:
+            return
+        import torch.distributed as dist
+
+        runner = getattr(trainer.strategy, "runner", None)
+        spans = list(getattr(getattr(runner, "stats", None), "timeline", []) or [])
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+        reference = time.perf_counter()  # taken right after a barrier: aligns clocks of other hosts
+        gathered = gather_to_zero({"spans": spans, "reference": reference, "host": socket.gethostname()})
+        if gathered is None:
+            return
+        from lightning_dapple.app.timelines import MeasuredTimeline, draw_measured_timeline
+
+        run_dir = Path(self.run_dir)
+        timeline = MeasuredTimeline.from_gathered(gathered, plan)
+        write_text(run_dir / "timeline_measured.json", json.dumps(timeline.to_dict(), indent=1) + "\n")
+        try:
+            tmp = run_dir / ".timeline_measured.png.tmp.png"
+            draw_measured_timeline(timeline, tmp)
+            os.replace(tmp, run_dir / "timeline_measured.png")
+        except Exception as exc:
+            self._note(run_dir, f"measured timeline not drawn: {type(exc).__name__}: {exc}")
+
+
+
+def _explained(plan: Any, profile: Any, cluster: dict[str, Any]) -> list[Any]:
+    """plan.explain's table and summary (the summary's signature varies between versions)."""
+    import inspect
+
+    from lightning_dapple.cluster import load_cluster
+    from lightning_dapple.plan import explain
+
+    resolved = load_cluster(cluster)
+    parts: list[Any] = [explain.plan_table(plan, profile, resolved)]
+    summary_fn = getattr(explain, "plan_summary", None)
+    if summary_fn is not None:
+        count = len(inspect.signature(summary_fn).parameters)
+        summary = summary_fn(plan, profile, resolved) if count >= 3 else summary_fn(plan)
+        if summary:
+            parts.append(summary)
+    return parts

@@ -1,0 +1,224 @@
+"""Layer profiles of the recipes, for planning on hardware this machine does not have.
+
+``dapple-plan --recipe bert --cluster paper-a`` needs per-layer times of the full-size
+model on the cluster's devices. Two sources, in this order:
+
+1. the published V100 profiles the DAPPLE authors planned with (``shared/profiles/dapple``:
+   ``bert-48-pbs-2.txt``, ``gnmt-16-pbs-64.txt``, ``vgg-19-pbs-32.txt``; PipeDream graph
+   text), found through ``$DAPPLE_SHARED_PROFILES`` or ``<repo>/../shared/profiles``. Their
+   layers are the authors' graph nodes, not this package's layer list, so a plan made from
+   them reproduces the paper's planning (Table 4) but its layer ranges do not index
+   ``lightning_dapple.models``;
+2. an estimate (``ModelProfile.estimated=True``) for the recipe's own model: every layer
+   runs once on the meta device under ``torch.utils.flop_counter.FlopCounterMode`` with a
+   micro-batch of the profile size; backward is charged twice the forward FLOPs; bytes
+   moved are parameters + input + output + saved activations (twice that for backward);
+   each time is ``max(flops / peak FLOP/s, bytes / memory bandwidth)`` with the device's
+   peak rates (``DEVICES``). Peak rates are never reached, so the times are lower bounds;
+   what matters to the planner is how they compare between layers and with transfers.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lightning_dapple.errors import DappleConfigError, require
+from lightning_dapple.profile.model_profile import LayerProfile, ModelProfile
+
+__all__ = [
+    "DEVICES",
+    "DevicePeak",
+    "PROFILE_BATCH",
+    "SHARED_PROFILES",
+    "estimate_profile",
+    "recipe_global_batch",
+    "recipe_profile",
+    "shared_profile_path",
+    "shared_profiles_dir",
+]
+
+
+@dataclass(frozen=True)
+class DevicePeak:
+    """Vendor peak rates of one accelerator (dense; fp16 with tensor cores)."""
+
+    name: str
+    fp32_tflops: float
+    fp16_tflops: float
+    memory_bandwidth_gbs: float  # GB/s
+    memory_gib: float
+
+
+DEVICES: dict[str, DevicePeak] = {
+    "V100": DevicePeak("V100-SXM2-16GB", 15.7, 125.0, 900.0, 16.0),
+    "A100": DevicePeak("A100-SXM4-40GB", 19.5, 312.0, 1555.0, 40.0),
+    "H100": DevicePeak("H100-SXM5-80GB", 67.0, 989.0, 3350.0, 80.0),
+}
+
+# The published profile of each full-size recipe (DAPPLE's benchmark models).
+SHARED_PROFILES: dict[str, str] = {
+    "bert": "bert-48-pbs-2.txt",
+    "gnmt": "gnmt-16-pbs-64.txt",
+    "vgg": "vgg-19-pbs-32.txt",
+}
+
+# Micro-batch size of an estimated profile: the published profiles' sizes, so both agree.
+PROFILE_BATCH: dict[str, int] = {"bert": 2, "gnmt": 64, "vgg": 32}
+TINY_PROFILE_BATCH = 8
+
+
+def shared_profiles_dir() -> Path | None:
+    """``$DAPPLE_SHARED_PROFILES``, else ``<repo>/../shared/profiles`` (also tried from the cwd)."""
+    candidates = []
+    env = os.environ.get("DAPPLE_SHARED_PROFILES")
+    if env:
+        candidates.append(Path(env))
+    repo = Path(__file__).resolve().parents[2]
+    candidates += [repo.parent / "shared" / "profiles", Path.cwd().parent / "shared" / "profiles", Path.cwd() / "shared" / "profiles"]
+    for path in candidates:
+        if path.is_dir():
+            return path
+    return None
+
+
+def shared_profile_path(name: str) -> Path | None:
+    """The published profile file of recipe ``name`` if it is on this machine."""
+    file = SHARED_PROFILES.get(name)
+    root = shared_profiles_dir()
+    if file is None or root is None:
+        return None
+    for path in (root / "dapple" / file, root / file):
+        if path.is_file():
+            return path
+    return None
+
+
+def _recipe_config(name: str) -> Any:
+    from hydra.errors import MissingConfigException
+
+    from lightning_dapple.app.config import compose_recipe
+
+    try:
+        return compose_recipe(name)
+    except MissingConfigException:
+        from lightning_dapple.app.config import recipe_names
+
+        raise DappleConfigError("recipe", f"{name!r} is not a recipe", f"use one of {recipe_names()}") from None
+
+
+def recipe_global_batch(name: str) -> int:
+    """The global batch size of recipe ``name`` (DAPPLE Table 4 for the full-size ones)."""
+    return int(_recipe_config(name).data.batch_size)
+
+
+def recipe_profile(name: str, device: str = "V100", prefer_shared: bool = True, precision: str = "fp32") -> ModelProfile:
+    """A layer profile of recipe ``name`` on ``device`` (one of ``DEVICES``).
+
+    With ``prefer_shared`` the published V100 profile is used when the recipe has one and
+    it is on this machine (and ``device`` is V100, the device it was measured on);
+    otherwise the FLOP/byte estimate of the recipe's model (``estimated=True``).
+    """
+    require(device in DEVICES, "device", f"is {device!r}", f"use one of {sorted(DEVICES)}")
+    require(precision in ("fp32", "fp16"), "precision", f"is {precision!r}", "use fp32 or fp16")
+    cfg = _recipe_config(name)
+    if prefer_shared and device == "V100":
+        path = shared_profile_path(name)
+        if path is not None:
+            from lightning_dapple.profile.model_profile import load_profile
+
+            profile = load_profile(path)
+            return ModelProfile(
+                micro_batch_size=profile.micro_batch_size,
+                layers=profile.layers,
+                device="V100",
+                name=f"{name} ({path.name})",
+                input_bytes=profile.input_bytes,
+                estimated=profile.estimated,
+                meta={**profile.meta, "source": str(path), "recipe": name},
+            )
+    from omegaconf import OmegaConf
+
+    model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
+    assert isinstance(model_cfg, dict)
+    base = str(model_cfg.pop("name"))
+    rows = PROFILE_BATCH.get(name, TINY_PROFILE_BATCH)
+    return estimate_profile(base, model_cfg, rows, DEVICES[device], precision=precision, name=f"{name} (estimate, {device} {precision})")
+
+
+def estimate_profile(model_name: str, model_kwargs: dict[str, Any], rows: int, device: DevicePeak, precision: str = "fp32", name: str = "estimate") -> ModelProfile:
+    """FLOP/byte estimate of every layer of ``MODELS[model_name](**model_kwargs)`` on ``device``."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from lightning_dapple.models import MODELS
+    from lightning_dapple.profile.profiler import iter_tensors, map_tensors, tensor_bytes
+
+    dtype = torch.float16 if precision == "fp16" else torch.float32
+    peak = 1e12 * (device.fp16_tflops if precision == "fp16" else device.fp32_tflops)  # FLOP/s
+    bandwidth = 1e9 * device.memory_bandwidth_gbs  # B/s
+    with torch.device("meta"):
+        model = MODELS[model_name](**model_kwargs).to(dtype)
+    example = model.example_input_array
+
+    def widen(t: torch.Tensor) -> torch.Tensor:
+        t = t.to("meta")
+        t = t[:1].expand(rows, *t.shape[1:]).contiguous()
+        return t.to(dtype) if t.is_floating_point() else t
+
+    x = map_tensors(example, widen) if not isinstance(example, torch.Tensor) else widen(example)
+    input_bytes = float(tensor_bytes(x))
+    layers: list[LayerProfile] = []
+    for index, layer in enumerate(model.layers):
+        params = list(layer.parameters())
+        param_ids = {id(p) for p in params}
+        param_bytes = float(sum(p.numel() * p.element_size() for p in params))
+        saved: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if id(t) not in param_ids and not (t._base is not None and id(t._base) in param_ids):
+                saved[id(t)] = t.numel() * t.element_size()
+            return t
+
+        def leaf(t: torch.Tensor) -> torch.Tensor:
+            return t.detach().requires_grad_(True) if t.is_floating_point() else t
+
+        xin = map_tensors(x, leaf)
+        with FlopCounterMode(display=False) as counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = layer(xin)
+        flops = float(counter.get_total_flops())
+        in_bytes = float(tensor_bytes(x))
+        out_bytes = float(tensor_bytes(out))
+        stash = float(sum(saved.values()))
+        moved = param_bytes + in_bytes + out_bytes + stash
+        forward_s = max(flops / peak, moved / bandwidth)
+        backward_s = max(2.0 * flops / peak, 2.0 * moved / bandwidth) if (params or any(t.requires_grad for t in iter_tensors(out))) else 0.0
+        layers.append(
+            LayerProfile(
+                name=f"{index} ({type(layer).__name__})",
+                forward_ms=1e3 * forward_s,
+                backward_ms=1e3 * backward_s,
+                output_bytes=out_bytes,
+                param_bytes=param_bytes,
+                stash_bytes=stash,
+            )
+        )
+        x = map_tensors(out, lambda t: t.detach())
+    return ModelProfile(
+        micro_batch_size=rows,
+        layers=tuple(layers),
+        device=f"{device.name} (estimate)",
+        name=name,
+        input_bytes=input_bytes,
+        estimated=True,
+        meta={
+            "source": "lightning_dapple.app.recipe_profile.estimate_profile",
+            "rule": "time = max(flops / peak, bytes / bandwidth); backward = 2 x forward",
+            "peak_tflops": peak / 1e12,
+            "memory_bandwidth_gbs": device.memory_bandwidth_gbs,
+            "precision": precision,
+            "model": model_name,
+            "model_kwargs": model_kwargs,
+        },
+    )

@@ -1,0 +1,140 @@
+"""The measured timeline of a pipeline step: what each rank's executor really did, drawn
+like the simulator's pictures (``lightning_dapple.simulate.timeline_png``).
+
+Each rank's ``StageRunner`` records ``(start, end, kind, micro-batch)`` in
+``time.perf_counter`` seconds for every F, B and W of the last step. On one host these
+clocks are the same monotonic clock; across hosts each rank's times are shifted by the
+difference of ``perf_counter()`` readings taken right after a common barrier.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+__all__ = ["MeasuredSpan", "MeasuredTimeline", "draw_measured_timeline"]
+
+
+@dataclass(frozen=True)
+class MeasuredSpan:
+    start_ms: float
+    end_ms: float
+    kind: str
+    microbatch: int | None
+
+
+@dataclass
+class MeasuredTimeline:
+    """Spans per global rank in ms from the first span of the step."""
+
+    schedule: str
+    micro_batches: int
+    stage_of_rank: dict[int, int]
+    spans: dict[int, list[MeasuredSpan]] = field(default_factory=dict)
+    aligned_hosts: bool = False
+
+    @property
+    def span_ms(self) -> float:
+        ends = [s.end_ms for spans in self.spans.values() for s in spans]
+        return max(ends) if ends else 0.0
+
+    def busy_fraction(self) -> float:
+        """Share of rank-time spent in F/B/W between the first start and the last end."""
+        total = self.span_ms * max(len(self.spans), 1)
+        busy = sum(s.end_ms - s.start_ms for spans in self.spans.values() for s in spans)
+        return busy / total if total > 0 else 0.0
+
+    @classmethod
+    def from_gathered(cls, gathered: Sequence[dict[str, Any]], plan: Any) -> "MeasuredTimeline":
+        """Build from ``[{"spans": [(start, end, kind, mb), ...], "reference": t, "host": h}]`` by rank."""
+        hosts = {item.get("host") for item in gathered}
+        shift = [0.0] * len(gathered)
+        if len(hosts) > 1:  # different machines: align on the barrier readings
+            base = gathered[0]["reference"]
+            shift = [base - item["reference"] for item in gathered]
+        starts = [float(s[0]) + shift[rank] for rank, item in enumerate(gathered) for s in item["spans"]]
+        origin = min(starts) if starts else 0.0
+        spans: dict[int, list[MeasuredSpan]] = {}
+        for rank, item in enumerate(gathered):
+            spans[rank] = [
+                MeasuredSpan(
+                    1e3 * (float(s[0]) + shift[rank] - origin),
+                    1e3 * (float(s[1]) + shift[rank] - origin),
+                    str(s[2]),
+                    None if s[3] is None else int(s[3]),
+                )
+                for s in item["spans"]
+            ]
+        stage_of = {rank: plan.stage_of_rank(rank) for rank in range(len(gathered))}
+        return cls(plan.schedule, plan.micro_batches, stage_of, spans, aligned_hosts=len(hosts) > 1)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schedule": self.schedule,
+            "micro_batches": self.micro_batches,
+            "span_ms": self.span_ms,
+            "busy_fraction": self.busy_fraction(),
+            "aligned_hosts": self.aligned_hosts,
+            "ranks": {
+                str(rank): {
+                    "stage": self.stage_of_rank.get(rank),
+                    "spans": [[s.start_ms, s.end_ms, s.kind, s.microbatch] for s in spans],
+                }
+                for rank, spans in self.spans.items()
+            },
+        }
+
+
+def draw_measured_timeline(timeline: MeasuredTimeline, path: str | Path, title: str | None = None) -> Path:
+    """Write the measured spans as a PNG: one row per rank, F blue, B green, W orange."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    from matplotlib import pyplot as plt
+    from matplotlib.patches import Patch
+
+    from lightning_dapple.simulate.timeline_png import COLOURS, LABELS
+
+    path = Path(path)
+    ranks = sorted(timeline.spans)
+    total = max(timeline.span_ms, 1e-9)
+    count = sum(len(v) for v in timeline.spans.values())
+    width = min(max(8.0, 0.25 * count / max(len(ranks), 1)), 30.0)
+    height = max(1.6, 0.45 * len(ranks) + 1.2)
+    fig, ax = plt.subplots(figsize=(width, height))
+    try:
+        pixels = fig.get_figwidth() * fig.dpi
+        used: set[str] = set()
+        for row, rank in enumerate(ranks):
+            blocks: dict[str, list[tuple[float, float]]] = {}
+            for span in timeline.spans[rank]:
+                length = span.end_ms - span.start_ms
+                if length <= 0:
+                    continue
+                blocks.setdefault(span.kind, []).append((span.start_ms, length))
+                label = "" if span.microbatch is None else str(span.microbatch)
+                if label and length / total * pixels * 0.8 >= 7 * len(label) + 2:
+                    ax.text(span.start_ms + length / 2, row, label, ha="center", va="center", fontsize=7,
+                            color="black" if span.kind == "W" else "white")
+            for kind, ranges in blocks.items():
+                used.add(kind)
+                ax.broken_barh(ranges, (row - 0.4, 0.8), facecolors=COLOURS.get(kind, "#cccccc"), edgecolors="white", linewidth=0.5)
+        ax.set_yticks(range(len(ranks)))
+        ax.set_yticklabels([f"rank {r} (s{timeline.stage_of_rank.get(r, '?')})" for r in ranks])
+        ax.invert_yaxis()
+        ax.set_xlim(0, total)
+        ax.set_xlabel("time (ms)")
+        ax.set_title(
+            title
+            or f"measured (last step): {timeline.schedule}, M={timeline.micro_batches}, "
+            f"{timeline.span_ms:.2f} ms from first to last compute, busy {100 * timeline.busy_fraction():.1f}%"
+        )
+        handles = [Patch(color=COLOURS[k], label=LABELS.get(k, k)) for k in COLOURS if k in used]
+        if handles:
+            ax.legend(handles=handles, loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8, frameon=False)
+        fig.tight_layout()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=100)
+    finally:
+        plt.close(fig)
+    return path
