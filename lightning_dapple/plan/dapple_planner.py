@@ -5,8 +5,9 @@ The search is the dynamic programme of DAPPLE 4.3 (formulas 4-5). A sub-problem
 ``g`` (``m = |g|``); the unplanned layers form one last stage replicated on the other
 ``G - m`` devices, so every sub-problem is itself a complete plan with a latency (formula
 2). A step splits that last stage at ``j'`` and gives the new stage ``m'`` devices chosen by
-one of the three placement policies of 4.2 (``placement.py``); the layers after ``j'`` stay one
-stage on the rest. DP (one stage on all G devices) and the straight pipeline (one device per
+one of the placement policies of 4.2 (``placement.py``: Fresh First, Append First, Scatter
+First, plus three variants of ours on clusters of up to 16 devices); the layers after ``j'``
+stay one stage on the rest. DP (one stage on all G devices) and the straight pipeline (one device per
 stage) are both points of this space.
 
 How this differs from a literal reading, and why:
@@ -15,15 +16,19 @@ How this differs from a literal reading, and why:
   For a prefix we precompute where that walk would go once it enters the prefix: with
   ``h_s = (M-1)(F_s+B_s) - sum_{s<t<=e}(F_t+B_t)`` the walk moves into the prefix at the
   largest ``s`` with ``h_s > X`` (``X`` being the current pivot's steady time plus the work
-  between), and from there on it only sees prefix stages, so its end point is precomputed
-  too. Appending a stage therefore costs O(log S), not a re-walk, and the latency computed
-  is exactly formula 2 (no approximation is introduced by the incremental pivot).
+  after the prefix up to and including the pivot, as ``costs.pivot_stage`` charges it), and
+  from there on it only sees prefix stages, so its end point is precomputed too.
+  Appending a stage therefore costs O(log S), not a re-walk, and the latency computed is
+  formula 2 itself (up to float rounding of the transfer times; every returned plan is
+  re-priced with ``costs.dapple_latency``).
 * **Several candidates per sub-problem.** Formula 2 has no optimal substructure: the prefix
   that is best with one remainder is not always best once the remainder is split further
   (the pivot may move). The paper keeps one plan per sub-problem; we keep a small Pareto set
   (``keep_per_state`` candidates) over the quantities through which a prefix influences any
   completion: its forward sum (warm-up), its backward-plus-AllReduce tail (ending phase),
-  its strongest pivot claim ``max h_s``, and how many further stages its memory allows.
+  its strongest pivot claim ``max h_s``, its largest F+B, how many further stages its
+  memory allows, and the paper's own T_PL; the kept ones are the best by ``_rank``.
+  tests/test_planner_optimality.py shows a case where one candidate is not enough.
 * **Symmetry of the placement state (4.2).** Costs depend on which devices share a machine,
   not on machine or device numbers: permuting machines, or devices within a machine,
   consistently across a whole plan leaves every ``allreduce_ms`` (one ring bandwidth
@@ -36,35 +41,40 @@ How this differs from a literal reading, and why:
   candidate is kept and priced exactly. (Where two keyed-equal states differ in machine
   order the split-concat pairing can differ; every plan returned is priced on its concrete
   ranks with ``stage_costs``, so this only affects which candidates are explored.)
-* **Branch and bound.** Formula 2 is never below ``(M-1) max_s (F_s + B_s)`` over all
-  stages, communication stages included (Algorithm 1 keeps the pivot at least as "long" as
-  every later stage and every earlier stage is covered by warm-up, steady and ending), and a
-  suffix on ``f`` devices has a stage with ``F+B >= remaining work / f``. With ``M = 1`` the
-  formula is the serial sum of all forwards and backwards. A prefix whose bound reaches the
-  ``rerank``-th best complete plan found so far is dropped; the new stage's end ``j'`` is
-  bracketed by binary search on prefix sums. This is what makes BERT-48 on 16 devices take
-  well under a second.
+* **Branch and bound** (``lower_bound``). For any plan, formula 2 with ``costs.pivot_stage``
+  satisfies ``L >= (M-1) max_s (F_s+B_s)`` over all stages, communication stages included,
+  and ``L >= sum_{s in prefix} (F_s+B_s) + M * (work after the prefix) / (devices left)``
+  for every prefix of stages. (Proof sketch: the warm-up, steady phase and the ending term of
+  stage 0 give ``L >= FB_{0..Q} + (M-1) FB_Q``; every move of Algorithm 1 to a stage s
+  needs ``(M-1) FB_s > (M-1) FB_Q + FB_{s+1..Q}``, and every stage it passes over satisfies
+  the reverse, which telescopes into ``FB_{a..Q} + (M-1) FB_Q >= M FB_s`` for each stage s
+  from a on, whether the pivot ends up inside the prefix or after it; a suffix on f devices
+  has a stage with ``F+B >= its work / f``.) A prefix whose bound reaches the ``rerank``-th
+  best complete plan found so far is dropped, and the new stage's end ``j'`` is bracketed
+  with the bound's monotone parts.
+* **Effort by size** (``search_effort``). Small instances get the full Pareto sets; large
+  ones a beam per layer plus a local polish (``polish``) of the best results.
 * **Micro-batches.** M is searched over the divisors of the global batch whose micro-batch
   is at least ``min_slice`` samples (see ``evaluate.py`` for why there is a floor); a stage
   may have at most ``micro_batch_size // min_slice`` replicas.
-* **Re-ranking.** The best ``rerank`` plans under the formula, plus DP and the straight
-  pipeline when valid and within memory, are simulated (``simulate_plan``); the fastest
-  simulated plan is returned. The formula ignores bubbles inside the pivot stage (4.1); the
-  simulator does not.
+* **Re-ranking.** The best ``rerank`` plans under the formula, the same plans with evenly
+  balanced layer cuts (``balanced_variant``), and DP and the straight pipeline when valid
+  and within memory, are simulated (``simulate_plan``); the fastest simulated plan is
+  returned. The formula ignores bubbles inside the pivot stage (4.1) and lets a stage
+  before the pivot be heavier than the pivot; the simulator does not.
 """
 from __future__ import annotations
 
 import bisect
 import heapq
-import math
-from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Sequence
 
 import numpy as np
 
 from lightning_dapple.cluster import Cluster
 from lightning_dapple.errors import DappleConfigError
-from lightning_dapple.plan.costs import slice_size
+from lightning_dapple.plan.costs import dapple_latency, slice_size
 from lightning_dapple.plan.evaluate import (
     Scored,
     candidate_micro_batches,
@@ -73,6 +83,7 @@ from lightning_dapple.plan.evaluate import (
     finish_plan,
     format_bytes,
     format_gib,
+    memory_per_stage,
     raise_no_memory,
     score_stages,
     simulate_or_none,
@@ -85,9 +96,14 @@ from lightning_dapple.profile.model_profile import ModelProfile
 __all__ = [
     "plan_dapple",
     "dapple_search",
+    "search_effort",
+    "lower_bound",
+    "polish",
+    "balanced_variant",
     "data_parallel_candidates",
     "straight_candidates",
     "describe_choice",
+    "p2p_ms_fast",
 ]
 
 _INF = float("inf")
@@ -225,16 +241,10 @@ def _rank(c: _Cand) -> tuple[float, ...]:
     return (c.tpl, c.lb, c.max_fb, c.claim, c.pf + max(c.tail, 0.0), -c.smax)
 
 
-BEAM_MODE = "mixed"
-
-
 def _beam_select(layer: list[_Cand], beam: int) -> list[_Cand]:
-    """The sub-problems of one layer j worth expanding: half by the bound (optimistic),
-    half by T_PL (the latency actually reached with the rest as one stage)."""
-    if BEAM_MODE == "lb":
-        return sorted(layer, key=lambda c: (c.lb, c.tpl))[:beam]
-    if BEAM_MODE == "tpl":
-        return sorted(layer, key=lambda c: (c.tpl, c.lb))[:beam]
+    """The sub-problems of one layer j worth expanding: alternately the next lowest bound
+    (optimistic) and the next lowest T_PL (the latency actually reached with the rest as
+    one stage)."""
     by_bound = sorted(layer, key=lambda c: (c.lb, c.tpl))
     by_tpl = sorted(layer, key=lambda c: (c.tpl, c.lb))
     chosen: list[_Cand] = []
@@ -351,6 +361,8 @@ class _Shared:
 
     def __init__(self) -> None:
         self.successors: dict[tuple, list[_Succ]] = {}
+        self.p2p: dict[tuple, tuple[float, float]] = {}
+        self.rings: dict[tuple[int, ...], tuple[float, float]] = {}
 
 
 class _Search:
@@ -358,7 +370,6 @@ class _Search:
 
     def __init__(self, tables: _Tables, cluster: Cluster, global_batch_size: int, micro_batches: int, min_slice: int, settings: _Settings, shared: _Shared | None = None) -> None:
         self.shared = shared or _Shared()
-        self._c1: dict[tuple, float] = {}
         self.shallow = False
         self.t = tables
         self.cluster = cluster
@@ -372,7 +383,6 @@ class _Search:
         self.weight_factor = 2.0 + cluster.optimizer_state_factor
         self.lat = cluster.latency_ms
         self.per = cluster.devices_per_machine
-        self._p2p: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[float, float]] = {}
 
     # -- cost helpers (the formulas of costs.py / cluster.py, vectorised) --------------
 
@@ -415,16 +425,23 @@ class _Search:
         return np.where(params > 0, coef * params / bpm + self.lat, 0.0)
 
     def p2p_unit(self, senders: tuple[int, ...], receivers: tuple[int, ...]) -> tuple[float, float]:
-        """``p2p_ms`` is ``bytes * unit + latency`` for any positive byte count."""
+        """``p2p_ms`` is ``bytes * unit + latency`` for any positive byte count (memoised
+        across M; equal to ``p2p_ms`` up to rounding, and plans are re-priced exactly)."""
         key = (senders, receivers)
-        if key not in self._p2p:
+        found = self.shared.p2p.get(key)
+        if found is None:
             probe = 1e6
-            self._p2p[key] = ((p2p_ms_fast(self.cluster, probe, senders, receivers) - self.lat) / probe, self.lat)
-        return self._p2p[key]
+            found = self.shared.p2p[key] = ((p2p_ms_fast(self.cluster, probe, senders, receivers) - self.lat) / probe, self.lat)
+        return found
 
-    def p2p(self, num_bytes: np.ndarray, senders: tuple[int, ...], receivers: tuple[int, ...]) -> np.ndarray:
-        unit, lat = self.p2p_unit(senders, receivers)
-        return np.where(num_bytes > 0, num_bytes * unit + lat, 0.0)
+    def ring(self, ranks: tuple[int, ...]) -> tuple[float, float]:
+        """(2 (r-1) / r, bytes per ms of the ring) of an AllReduce among ``ranks``, memoised."""
+        found = self.shared.rings.get(ranks)
+        if found is None:
+            r = len(ranks)
+            coef = 2.0 * (r - 1) / r if r > 1 else 0.0
+            found = self.shared.rings[ranks] = (coef, self.cluster.bytes_per_ms(self.cluster.ring_bandwidth_gbps(ranks)))
+        return found
 
     def key(self, occupied: frozenset[int], last: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
         free = [self.per] * self.cluster.machines
@@ -436,7 +453,7 @@ class _Search:
         return tuple(sorted(zip(free, on)))
 
     def bound(self, max_fb, sum_fb, remaining):  # noqa: ANN001, ANN201 - arrays or floats
-        """Lower bound on formula 2 for any completion of a prefix (see ``lower_bound``)."""
+        """``lower_bound`` vectorised; ``remaining`` is already per remaining device."""
         return np.maximum(self.m1 * max_fb, sum_fb + self.m * remaining)
 
     # -- the DP ---------------------------------------------------------------------
@@ -457,9 +474,15 @@ class _Search:
             return
         states: list[dict[Any, list[_Cand]]] = [dict() for _ in range(n + 1)]
         states[0][()] = [root]
-        self._beam_lbs: list[list[float]] = [[] for _ in range(n + 1)]
+        # with a beam, successors wait in a bounded heap per j (lowest bounds) and become
+        # candidates only when their layer is reached
+        self._pending: list[list[tuple]] = [[] for _ in range(n + 1)]
+        self._seq = 0
         beam = self.settings.beam
         for j in range(n):
+            for entry in self._pending[j]:
+                self.insert(states[j], *self._materialise(entry[2]))
+            self._pending[j] = []
             layer = [cand for cands in states[j].values() for cand in cands]
             states[j] = {}
             if beam is not None and len(layer) > beam:
@@ -496,7 +519,9 @@ class _Search:
         if found is None:
             state = PlacementState(self.cluster, occupied)
             found = []
-            for _, ranks in placement_options(state, r, near=last, extended=self.settings.extended):
+            extended = self.settings.extended and self.cluster.num_devices <= EXTENDED_PLACEMENT_DEVICES
+            near = last if self.settings.extended else None  # the paper's three policies alone without it
+            for _, ranks in placement_options(state, r, near=near, extended=extended):
                 taken = occupied.union(ranks)
                 rest = tuple(x for x in range(self.cluster.num_devices) if x not in taken)
                 found.append(_Succ(r, ranks, taken, rest))
@@ -547,10 +572,7 @@ class _Search:
         for r, index in usable.items():
           for succ in self.successors(cand.occupied, last, r):
             if last is not None and boundary > 0:
-                ckey = (j, last, succ.ranks)
-                c1 = self._c1.get(ckey)
-                if c1 is None:
-                    c1 = self._c1[ckey] = p2p_ms_fast(self.cluster, boundary, last, succ.ranks)
+                c1 = boundary * self.p2p_unit(last, succ.ranks)[0] + self.lat
             else:
                 c1 = 0.0
             if m1 >= 1 and m1 * max(cand.max_fb, 2.0 * c1) >= thr:
@@ -596,9 +618,9 @@ class _Search:
             return
         beam = self.settings.beam
         if beam is not None:
-            # a sub-problem layer keeps only its `beam` lowest bounds; skip what cannot enter
+            # a sub-problem layer admits only its `beam_insert` lowest bounds; skip the rest
             width = self.settings.beam_insert
-            cut = np.array([-self._beam_lbs[jj][0] if len(self._beam_lbs[jj]) >= width else _INF for jj in J.tolist()])
+            cut = np.array([-self._pending[jj][0][0] if len(self._pending[jj]) >= width else _INF for jj in J.tolist()])
             ok &= lb < cut[None, :]
             if not ok.any():
                 return
@@ -607,6 +629,25 @@ class _Search:
         claim = np.maximum(np.maximum(cand.claim - fb1 - fbn, m1 * fb1 - fbn), m1 * fbn)
         smax = np.minimum(cand.smax, k + tmax_n)
         full = self.settings.keep_per_state
+        if beam is not None:
+            width = self.settings.beam_insert
+            for p, i in zip(*np.nonzero(ok)):
+                jj = int(J[i])
+                heap = self._pending[jj]
+                value = float(lb[p, i])
+                if len(heap) >= width and value >= -heap[0][0]:
+                    continue
+                self._seq += 1
+                payload = (
+                    cand, j, jj, pairs[p],
+                    (float(fn[p, i]), float(bn[p, i]), float(an[p, i]), float(pf[p, i]), float(tail[p, i]), float(claim[p, i]),
+                     float(max_fb[p, i]), float(sum_fb[p, i]), float(smax[p, i]), value, float(tpl[p, i])),
+                )
+                if len(heap) < width:
+                    heapq.heappush(heap, (-value, self._seq, payload))
+                else:
+                    heapq.heapreplace(heap, (-value, self._seq, payload))
+            return
         for p, i in zip(*np.nonzero(ok)):
             pair = pairs[p]
             jj = int(J[i])
@@ -636,17 +677,35 @@ class _Search:
                 tpl=float(tpl[p, i]),
             )
             self.insert(states[jj], key, new)
-            if beam is not None:
-                heap = self._beam_lbs[jj]
-                if len(heap) < self.settings.beam_insert:
-                    heapq.heappush(heap, -new.lb)
-                elif new.lb < -heap[0]:
-                    heapq.heapreplace(heap, -new.lb)
+
+    def _materialise(self, payload: tuple) -> tuple[Any, _Cand]:
+        """A successor waiting in the beam's heap as (key, candidate)."""
+        cand, j, jj, pair, (fn, bn, an, pf, tail, claim, max_fb, sum_fb, smax, lb, tpl) = payload
+        succ = pair[5]
+        if succ.key is None:
+            succ.key = self.key(succ.occupied, succ.ranks)
+        c = pair[4]
+        new = _Cand(
+            stages=cand.stages + ((j, jj, pair[1]),),
+            phases=cand.phases + (((c, c, 0.0),) if c > 0 else ()) + ((fn, bn, an),),
+            occupied=pair[3],
+            end=jj,
+            pf=pf,
+            tail=tail,
+            claim=claim,
+            max_fb=max_fb,
+            sum_fb=sum_fb,
+            smax=smax,
+            lb=lb,
+            tpl=tpl,
+        )
+        return succ.key, new
 
     def allreduce_rows(self, params: np.ndarray, groups: Sequence[tuple[int, ...]]) -> np.ndarray:
         """``allreduce_ms`` of ``params`` (one row, broadcast) for each rank group (rows)."""
-        coef = np.array([2.0 * (len(g) - 1) / len(g) if len(g) > 1 else 0.0 for g in groups])[:, None]
-        bpm = np.array([self.cluster.bytes_per_ms(self.cluster.ring_bandwidth_gbps(g)) for g in groups])[:, None]
+        rings = [self.ring(g) for g in groups]
+        coef = np.array([ring[0] for ring in rings])[:, None]
+        bpm = np.array([ring[1] for ring in rings])[:, None]
         multi = np.array([len(g) > 1 for g in groups])[:, None]
         return np.where(multi & (params > 0), coef * params / bpm + self.lat, 0.0)
 
@@ -732,6 +791,7 @@ def _to_stages(raw: RawStages) -> tuple[StagePlan, ...]:
     return tuple(StagePlan(layers=(a, b), devices=tuple(sorted(devices))) for a, b, devices in raw)
 
 
+EXTENDED_PLACEMENT_DEVICES = 16  # beyond this, only the paper's policies plus append_near
 SMALL_INSTANCE = 256  # layers x devices up to which the search keeps everything it can
 
 
@@ -741,21 +801,31 @@ def search_effort(num_layers: int, num_devices: int, keep_per_state: int | None 
     Small instances (layers x devices <= 256, which covers every exhaustive check) keep four
     non-dominated candidates per sub-problem and no beam: the search then matches brute force
     (tests/test_planner_optimality.py). Larger ones keep two and expand, per number of
-    planned layers j, only the 16 sub-problems with the lowest bound (admitting 64): a
-    beam that keeps BERT-48 on 16 devices and 128 layers on 64 devices within the time
-    budget while finding the same plans as the unbounded search on the Table 4 models
-    (benchmarks/bench_planner.py).
+    planned layers j, only 16 sub-problems (8 beyond 4096 layers x devices), half with the
+    lowest bound and half with the lowest T_PL, admitting 4x as many; the best results are
+    then polished by local edits (``polish``). This keeps BERT-48 on 16 devices around a
+    second and 128 layers on 64 devices under ten, at a cost of a few percent of formula
+    latency on the hardest Table 4 cases (benchmarks/bench_planner.py measures it).
     """
     small = num_layers * num_devices <= SMALL_INSTANCE
     if keep_per_state is None:
         keep_per_state = 4 if small else 2
     if beam == "auto":
-        beam = None if small else 16
+        beam = None if small else (16 if num_layers * num_devices <= 4 * 1024 else 8)
     if beam is not None and (not isinstance(beam, int) or beam < 1):
         raise DappleConfigError("beam", f"must be a positive integer, None or 'auto', got {beam!r}", "leave it at 'auto'")
     if not isinstance(keep_per_state, int) or keep_per_state < 1:
         raise DappleConfigError("keep_per_state", f"must be a positive integer, got {keep_per_state!r}", "leave it out")
     return keep_per_state, beam  # type: ignore[return-value]
+
+
+def lower_bound(micro_batches: int, max_fb: float, sum_fb: float, work_left: float, devices_left: int) -> float:
+    """Formula 2 is at least this for any plan that starts with a given prefix of stages:
+    ``max_fb`` / ``sum_fb`` are the max and sum of F+B over the prefix's stages and
+    transfers, ``work_left`` the F+B of the remaining layers at the full micro-batch on one
+    device (see the module docstring for the proof)."""
+    per_device = work_left / devices_left if devices_left else 0.0
+    return max((micro_batches - 1) * max_fb, sum_fb + micro_batches * per_device)
 
 
 def dapple_search(
@@ -793,17 +863,21 @@ def dapple_search(
         # no plan beats M x (all work of one micro-batch) / G (lower_bound with an empty prefix)
         return m * total_work * ((global_batch_size // m) / tables.pbs) / g
 
-    # Order the M candidates by their best plan of at most two stages (cheap), so that the
-    # full searches start with a tight bound and later M are pruned hard.
+    # Order the M candidates by a cheap probe (plans of at most two stages; with a beam also
+    # a greedy deep search keeping one sub-problem per layer), so that the full searches
+    # start with a tight bound and the later M are pruned hard.
     searches = {m: _Search(tables, cluster, global_batch_size, m, floor, settings, shared) for m in candidates}
-    shallow_best: dict[int, float] = {}
+    probe_settings = replace(settings, keep_per_state=1, beam=1) if beam is not None else None
+    probe_best: dict[int, float] = {}
     for m, search in searches.items():
         probe = _Top(1)
         search.run(probe, shallow=True)
-        shallow_best[m] = probe.items[0][0] if probe.items else _INF
+        if probe_settings is not None:
+            _Search(tables, cluster, global_batch_size, m, floor, probe_settings, shared).run(probe)
+        probe_best[m] = probe.items[0][0] if probe.items else _INF
         for latency, _, mm, raw in probe.items:
             top.add(latency, mm, raw)
-    for m in sorted(candidates, key=lambda m: (shallow_best[m], m)):
+    for m in sorted(candidates, key=lambda m: (probe_best[m], m)):
         if bound(m) >= top.threshold:
             continue
         searches[m].run(top)
@@ -814,7 +888,7 @@ def dapple_search(
             scored.append(item)
     if beam is not None and scored and not straight_only:
         # the beam may have cut the way to a better plan: polish the best ones locally
-        polished = [polish(profile, cluster, item, global_batch_size, policy, schedule, floor) for item in scored[:2]]
+        polished = [polish(profile, cluster, item, global_batch_size, policy, schedule, floor, tables=tables) for item in scored[:2]]
         known = {(item.micro_batches, item.stages) for item in scored}
         scored.extend(item for item in polished if (item.micro_batches, item.stages) not in known)
     scored.sort(key=lambda item: (item.latency_ms, len(item.stages), item.micro_batches))
@@ -830,6 +904,53 @@ def _consecutive(shape: Sequence[tuple[int, int, int]]) -> tuple[StagePlan, ...]
     return tuple(stages)
 
 
+class _QuickCost:
+    """The StageCost fields formula 2 and the memory model read, from the range tables
+    (the same sums as ``stage_costs``); used to score many small edits quickly. Any other
+    field (recomputation time, ...) reads as 0, which is what a plan without
+    recomputation has."""
+
+    __slots__ = ("forward_ms", "backward_ms", "allreduce_ms", "send_ms", "param_bytes", "stash_bytes")
+
+    def __getattr__(self, name: str) -> float:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return 0.0
+
+    def __init__(self, forward_ms: float, backward_ms: float, allreduce_ms: float, send_ms: float, param_bytes: float, stash_bytes: float) -> None:
+        self.forward_ms = forward_ms
+        self.backward_ms = backward_ms
+        self.allreduce_ms = allreduce_ms
+        self.send_ms = send_ms
+        self.param_bytes = param_bytes
+        self.stash_bytes = stash_bytes
+
+
+def _quick_latency(tables: _Tables, cluster: Cluster, stages: Sequence[StagePlan], mbs: int, m: int, policy: str, schedule: str) -> tuple[float, bool]:
+    """(formula-2 latency, fits in memory) of ``stages`` priced from the tables."""
+    whole = mbs / tables.pbs
+    costs = []
+    for index, stage in enumerate(stages):
+        a, b = stage.layers
+        per_device = slice_size(mbs, stage.replicas) / tables.pbs
+        send = 0.0
+        if index + 1 < len(stages):
+            send = p2p_ms_fast(cluster, tables.output[b - 1] * whole, stage.devices, stages[index + 1].devices)
+        params = float(tables.params[a, b])
+        costs.append(
+            _QuickCost(
+                float(tables.forward[a, b]) * per_device,
+                float(tables.backward[a, b]) * per_device,
+                cluster.allreduce_ms(params, stage.devices),
+                send,
+                params,
+                float(tables.stash[a, b]) * per_device,
+            )
+        )
+    memory = memory_per_stage(costs, m, cluster, policy, schedule)  # type: ignore[arg-type]
+    return dapple_latency(costs, m).latency_ms, max(memory) <= cluster.device_memory_bytes  # type: ignore[arg-type]
+
+
 def polish(
     profile: ModelProfile,
     cluster: Cluster,
@@ -839,6 +960,7 @@ def polish(
     schedule: str,
     min_slice: int,
     rounds: int = 12,
+    tables: "_Tables | None" = None,
 ) -> Scored:
     """Hill-climb from a DP result with small edits, keeping what formula 2 likes better.
 
@@ -848,20 +970,20 @@ def polish(
     change replica counts place stages on consecutive ranks; every candidate is priced with
     ``score_stages`` and must fit in memory with slices of at least ``min_slice`` samples.
     """
-    n = profile.num_layers
+    tables = tables or _Tables(profile)
     m = start.micro_batches
     mbs = global_batch_size // m
     rmax = min(mbs // min_slice, mbs)
-    best = start
+    best_stages, best_latency = start.stages, start.latency_ms
     seen: set[tuple] = {tuple((s.start, s.end, s.devices) for s in start.stages)}
     for _ in range(rounds):
-        shape = [(s.start, s.end, s.replicas) for s in best.stages]
+        shape = [(s.start, s.end, s.replicas) for s in best_stages]
         options: list[tuple[StagePlan, ...]] = []
         for i in range(len(shape) - 1):
             for delta in (-8, -4, -2, -1, 1, 2, 4, 8):
-                cut = best.stages[i].end + delta
-                if best.stages[i].start < cut < best.stages[i + 1].end:
-                    edited = list(best.stages)
+                cut = best_stages[i].end + delta
+                if best_stages[i].start < cut < best_stages[i + 1].end:
+                    edited = list(best_stages)
                     edited[i] = StagePlan((edited[i].start, cut), edited[i].devices)
                     edited[i + 1] = StagePlan((cut, edited[i + 1].end), edited[i + 1].devices)
                     options.append(tuple(edited))
@@ -884,13 +1006,83 @@ def polish(
             if key in seen or any(s.replicas > rmax for s in stages):
                 continue
             seen.add(key)
-            item = score_stages(profile, cluster, stages, global_batch_size, m, policy, schedule)
-            if item.fits(cluster) and item.latency_ms < (improved or best).latency_ms - 1e-9:
-                improved = item
+            latency, fits = _quick_latency(tables, cluster, stages, mbs, m, policy, schedule)
+            if fits and latency < best_latency - 1e-9:
+                improved, best_latency = stages, latency
         if improved is None:
             break
-        best = improved
-    return best
+        best_stages = improved
+    if best_stages == start.stages:
+        return start
+    return score_stages(profile, cluster, best_stages, global_batch_size, m, policy, schedule)
+
+
+
+
+
+def _balanced_cuts(tables: _Tables, cluster: Cluster, devices: Sequence[tuple[int, ...]], mbs: int) -> list[int] | None:
+    """Layer cuts for stages on ``devices`` (in order) that minimise the slowest stage: the
+    max over stages of F+B and of twice the transfer to the next stage (PipeDream 3.2's
+    objective for a fixed replication), by a bottleneck DP over cut positions."""
+    count = len(devices)
+    n = tables.n
+    if count > n:
+        return None
+    whole = mbs / tables.pbs
+    best = np.full(n + 1, _INF)
+    best[0] = 0.0
+    choice = np.zeros((count, n + 1), dtype=int)
+    for s in range(count):
+        scale = slice_size(mbs, len(devices[s])) / tables.pbs
+        nxt = np.full(n + 1, _INF)
+        unit = p2p_ms_fast(cluster, 1e6, devices[s], devices[s + 1]) / 1e6 if s + 1 < count else 0.0
+        ends = range(s + 1, n - (count - s - 1) + 1) if s + 1 < count else [n]
+        for c in ends:
+            starts = np.arange(s, c)
+            stage_time = tables.work[starts, c] * scale
+            send = 2.0 * tables.output[c - 1] * whole * unit if s + 1 < count else 0.0
+            value = np.maximum(np.maximum(best[starts], stage_time), send)
+            k = int(np.argmin(value))
+            nxt[c] = value[k]
+            choice[s, c] = starts[k]
+        best = nxt
+    if best[n] == _INF:
+        return None
+    cuts = [n]
+    for s in range(count - 1, 0, -1):
+        cuts.append(int(choice[s, cuts[-1]]))
+    cuts.append(0)
+    return cuts[::-1]
+
+
+def balanced_variant(
+    profile: ModelProfile,
+    cluster: Cluster,
+    item: Scored,
+    global_batch_size: int,
+    policy: str = "PA",
+    schedule: str = "dapple",
+) -> Scored | None:
+    """The same stages on the same devices with evenly balanced layer cuts
+    (``_balanced_cuts``), or None if that is the same plan or does not fit in memory.
+
+    Formula 2 tolerates a stage before the pivot that is heavier than the pivot as long as
+    enough work lies between them (Algorithm 1), and its best plans can be slightly uneven
+    (4.4); the simulator, which re-ranks the candidates, sometimes prefers the evenly
+    balanced cut. Offering both lets the simulation decide.
+    """
+    stages = item.stages
+    if len(stages) < 2:
+        return None
+    tables = _Tables(profile)
+    cuts = _balanced_cuts(tables, cluster, [stage.devices for stage in stages], global_batch_size // item.micro_batches)
+    if cuts is None:
+        return None
+    new = tuple(StagePlan(layers=(cuts[s], cuts[s + 1]), devices=stage.devices) for s, stage in enumerate(stages))
+    if new == stages:
+        return None
+    scored = score_stages(profile, cluster, new, global_batch_size, item.micro_batches, policy, schedule)
+    return scored if scored.fits(cluster) else None
 
 
 def data_parallel_candidates(
@@ -925,15 +1117,35 @@ def straight_candidates(
     min_slice: int | None = None,
     keep: int = 1,
 ) -> list[Scored]:
-    """The straight pipeline (one device per stage, G stages) best under formula 2.
+    """The straight pipeline (G stages, one device each, ranks in order) that fits in memory.
 
-    Uses the same DP restricted to one replica per stage; needs at least G layers.
+    For every candidate M the layers are cut to minimise the slowest stage
+    (``_balanced_cuts``); the plans are ranked by formula 2. Needs at least G layers. (The
+    DP restricted to one replica per stage, ``dapple_search(straight_only=True)``, finds the
+    formula's best straight cut instead; it is slower and the simulator often prefers the
+    balanced one.)
     """
-    if profile.num_layers < cluster.num_devices:
+    g = cluster.num_devices
+    if profile.num_layers < g:
         return []
-    return dapple_search(
-        profile, cluster, global_batch_size, micro_batches, schedule, policy, min_slice, keep=keep, straight_only=True
-    )
+    floor = default_min_slice(profile, min_slice)
+    candidates, floor = candidate_micro_batches(global_batch_size, floor, micro_batches)
+    tables = _Tables(profile)
+    devices = [(rank,) for rank in range(g)]
+    out = []
+    for m in candidates:
+        mbs = global_batch_size // m
+        if mbs // floor < 1:
+            continue
+        cuts = _balanced_cuts(tables, cluster, devices, mbs)
+        if cuts is None:
+            continue
+        stages = tuple(StagePlan(layers=(cuts[s], cuts[s + 1]), devices=devices[s]) for s in range(g))
+        item = score_stages(profile, cluster, stages, global_batch_size, m, policy, schedule)
+        if item.fits(cluster):
+            out.append(item)
+    out.sort(key=lambda item: (item.latency_ms, item.micro_batches))
+    return out[:keep]
 
 
 def _smallest_memory(profile: ModelProfile, cluster: Cluster, global_batch_size: int, micro_batches: int | None, schedule: str, policy: str, min_slice: int | None) -> tuple[float, str]:
@@ -999,7 +1211,11 @@ def plan_dapple(
     straight = straight_candidates(profile, cluster, global_batch_size, micro_batches, schedule, policy, min_slice)
     pool: list[Scored] = []
     seen: set[tuple[int, tuple[StagePlan, ...]]] = set()
-    for item in [*best[: max(rerank, 1)], *dp, *straight]:
+    shortlist = [*best[: max(rerank, 1)], *straight]
+    if rerank > 0:
+        balanced = [balanced_variant(profile, cluster, item, global_batch_size, policy, schedule) for item in shortlist]
+        shortlist += [item for item in balanced if item is not None]
+    for item in [*shortlist, *dp]:
         key = (item.micro_batches, item.stages)
         if key not in seen:
             seen.add(key)
@@ -1030,7 +1246,12 @@ def plan_dapple(
     sim = simulations.get(chosen_index)
     dp_pair = _pair_for(pool, simulations, dp)
     straight_pair = _pair_for(pool, simulations, straight)
-    reason = describe_choice(chosen, sim, cluster, dp_pair, straight_pair, dp_all)
+    pipelines = [i for i in range(len(pool)) if len(pool[i].stages) > 1]
+    runner_up = None
+    if pipelines:
+        index = min(pipelines, key=rank) if have_sim else min(pipelines, key=lambda i: pool[i].latency_ms)
+        runner_up = (pool[index], simulations.get(index))
+    reason = describe_choice(chosen, sim, cluster, dp_pair, straight_pair, dp_all, runner_up)
     extra = {
         "alternatives": {
             name: _summary(pair)
@@ -1093,21 +1314,29 @@ def describe_choice(
     dp: tuple[Scored, Any] | None,
     straight: tuple[Scored, Any] | None,
     dp_all: Sequence[Scored] = (),
+    runner_up: tuple[Scored, Any] | None = None,
 ) -> str:
-    """One line saying why this plan, from the numbers (DAPPLE 6.2 style)."""
+    """One line saying why this plan, from the numbers (DAPPLE 6.2 style): DP is compared
+    with the best pipeline (``runner_up``), a pipeline with DP and the straight pipeline."""
     kind = chosen.kind()
     latency = _latency((chosen, sim))
     where = "simulated" if sim is not None else "formula"
-    if kind in ("DP", "single"):
+    if kind == "single":
+        return f"single device: nothing to split or replicate ({latency:.1f} ms per step, {where})"
+    if kind == "DP":
         ar = chosen.costs[0].allreduce_ms
         params = chosen.costs[0].param_bytes
-        alternatives = [pair for pair in (straight,) if pair is not None]
-        text = f"DP: AllReduce of {format_bytes(params)} costs {ar:.1f} ms"
-        if alternatives:
-            other, other_sim = alternatives[0]
-            text += f", less than the {other.kind()} pipeline's bubble of {_bubble_ms(other, other_sim):.1f} ms ({latency:.1f} vs {_latency(alternatives[0]):.1f} ms per step, {where})"
+        bw = cluster.ring_bandwidth_gbps(chosen.stages[0].devices)
+        text = f"DP: AllReduce of {format_bytes(params)} over {bw:g} Gbit/s costs {ar:.1f} ms"
+        if runner_up is not None:
+            other, other_sim = runner_up
+            label = "straight" if other.kind() == "straight" else other.kind()
+            text += (
+                f", less than the bubble of the best pipeline ({label}, {_bubble_ms(other, other_sim):.1f} ms): "
+                f"{latency:.1f} vs {_latency(runner_up):.1f} ms per step ({where})"
+            )
         else:
-            text += f" ({latency:.1f} ms per step, {where}); no pipeline beats it"
+            text += f" ({latency:.1f} ms per step, {where}); no valid pipeline fits"
         return text
     label = "straight pipeline" if kind == "straight" else f"{kind} pipeline"
     text = f"{label} (layers {_split_text(chosen.stages)}, M={chosen.micro_batches})"

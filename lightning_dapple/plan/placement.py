@@ -244,10 +244,10 @@ def placement_options(
 ) -> list[tuple[str, tuple[int, ...]]]:
     """The distinct rank sets offered for ``n`` devices, the paper's three policies first.
 
-    With ``extended`` (the planner's default) three more candidates are offered:
-    ``append_near`` the previous stage ``near``, ``scatter_all`` and ``balance_first``. They
-    cost a few more DP transitions and close most of the gap to an exhaustive search over
-    all placements (tests/test_planner_optimality.py).
+    Given the previous stage's ranks ``near``, ``append_near`` is offered too; with
+    ``extended`` (the planner's default up to 16 devices) also ``scatter_all`` and
+    ``balance_first``. They cost a few more DP transitions and close most of the gap to an
+    exhaustive search over all placements (tests/test_planner_optimality.py).
     """
     seen: set[tuple[int, ...]] = set()
     out: list[tuple[str, tuple[int, ...]]] = []
@@ -259,9 +259,9 @@ def placement_options(
 
     for name, policy in POLICIES.items():
         offer(name, policy(state, n))
+    if near:
+        offer("append_near", append_near(state, n, near))
     if extended:
-        if near:
-            offer("append_near", append_near(state, n, near))
         for name, policy in EXTENDED_POLICIES.items():
             offer(name, policy(state, n))
     return out

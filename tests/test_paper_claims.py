@@ -1,0 +1,50 @@
+"""DAPPLE 6.2/6.6: the planner's plan is never worse than PipeDream's, data parallelism or the
+straight pipeline -- here under the shared simulator, for every Table 4 model that has a
+profile in shared/profiles/dapple/ on the three configurations of Table 2 (paper-a: 2x8
+with NVLink, paper-b/c: 16x1 at 25/10 Gbit/s).
+
+All 15 model x cluster pairs run (about 30-60 s on the 2-core development machine;
+GNMT-16's 96 layers are the slowest). benchmarks/bench_planner.py prints the same
+comparison as a table next to the paper's own plans.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lightning_dapple.cluster import load_cluster
+from lightning_dapple.plan.dapple_planner import data_parallel_candidates, plan_dapple, straight_candidates
+from lightning_dapple.plan.pipedream_planner import plan_pipedream
+from lightning_dapple.plan.plan import Plan
+from lightning_dapple.profile.model_profile import load_profile
+from lightning_dapple.simulate import simulate_plan
+
+PROFILES = Path(__file__).resolve().parents[1].parent / "shared" / "profiles" / "dapple"
+MODELS = [
+    ("vgg-19-pbs-32.txt", 2048),
+    ("gnmt-16-pbs-64.txt", 1024),
+    ("bert-48-pbs-2.txt", 64),
+    ("xlnet-36-pbs-1.txt", 128),
+    ("amoeba-36-pbs-1.txt", 128),
+]
+
+
+@pytest.mark.skipif(not PROFILES.is_dir(), reason="shared/profiles not available")
+@pytest.mark.parametrize("filename, gbs", MODELS, ids=[name.split("-pbs")[0] for name, _ in MODELS])
+def test_dapple_never_slower_than_the_baselines(filename: str, gbs: int) -> None:
+    profile = load_profile(PROFILES / filename)
+    for name in ("paper-a", "paper-b", "paper-c"):
+        cluster = load_cluster(name)
+        dapple = plan_dapple(profile, cluster, gbs)
+        ours = dapple.predicted.simulated_latency_ms
+        assert ours is not None
+        others: dict[str, float] = {"pipedream": plan_pipedream(profile, cluster, gbs).predicted.simulated_latency_ms}
+        dp = [item for item in data_parallel_candidates(profile, cluster, gbs) if item.fits(cluster)]
+        if dp:
+            others["DP"] = simulate_plan(Plan(gbs, dp[0].micro_batches, dp[0].stages), profile, cluster).latency_ms
+        straight = straight_candidates(profile, cluster, gbs)
+        if straight:
+            others["straight"] = simulate_plan(Plan(gbs, straight[0].micro_batches, straight[0].stages), profile, cluster).latency_ms
+        for other, latency in others.items():
+            assert ours <= latency * (1 + 1e-9), f"{filename} on {name}: DAPPLE {dapple.kind()} {ours:.1f} ms > {other} {latency:.1f} ms"
