@@ -30,7 +30,6 @@ MODELS = [
 ]
 
 
-@pytest.mark.skipif(not PROFILES.is_dir(), reason="shared/profiles not available")
 @pytest.mark.parametrize("filename, gbs", MODELS, ids=[name.split("-pbs")[0] for name, _ in MODELS])
 def test_dapple_never_slower_than_the_baselines(filename: str, gbs: int) -> None:
     profile = load_profile(PROFILES / filename)

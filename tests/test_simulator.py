@@ -414,7 +414,6 @@ def bert48_plan() -> Plan:
     return Plan(global_batch_size=64, micro_batches=16, stages=stages)
 
 
-@pytest.mark.skipif(not BERT48.is_file(), reason="shared/profiles not available")
 def test_bert48_hybrid_plan_on_paper_a(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Real profile (shared/profiles/dapple): DAPPLE holds K_i = 4,3,2,1 micro-batches where
     GPipe holds 16, at about GPipe's latency (DAPPLE 3.2); the formula stays within 10%."""
