@@ -19,6 +19,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 from dist_harness import free_port  # noqa: E402
 
 
+def shared_profiles() -> Path:
+    """shared/profiles beside the checkout (as CI clones it), else the workplace copy."""
+    beside = Path(__file__).resolve().parents[2] / "shared" / "profiles"
+    return beside if beside.is_dir() else Path("/work/shared/profiles")
+
+
 @pytest.fixture(autouse=True)
 def _isolated_distributed():
     if dist.is_available() and dist.is_initialized():

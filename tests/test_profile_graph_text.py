@@ -4,12 +4,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from conftest import shared_profiles
 
 from lightning_dapple.errors import DappleConfigError
 from lightning_dapple.profile import load_profile
 from lightning_dapple.profile.graph_text import parse_graph_text
 
-PROFILES = Path("/work/shared/profiles")
+PROFILES = shared_profiles()
 SHARED = sorted(PROFILES.glob("*/*.txt"))
 assert SHARED, f"the shared profiles are required beside the checkout: {PROFILES}"
 needs_shared = pytest.mark.usefixtures()  # shared/profiles is required (it sits beside every clone)

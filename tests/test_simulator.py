@@ -14,6 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from conftest import shared_profiles
 
 from lightning_dapple.cli.simulate import main as simulate_main
 from lightning_dapple.cluster import Cluster
@@ -24,7 +25,7 @@ from lightning_dapple.profile.model_profile import LayerProfile, ModelProfile
 from lightning_dapple.schedule import Action, Kind, Schedule, build_schedule, warmup_counts
 from lightning_dapple.simulate import ScheduleDeadlock, SimulationResult, draw_timeline, simulate, simulate_plan
 
-BERT48 = Path("/work/shared/profiles/dapple/bert-48-pbs-2.txt")
+BERT48 = shared_profiles() / "dapple" / "bert-48-pbs-2.txt"
 
 
 def cost(f: float, b: float, send: float = 0.0, ar: float = 0.0, stash: float = 1.0, bi: float | None = None, bw: float = 0.0) -> StageCost:
