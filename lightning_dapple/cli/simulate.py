@@ -6,7 +6,14 @@ same costs: per-stage times, the micro-batches each stage holds at once (K_i und
 early backward, 5.3; M under GPipe) and the resulting step latency and bubble fraction.
 
     dapple-simulate --profile bert-48-pbs-2.txt --plan plan.json --cluster paper-a \\
-        [--schedule dapple|gpipe] [--profile-batch-size N] [--json] [--png timeline.png]
+        [--schedule dapple|gpipe] [--profile-batch-size N] [--json] [--png timeline.png] \\
+        [--ooo] [--recompute never|always|except_last|auto] [--memory-gib G]
+
+``--ooo`` runs the plan with out-of-order backprop (ooo-backprop 3, 5.1-5.2: B before W,
+deferred W filling bubbles, per-layer ending with bucketed AllReduce) and prints the
+difference to the same plan without it. ``--recompute`` sets every stage's recomputation
+(``auto``: the cheapest setting per stage that fits device memory, ``--memory-gib`` or the
+cluster's); the table then shows each stage's choice and its peak stash.
 
 ``--json`` prints only the result's JSON. Bad input prints one ``error: ...`` line on
 stderr and exits with status 2.
@@ -42,6 +49,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--profile-batch-size", type=int, default=None, help="batch size the profile was measured at (graph text files)")
     parser.add_argument("--json", action="store_true", help="print only the result as JSON")
     parser.add_argument("--png", default=None, help="also draw the device timelines to this PNG file")
+    parser.add_argument("--ooo", action="store_true", help="out-of-order backprop; also prints the difference to the plan without it")
+    parser.add_argument(
+        "--recompute",
+        choices=("never", "always", "except_last", "auto"),
+        default=None,
+        help="recomputation of every stage ('auto': cheapest per stage that fits device memory)",
+    )
+    parser.add_argument("--memory-gib", type=float, default=None, help="device memory budget for --recompute auto (default: the cluster's)")
     return parser
 
 
@@ -58,7 +73,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         profile = load_profile(args.profile, profile_batch_size=args.profile_batch_size)
         plan = load_plan(args.plan)
         cluster = load_cluster(args.cluster)
-        result = simulate_plan(plan, profile, cluster, schedule=args.schedule)
+        if args.memory_gib is not None and args.memory_gib <= 0:
+            raise DappleConfigError("--memory-gib", f"is {args.memory_gib}", "give a positive number of GiB")
+        baseline = None
+        if args.ooo or args.recompute is not None:
+            from dataclasses import replace as _replace
+
+            from lightning_dapple.plan.recompute import apply_ooo_recompute
+            from lightning_dapple.simulate.engine import check_plan_fits
+
+            check_plan_fits(plan, profile, cluster)
+            if args.schedule is not None and args.schedule != plan.schedule:
+                plan = _replace(plan, schedule=args.schedule, stages=tuple(_replace(s, warmup=None) for s in plan.stages)).validate()
+            modes = args.recompute or [stage.recompute for stage in plan.stages]
+            budget = args.memory_gib * 1024**3 if args.memory_gib is not None else None
+            ooo = bool(args.ooo or plan.ooo)
+            if args.ooo:
+                plain = apply_ooo_recompute(plan, profile, cluster, ooo=False, recompute=modes, memory_budget_bytes=budget)
+                baseline = simulate_plan(plain, profile, cluster)
+            plan = apply_ooo_recompute(plan, profile, cluster, ooo=ooo, recompute=modes, memory_budget_bytes=budget)
+            result = simulate_plan(plan, profile, cluster)
+        else:
+            result = simulate_plan(plan, profile, cluster, schedule=args.schedule)
         if args.png:
             from lightning_dapple.simulate.timeline_png import draw_timeline
 
@@ -69,9 +105,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         name = getattr(exc, "filename", None)
         return _error(f"cannot access {name!r}: {exc.strerror or exc}" if name else str(exc))
     if args.json:
-        print(json.dumps(result.to_dict()))
+        out = result.to_dict()
+        out["recompute"] = [stage.recompute for stage in plan.stages]
+        out["ooo"] = plan.ooo
+        if plan.first_k is not None:
+            out["first_k"] = plan.first_k
+        if baseline is not None:
+            out["without_ooo"] = baseline.to_dict(spans=False)
+        print(json.dumps(out))
     else:
         print_result(result, plan)
+        if baseline is not None:
+            print_ooo_difference(result, baseline)
         if args.png:
             print(f"wrote {args.png}")
     return 0
@@ -85,27 +130,38 @@ def print_result(result: SimulationResult, plan: Plan) -> None:
     table = Table(title=f"{result.schedule} schedule, M = {result.micro_batches}")
     # K_i: warm-up forwards (5.3); F/B: per micro-batch slice on one device; send: one
     # boundary to the next stage; AR: gradient AllReduce; peak: micro-batches in flight.
-    for name in ("stage", "layers", "devices", "K_i", "F ms", "B ms", "send ms", "AR ms", "peak", "stash MB", "busy %"):
-        table.add_column(name, justify="left" if name in ("layers", "devices") else "right", no_wrap=True)
+    split = any(span.kind == "W" for stage in result.stages for span in stage.spans)
+    columns = ["stage", "layers", "devices", "K_i", "F ms", "B ms"]
+    if split:
+        columns += ["W ms"]  # with ooo: B is the input-gradient half, W the weight half
+    columns += ["send ms", "AR ms", "recompute", "peak", "stash MB", "busy %"]
+    for name in columns:
+        table.add_column(name, justify="left" if name in ("layers", "devices", "recompute") else "right", no_wrap=True)
     for stage_result, stage in zip(result.stages, plan.stages):
         cost = stage_result.cost
         devices = ",".join(str(d) for d in stage_result.devices)
-        table.add_row(
+        row = [
             str(stage_result.stage),
             f"[{stage.start}, {stage.end})",
             devices if len(devices) <= 24 else f"{stage_result.devices[0]}..{stage_result.devices[-1]} ({len(stage_result.devices)})",
             str(stage_result.warmup),
             f"{cost.forward_ms:.2f}",
-            f"{cost.backward_ms:.2f}",
+            f"{cost.backward_input_ms if split else cost.backward_ms:.2f}",
+        ]
+        if split:
+            row.append(f"{cost.backward_weight_ms:.2f}")
+        row += [
             f"{cost.send_ms:.2f}",
             f"{cost.allreduce_ms:.2f}",
+            stage.recompute,
             str(stage_result.peak_in_flight),
             f"{stage_result.peak_stash_bytes / MB:.1f}",
             f"{100 * stage_result.busy_fraction(result.latency_ms):.1f}",
-        )
+        ]
+        table.add_row(*row)
     console = Console()
     if not console.is_terminal:
-        console.width = max(console.width, 110)
+        console.width = max(console.width, 140)
     console.print(table)
     console.print(f"latency: {result.latency_ms:.3f} ms per step")
     console.print(f"bubble fraction: {result.bubble_fraction:.4f} (AllReduce and waiting count as idle)")
@@ -116,6 +172,26 @@ def print_result(result: SimulationResult, plan: Plan) -> None:
         f"planner formula (DAPPLE 4.1): {estimate.latency_ms:.3f} ms, pivot stage {estimate.pivot_stage} "
         f"({100 * gap:+.1f}% vs simulated)"
     )
+    if plan.ooo:
+        k = "conventional order" if not plan.first_k else f"k = {plan.first_k}"
+        console.print(f"out-of-order backprop: W deferred into idle slots; ending phase {k} (ooo-backprop Algorithm 2)")
+    if plan.reason and any(stage.recompute != "never" for stage in plan.stages):
+        console.print(f"recomputation: {plan.reason}")
+
+
+def print_ooo_difference(result: SimulationResult, baseline: SimulationResult) -> None:
+    """One line each: latency, bubble fraction and peak stash with vs without ooo."""
+    from rich.console import Console
+
+    console = Console()
+    gain = (baseline.latency_ms - result.latency_ms) / baseline.latency_ms if baseline.latency_ms > 0 else 0.0
+    console.print(
+        f"with ooo: {result.latency_ms:.3f} ms, bubble {result.bubble_fraction:.4f}; "
+        f"without: {baseline.latency_ms:.3f} ms, bubble {baseline.bubble_fraction:.4f} ({100 * gain:+.1f}% faster)"
+    )
+    with_ooo = ", ".join(f"{s.peak_stash_bytes / MB:.1f}" for s in result.stages)
+    without = ", ".join(f"{s.peak_stash_bytes / MB:.1f}" for s in baseline.stages)
+    console.print(f"peak stash per stage (MB): with ooo [{with_ooo}], without [{without}]")
 
 
 if __name__ == "__main__":

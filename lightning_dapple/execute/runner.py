@@ -5,15 +5,36 @@ by ``lightning_dapple.schedule`` (the same list the simulator times):
 
 * F: run the stage's layers on one micro-batch slice (the first stage takes it from the
   batch via ``make_input``; the last computes the loss via ``compute_loss``), stashing
-  what backward needs (DAPPLE 3.2: at most K_i micro-batches in flight);
+  what backward needs (DAPPLE 3.2: at most K_i micro-batches in flight). Each F runs
+  under an RNG seed of its own (step, stage, replica, micro-batch), so dropout masks do
+  not depend on the order in which a schedule runs its forwards, and a recomputation
+  replays them exactly;
 * B: backpropagate that micro-batch, accumulating parameter gradients (5.2.3: "each
-  device produces and accumulates gradients for all micro-batches");
+  device produces and accumulates gradients for all micro-batches"). When the schedule
+  splits backward (out-of-order backprop, ooo-backprop sec. 3), B computes only the
+  gradient with respect to the stage input and the gradients W will start from (one
+  ``autograd.grad`` over the retained graph); the gradient goes upstream at once
+  (gradient fast-forwarding, 5.2);
+* W: the deferred weight gradients of one micro-batch, layer by layer from the same graph
+  (``autograd.grad`` from where each layer's weight work starts -- the outputs of its
+  weight-consuming operations, see ``execute/recompute.py`` -- to its parameters, with the
+  gradients B kept there). A W limited to some layers runs only those (the ending phase of
+  reverse first-k, Algorithm 2); the graph goes when the micro-batch's last W is done;
+* recomputation (gpipe.txt 2.3, per stage ``never``/``always``/``except_last``): the F
+  of a recomputed micro-batch keeps only the stage input; right before its B the stage
+  forward is replayed under the same seed (buffers restored), and B/W then use that one
+  graph (see ``execute/recompute.py`` for why this is not ``torch.utils.checkpoint``);
 * send/receive: split-concat transfers to adjacent stages (5.2.2);
 * ALLREDUCE: sum the accumulated gradients among the stage's replicas, started as soon as
-  the stage's last backward is done and waited at the end of the step.
+  the stage's last backward is done and waited at the end of the step; an ALLREDUCE
+  limited to some layers is an asynchronous bucket of just their gradients.
 
 Losses are weighted by (slice rows / global batch rows) for mean-reduced losses, so the
 accumulated gradients are exactly those of one device on the whole global batch.
+
+Stashed bytes follow ``schedule.ooo.stash_walk`` (the planner's rule) with measured
+sizes: the saved tensors of the forward (``profile/stash.py``), the kept input of a
+recomputed micro-batch, the gradients a pending W keeps.
 """
 from __future__ import annotations
 
@@ -29,6 +50,17 @@ from torch import nn
 from lightning_dapple.errors import DappleConfigError
 from lightning_dapple.execute.failure import FailureChannel
 from lightning_dapple.execute.groups import PlanGroups
+from lightning_dapple.execute.recompute import (
+    WeightWork,
+    discard_saved,
+    frozen_buffers,
+    output_edges,
+    seeded,
+    tensor_bytes,
+    tensor_leaves,
+    weight_groups,
+    weight_work,
+)
 from lightning_dapple.execute.slicing import batch_size_of, flatten, slice_rows, take_rows
 from lightning_dapple.execute.transport import Peer, Transport
 from lightning_dapple.plan.plan import Plan
@@ -57,12 +89,17 @@ class EvalCallbacks(Protocol):
 
 @dataclass
 class StageStats:
-    """What the executor measured on this rank during the last step."""
+    """What the executor measured on this rank during the last step.
+
+    ``timeline`` holds (start, end, kind, micro-batch) of every F, B (recomputation
+    included) and W, in ``time.perf_counter`` seconds.
+    """
 
     peak_in_flight: int = 0
     peak_stash_bytes: int = 0
     stash_bytes: dict[int, int] = field(default_factory=dict)
     timeline: list[tuple[float, float, str, int]] = field(default_factory=list)
+    recomputed: int = 0
 
 
 @dataclass
@@ -71,6 +108,15 @@ class _MicroBatch:
     inputs: Any = None
     outputs: Any = None
     loss: torch.Tensor | None = None
+    # last stage, recomputed: the detached stage outputs the loss was computed from
+    y: list[torch.Tensor] | None = None
+    # split backward: per weight group, its W pieces and (after B) their gradients
+    edges: list[list[WeightWork]] | None = None
+    wgrads: list[list[list[torch.Tensor] | None]] | None = None
+    w_left: set[int] = field(default_factory=set)
+    w_todo: int = 0
+    input_grads: list[torch.Tensor] | None = None
+    sent: bool = False
 
 
 class StageRunner:
@@ -105,6 +151,37 @@ class StageRunner:
         self.stats = StageStats()
         self.parameters = [p for layer in self.layers for p in layer.parameters() if p.requires_grad]
         self._counter: StashMeter | None = None
+        # out-of-order backprop and recomputation
+        compute = schedule.compute(self.stage) if self.stage < schedule.num_stages else []
+        any_w = any(a.kind is Kind.W for acts in schedule.actions for a in acts)
+        self.split = any(a.kind is Kind.W for a in compute) or (schedule.split_backward and not any_w)
+        self.recomputed = schedule.recomputed(self.stage) if self.stage < schedule.num_stages else frozenset()
+        self._w_groups = weight_groups(self.layers)
+        self._group_params = [self._unique_params(a, b) for a, b in self._w_groups]
+        self._group_ends = {b - 1: index for index, (a, b) in enumerate(self._w_groups)}
+        self._group_starts = {a: index for index, (a, b) in enumerate(self._w_groups)}
+        self._buffers = [buffer for layer in self.layers for buffer in layer.buffers()]
+        owner: dict[int, int] = {}
+        for index, layer in enumerate(self.layers):
+            for param in layer.parameters():
+                if param.requires_grad:
+                    owner.setdefault(id(param), index)
+        self._param_owner = owner
+        self._edge_sink: list[list[WeightWork]] | None = None
+        self._steps = 0
+        self._w_count: dict[int, int] = {}
+        for action in compute:
+            if action.kind is Kind.W and action.microbatch is not None:
+                self._w_count[action.microbatch] = self._w_count.get(action.microbatch, 0) + 1
+
+    def _unique_params(self, start: int, end: int) -> list[torch.nn.Parameter]:
+        out, seen = [], set()
+        for layer in self.layers[start:end]:
+            for param in layer.parameters():
+                if param.requires_grad and id(param) not in seen:
+                    seen.add(id(param))
+                    out.append(param)
+        return out
 
     # -- helpers ---------------------------------------------------------------
     def _rows(self, stage: int, replica: int, batch_rows: int, microbatch: int) -> tuple[int, int]:
@@ -116,16 +193,31 @@ class StageRunner:
 
     def run_layers(self, x: Any) -> Any:
         """Apply the stage's layers; while a forward is being measured, count what each
-        layer stashes (the layers only: the loss's own saves are not in any profile)."""
+        layer stashes (the layers only: the loss's own saves are not in any profile).
+        While a split-backward forward records, find where each weight group's W starts
+        (``execute.recompute.weight_work``)."""
         meter = self._counter
-        if meter is None:
+        sink = self._edge_sink
+        if meter is None and sink is None:
             for layer in self.layers:
                 x = layer(x)
             return x
-        with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
-            for layer in self.layers:
-                meter.next_layer()
+        hooks = torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack) if meter is not None else _null()
+        inputs: list[Any] = []
+        stashed = 0
+        with hooks:
+            for index, layer in enumerate(self.layers):
+                if sink is not None and index in self._group_starts:
+                    inputs = output_edges(x)
+                    stashed = meter.bytes if meter is not None else 0
+                if meter is not None:
+                    meter.next_layer()
                 x = layer(x)
+                if sink is not None and index in self._group_ends:
+                    group = self._group_ends[index]
+                    outputs = output_edges(x)
+                    limit = max(_grad_bytes(x), (meter.bytes - stashed) if meter is not None else 0)
+                    sink.append(weight_work(outputs, inputs, self._group_params[group], limit))
         return x
 
     def check_batch(self, batch_rows: int) -> None:
@@ -136,6 +228,18 @@ class StageRunner:
                 f"has {batch_rows} samples, too few for {self.plan.micro_batches} micro-batches sliced over up to {widest} replicas",
                 "use a larger batch, fewer micro-batches, or DataLoader(drop_last=True) to avoid a short last batch",
             )
+
+    def _seed(self, microbatch: int) -> int:
+        """The RNG seed of one micro-batch's forward on this rank in this step."""
+        return hash((torch.initial_seed(), self._steps, self.stage, self.replica, microbatch)) & 0x7FFF_FFFF_FFFF_FFFF
+
+    # -- stash accounting (schedule.ooo.stash_walk with measured sizes) ----------
+    def _hold(self, mb: int, nbytes: int) -> None:
+        self._held[mb] = self._held.get(mb, 0) + nbytes
+        self.stats.peak_stash_bytes = max(self.stats.peak_stash_bytes, sum(self._held.values()))
+
+    def _drop(self, mb: int) -> None:
+        self._held.pop(mb, None)
 
     # -- training ----------------------------------------------------------------
     def train_step(
@@ -151,102 +255,306 @@ class StageRunner:
         for param in self.parameters:
             param.grad = None
         self.stats = StageStats()
+        self._held: dict[int, int] = {}
+        self._buckets: list[tuple[Any, torch.Tensor, list[torch.nn.Parameter]]] = []
         exclude = parameter_storages(self.parameters)
         state: dict[int, _MicroBatch] = {}
-        in_flight: set[int] = set()
         loss_sum = torch.zeros((), dtype=torch.float64)
         allreduce: tuple[Any, torch.Tensor] | None = None
         clock = time.perf_counter
-        for action in self.schedule.actions[self.stage]:
-            mb = action.microbatch
-            kind = action.kind
-            if kind is Kind.RECV_ACT:
-                assert mb is not None
-                rows = self._rows(self.stage, self.replica, batch_rows, mb)
-                inputs = self.transport.recv_activation(rows, self._peers(self.stage - 1, batch_rows, mb), f"activation {mb}")
-                state[mb] = _MicroBatch(rows=rows, inputs=inputs)
-            elif kind is Kind.F:
-                assert mb is not None
-                start = clock()
-                item = state.setdefault(mb, _MicroBatch(rows=self._rows(self.stage, self.replica, batch_rows, mb)))
-                counter = self._counter = StashMeter(exclude)
-                try:
-                    self._forward(item, take_rows(batch, *item.rows), callbacks, batch_rows)
-                finally:
-                    self._counter = None
-                if self.is_last and item.loss is not None:
-                    loss_sum += item.loss.detach().to(torch.float64).cpu()
-                in_flight.add(mb)
-                self.stats.stash_bytes[mb] = counter.bytes
-                self.stats.peak_in_flight = max(self.stats.peak_in_flight, len(in_flight))
-                self.stats.peak_stash_bytes = max(self.stats.peak_stash_bytes, sum(self.stats.stash_bytes[m] for m in in_flight))
-                self.stats.timeline.append((start, clock(), "F", mb))
-            elif kind is Kind.SEND_ACT:
-                assert mb is not None
-                item = state[mb]
-                self.transport.send_activation(item.outputs, item.rows, self._peers(self.stage + 1, batch_rows, mb), f"activation {mb}")
-            elif kind is Kind.RECV_GRAD:
-                assert mb is not None
-                item = state[mb]
-                like = [leaf for leaf in flatten(item.outputs)[0] if leaf.requires_grad]
-                grads = self.transport.recv_gradient(like, item.rows, self._peers(self.stage + 1, batch_rows, mb), f"gradient {mb}")
-                item.outputs = (like, grads)
-            elif kind is Kind.B:
-                assert mb is not None
-                start = clock()
-                self._backward(state[mb])
-                in_flight.discard(mb)
-                self.stats.timeline.append((start, clock(), "B", mb))
-            elif kind is Kind.SEND_GRAD:
-                assert mb is not None
-                item = state[mb]
-                grads = [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in self._grad_inputs(item)]
-                self.transport.send_gradient(grads, item.rows, self._peers(self.stage - 1, batch_rows, mb), f"gradient {mb}")
-                state.pop(mb)
-            elif kind is Kind.ALLREDUCE:
-                allreduce = self._start_allreduce()
-            else:
-                raise NotImplementedError(f"action {action} is not supported by this executor")
-            if kind is Kind.B and self.is_first:
-                state.pop(mb, None)
-        self.transport.flush()
-        if allreduce is not None:
-            self._finish_allreduce(*allreduce)
+        try:
+            for action in self.schedule.actions[self.stage]:
+                mb = action.microbatch
+                kind = action.kind
+                if kind is Kind.RECV_ACT:
+                    assert mb is not None
+                    rows = self._rows(self.stage, self.replica, batch_rows, mb)
+                    inputs = self.transport.recv_activation(rows, self._peers(self.stage - 1, batch_rows, mb), f"activation {mb}")
+                    state[mb] = _MicroBatch(rows=rows, inputs=inputs)
+                elif kind is Kind.F:
+                    assert mb is not None
+                    start = clock()
+                    item = state.setdefault(mb, _MicroBatch(rows=self._rows(self.stage, self.replica, batch_rows, mb)))
+                    recompute = mb in self.recomputed
+                    counter = self._counter = None if recompute else StashMeter(exclude)
+                    if self.split and not recompute:
+                        item.edges = []
+                        self._edge_sink = item.edges
+                    try:
+                        with seeded(self._seed(mb), self.device):
+                            self._forward(item, take_rows(batch, *item.rows), callbacks, batch_rows, recompute)
+                    finally:
+                        self._counter = None
+                        self._edge_sink = None
+                    if self.is_last and item.loss is not None:
+                        loss_sum += item.loss.detach().to(torch.float64).cpu()
+                    stashed = tensor_bytes(item.inputs) if recompute else counter.bytes  # type: ignore[union-attr]
+                    self.stats.stash_bytes[mb] = stashed
+                    self._hold(mb, stashed)
+                    self.stats.peak_in_flight = max(self.stats.peak_in_flight, len(self._held))
+                    self.stats.timeline.append((start, clock(), "F", mb))
+                elif kind is Kind.SEND_ACT:
+                    assert mb is not None
+                    item = state[mb]
+                    self.transport.send_activation(item.outputs, item.rows, self._peers(self.stage + 1, batch_rows, mb), f"activation {mb}")
+                elif kind is Kind.RECV_GRAD:
+                    assert mb is not None
+                    item = state[mb]
+                    like = [leaf for leaf in flatten(item.outputs)[0] if leaf.requires_grad]
+                    grads = self.transport.recv_gradient(like, item.rows, self._peers(self.stage + 1, batch_rows, mb), f"gradient {mb}")
+                    item.outputs = (like, grads)
+                elif kind is Kind.B:
+                    assert mb is not None
+                    start = clock()
+                    item = state[mb]
+                    self._backward(mb, item, exclude)
+                    self.stats.timeline.append((start, clock(), "B", mb))
+                    if self.is_first:
+                        item.sent = True
+                    self._release(state, mb)
+                elif kind is Kind.SEND_GRAD:
+                    assert mb is not None
+                    item = state[mb]
+                    grads = item.input_grads
+                    if grads is None:
+                        grads = [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in self._grad_inputs(item)]
+                    self.transport.send_gradient(grads, item.rows, self._peers(self.stage - 1, batch_rows, mb), f"gradient {mb}")
+                    item.input_grads = None
+                    item.sent = True
+                    self._release(state, mb)
+                elif kind is Kind.W:
+                    assert mb is not None
+                    start = clock()
+                    item = state[mb]
+                    item.w_todo -= 1
+                    self._weight_work(item, action.layers if item.w_todo > 0 else None)
+                    self.stats.timeline.append((start, clock(), "W", mb))
+                    if item.w_todo <= 0:
+                        self._drop(mb)
+                        self._release(state, mb)
+                elif kind is Kind.ALLREDUCE and action.layers is not None:
+                    self._start_bucket(action.layers)
+                elif kind is Kind.ALLREDUCE:
+                    allreduce = self._start_allreduce()
+                else:
+                    raise NotImplementedError(f"action {action} is not supported by this executor")
+            self.transport.flush()
+            if allreduce is not None:
+                self._finish_allreduce(*allreduce)
+            self._finish_buckets()
+        finally:
+            self._steps += 1
         loss = self._share_loss(loss_sum)
         shared = self._share_extras(extras() if (extras is not None and self.is_last) else None)
         return loss, shared
 
-    def _forward(self, item: _MicroBatch, batch_slice: Any, callbacks: StageCallbacks, batch_rows: int) -> None:
-        if self.is_first and not self.is_last:
-            item.outputs = self.run_layers(callbacks.make_input(batch_slice))
-            return
+    def _release(self, state: dict[int, "_MicroBatch"], mb: int) -> None:
+        item = state.get(mb)
+        if item is not None and item.sent and item.w_todo <= 0 and item.outputs is None:
+            state.pop(mb)
+
+    # -- forward -----------------------------------------------------------------
+    def _forward(self, item: _MicroBatch, batch_slice: Any, callbacks: StageCallbacks, batch_rows: int, recompute: bool) -> None:
         if not self.is_last:
-            item.outputs = self.run_layers(item.inputs)
+            x = callbacks.make_input(batch_slice) if self.is_first else item.inputs
+            if recompute:
+                item.inputs = x
+                with discard_saved():
+                    item.outputs = _detached(self.run_layers(x))
+            else:
+                item.outputs = self.run_layers(x)
             return
         received = item.inputs
 
         def forward(*args: Any, **kwargs: Any) -> Any:
-            if self.is_first:
-                return self.run_layers(args[0] if len(args) == 1 else args)
-            return self.run_layers(received)
+            x = (args[0] if len(args) == 1 else args) if self.is_first else received
+            if not recompute:
+                return self.run_layers(x)
+            item.inputs = x
+            with discard_saved():
+                y = _detached(self.run_layers(x))
+            item.y = [leaf for leaf in tensor_leaves(y) if leaf.requires_grad]
+            return y
 
         loss = callbacks.compute_loss(batch_slice, forward)
         weight = (item.rows[1] - item.rows[0]) / batch_rows if self.loss_reduction == "mean" else 1.0
         item.loss = loss * weight
 
+    def _recompute(self, mb: int, item: _MicroBatch, exclude: set[int]) -> Any:
+        """Replay the stage forward of ``mb`` with autograd (same seed, buffers kept) and
+        hold what it stashes; returns the stage output with its graph."""
+        meter = self._counter = StashMeter(exclude)
+        if self.split:
+            item.edges = []
+            self._edge_sink = item.edges
+        try:
+            with seeded(self._seed(mb), self.device), frozen_buffers(self._buffers):
+                outputs = self.run_layers(item.inputs)
+        finally:
+            self._counter = None
+            self._edge_sink = None
+        self.stats.recomputed += 1
+        self._hold(mb, meter.bytes)
+        return outputs
+
     def _grad_inputs(self, item: _MicroBatch) -> list[torch.Tensor]:
         return [leaf for leaf in flatten(item.inputs)[0] if leaf.requires_grad]
 
-    def _backward(self, item: _MicroBatch) -> None:
-        if self.is_last:
-            assert item.loss is not None
-            item.loss.backward()
-            item.loss = None
-        else:
+    # -- backward ------------------------------------------------------------------
+    def _roots(self, mb: int, item: _MicroBatch, exclude: set[int]) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """What B starts from: the loss (last stage) or the stage outputs with the
+        gradients received for them; for a recomputed micro-batch, the replayed outputs."""
+        if mb not in self.recomputed:
+            if self.is_last:
+                assert item.loss is not None
+                return [item.loss], None
             outputs, grads = item.outputs
-            if outputs:
-                torch.autograd.backward(outputs, grads)
+            return list(outputs), list(grads)
+        if self.is_last:
+            assert item.loss is not None and item.y is not None
+            grads = list(torch.autograd.grad(item.loss, item.y, allow_unused=True)) if item.y else []
+            grads = [g if g is not None else torch.zeros_like(y) for g, y in zip(grads, item.y)]
+            like: list[torch.Tensor] = item.y
+        else:
+            like, grads = item.outputs
+        replayed = [leaf for leaf in tensor_leaves(self._recompute(mb, item, exclude)) if leaf.requires_grad]
+        if len(replayed) != len(like):
+            raise RuntimeError(
+                f"stage {self.stage}: the recomputed forward of micro-batch {mb} has {len(replayed)} outputs that require grad, "
+                f"the original had {len(like)}; recomputation needs a forward that depends only on its input and the RNG"
+            )
+        return replayed, list(grads)
+
+    def _backward(self, mb: int, item: _MicroBatch, exclude: set[int]) -> None:
+        roots, root_grads = self._roots(mb, item, exclude)
+        item.loss = None
+        item.y = None
+        if not self.split:
+            if roots:
+                torch.autograd.backward(roots, root_grads)
+            item.outputs = None
+            self._drop(mb)
+            return
+        self._backward_input(mb, item, roots, root_grads)
         item.outputs = None
+
+    def _backward_input(self, mb: int, item: _MicroBatch, roots: list[torch.Tensor], root_grads: list[torch.Tensor] | None) -> None:
+        """B of out-of-order backprop: the gradients of the stage input and those W starts
+        from (each weight group's frontier, ``execute.recompute.weight_work``), in one pass
+        over a graph that is kept for W."""
+        from torch.autograd.graph import get_gradient_edge
+
+        groups = item.edges or []
+        known: dict[tuple[int, int], torch.Tensor] = {}
+        if root_grads is not None:
+            for root, grad in zip(roots, root_grads):
+                edge = get_gradient_edge(root)
+                known[(id(edge.node), edge.output_nr)] = grad
+        inputs = self._grad_inputs(item) if not self.is_first else []
+        targets: list[Any] = [get_gradient_edge(leaf) for leaf in inputs]
+        wanted: dict[tuple[int, int], int] = {}
+        for pieces in groups:
+            for piece in pieces:
+                for edge in piece.edges:
+                    key = (id(edge.node), edge.output_nr)
+                    if key not in known and key not in wanted:
+                        wanted[key] = len(targets)
+                        targets.append(edge)
+        results: Sequence[torch.Tensor | None] = ()
+        if roots and targets:
+            results = torch.autograd.grad(roots, targets, root_grads, retain_graph=bool(groups), allow_unused=True)
+        if inputs:
+            item.input_grads = [
+                results[i] if results and results[i] is not None else torch.zeros_like(x) for i, x in enumerate(inputs)
+            ]
+        kept: list[list[list[torch.Tensor] | None]] = []
+        kept_work: list[list[WeightWork]] = []
+        held = 0
+        seen: set[int] = set()
+        for pieces in groups:
+            group_work, group_grads = [], []
+            for piece in pieces:
+                pairs = []
+                for edge in piece.edges:
+                    key = (id(edge.node), edge.output_nr)
+                    grad = known.get(key)
+                    if grad is None and key in wanted:
+                        grad = results[wanted[key]] if results else None
+                    if grad is not None:
+                        pairs.append((edge, grad))
+                        if id(grad) not in seen:
+                            seen.add(id(grad))
+                            held += grad.numel() * grad.element_size()
+                group_work.append(WeightWork([edge for edge, _ in pairs], piece.params))
+                group_grads.append([grad for _, grad in pairs] if pairs else None)
+            kept_work.append(group_work)
+            kept.append(group_grads)
+        item.edges = kept_work
+        item.wgrads = kept
+        item.w_left = set(range(len(self._w_groups))) if groups else set()
+        item.w_todo = self._w_count.get(mb, 0)
+        if item.w_todo > 0:
+            self._hold(mb, held)
+        else:  # no W scheduled for it: do the weight work now
+            self._weight_work(item, None)
+            self._drop(mb)
+
+    def _weight_work(self, item: _MicroBatch, layers: tuple[int, int] | None) -> None:
+        """W: weight gradients of the groups still owed (those meeting ``layers``), from
+        the last layer back, each freeing its part of the graph."""
+        if item.edges is None or item.wgrads is None:
+            item.w_left = set()
+            return
+        order = sorted(item.w_left, reverse=True)
+        if layers is not None:
+            order = [g for g in order if self._w_groups[g][0] < layers[1] and self._w_groups[g][1] > layers[0]]
+        for group in order:
+            item.w_left.discard(group)
+            pieces, grads_of = item.edges[group], item.wgrads[group]
+            item.edges[group] = []
+            item.wgrads[group] = []
+            for piece, grads in zip(pieces, grads_of):
+                if not grads or not piece.params:
+                    continue
+                # the graph stays until the group's pieces are dropped (pieces may share nodes)
+                results = torch.autograd.grad(piece.edges, piece.params, grads, retain_graph=True, allow_unused=True)
+                for param, grad in zip(piece.params, results):
+                    if grad is None:
+                        continue
+                    if param.grad is None:  # like AccumulateGrad: keep it when its layout is the parameter's
+                        param.grad = grad if grad.stride() == param.stride() else grad.clone(memory_format=torch.contiguous_format)
+                    else:
+                        param.grad += grad
+            del pieces, grads_of
+        if not item.w_left:
+            item.edges = None
+            item.wgrads = None
+
+    # -- gradient AllReduce --------------------------------------------------------
+    def _start_bucket(self, layers: tuple[int, int]) -> None:
+        """Asynchronous AllReduce of the gradients of ``layers`` (their W is complete)."""
+        group = self.replica_groups.get(self.stage)
+        if group is None:
+            return
+        params, seen = [], set()
+        for param in self.parameters:
+            if id(param) not in seen and layers[0] <= self._param_owner[id(param)] < layers[1]:
+                seen.add(id(param))
+                params.append(param)
+        if not params:
+            return
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+        self._buckets.append((dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True), flat, params))
+
+    def _finish_buckets(self) -> None:
+        buckets, self._buckets = self._buckets, []
+        for work, flat, params in buckets:
+            self.failure.wait(work, f"gradient AllReduce bucket of stage {self.stage}")
+            offset = 0
+            for param in params:
+                count = param.numel()
+                param.grad = flat[offset : offset + count].view_as(param).clone()
+                offset += count
 
     def _start_allreduce(self) -> tuple[Any, torch.Tensor] | None:
         group = self.replica_groups.get(self.stage)
@@ -343,3 +651,28 @@ class StageRunner:
         gathered = self._share_extras(results if self.is_last else None)
         replicas = self.plan.stages[-1].replicas
         return [gathered[replica][mb] for mb in range(self.plan.micro_batches) for replica in range(replicas)]
+
+
+def _grad_bytes(value: Any) -> int:
+    """Bytes of the tensors of ``value`` that require grad (their gradients' size)."""
+    return sum(t.numel() * t.element_size() for t in tensor_leaves(value) if t.requires_grad)
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def _detached(value: Any) -> Any:
+    """``value`` with every tensor detached, keeping which of them require grad."""
+    from torch.utils import _pytree as pytree
+
+    def cut(leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor):
+            return leaf.detach().requires_grad_(leaf.requires_grad)
+        return leaf
+
+    return pytree.tree_map(cut, value)

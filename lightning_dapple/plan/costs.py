@@ -27,6 +27,19 @@ class StageCost:
     ``send_ms`` is the time to move this stage's output boundary (one micro-batch) to the
     next stage; the gradient travels back over the same links in the same time. The
     recompute time is the extra forward a backward pays under recomputation.
+
+    The fields after ``slice_size`` serve recomputation and out-of-order backprop (all
+    zero/empty by default, so hand-made costs price neither):
+
+    * ``recompute_ms``: the stage forward again before the backward of a recomputed
+      micro-batch (gpipe.txt 2.3); ``forward_ms`` when the stage recomputes, else 0;
+    * ``input_bytes``: what a recomputed micro-batch keeps instead of its stash (the stage
+      input of one slice); ``wgrad_bytes``: the layer-output gradients one micro-batch
+      keeps between its B and its deferred W (ooo-backprop sec. 3: "the weight gradient
+      computation of a layer requires the layer's input and output gradient");
+    * ``layer_weight_ms`` / ``layer_allreduce_ms``: per layer of the stage, the W time of
+      one slice and the AllReduce time of its gradients (bucketed ending phase,
+      ooo-backprop Algorithm 2).
     """
 
     forward_ms: float
@@ -39,6 +52,11 @@ class StageCost:
     send_ms: float
     allreduce_ms: float
     slice_size: float
+    recompute_ms: float = 0.0
+    input_bytes: float = 0.0
+    wgrad_bytes: float = 0.0
+    layer_weight_ms: tuple[float, ...] = ()
+    layer_allreduce_ms: tuple[float, ...] = ()
 
     @property
     def compute_ms(self) -> float:
@@ -67,9 +85,18 @@ def stage_costs(
         if index + 1 < len(stages):
             send_ms = cluster.p2p_ms(output_bytes, stage.devices, stages[index + 1].devices)
         param_bytes = sum(layer.param_bytes for layer in layers)
+        if stage.start > 0:
+            input_bytes = profile.layers[stage.start - 1].output_bytes * per_device
+        else:
+            input_bytes = profile.input_bytes * per_device
+        layer_ar = tuple(
+            cluster.allreduce_ms(layer.param_bytes, stage.devices) if stage.replicas > 1 and layer.param_bytes > 0 else 0.0
+            for layer in layers
+        )
+        forward_ms = sum(layer.forward_ms for layer in layers) * per_device
         costs.append(
             StageCost(
-                forward_ms=sum(layer.forward_ms for layer in layers) * per_device,
+                forward_ms=forward_ms,
                 backward_ms=sum(layer.backward_ms for layer in layers) * per_device,
                 backward_input_ms=sum(layer.input_grad_ms for layer in layers) * per_device,
                 backward_weight_ms=sum(layer.weight_grad_ms for layer in layers) * per_device,
@@ -79,6 +106,11 @@ def stage_costs(
                 send_ms=send_ms,
                 allreduce_ms=cluster.allreduce_ms(param_bytes, stage.devices),
                 slice_size=slice_size(micro_batch_size, stage.replicas) / 1.0,
+                recompute_ms=forward_ms if stage.recompute != "never" else 0.0,
+                input_bytes=input_bytes,
+                wgrad_bytes=sum(max(layer.output_bytes, layer.stash_bytes) for layer in layers if layer.param_bytes > 0) * per_device,
+                layer_weight_ms=tuple(layer.weight_grad_ms * per_device for layer in layers),
+                layer_allreduce_ms=layer_ar,
             )
         )
     return costs
@@ -94,15 +126,24 @@ def stage_memory_bytes(cost: StageCost, in_flight: int, cluster: Cluster) -> flo
     return cost.param_bytes * (2.0 + cluster.optimizer_state_factor) + in_flight * cost.stash_bytes
 
 
+def stage_memory_from_stash(cost: StageCost, peak_stash_bytes: float, cluster: Cluster) -> float:
+    """``stage_memory_bytes`` with the activation term given as bytes: the peak of a
+    schedule's stash walk (``schedule.ooo.stash_walk``), which accounts for recomputed
+    micro-batches (input only) and deferred W work (stash plus output gradients)."""
+    return cost.param_bytes * (2.0 + cluster.optimizer_state_factor) + peak_stash_bytes
+
+
 def pipeline_phases(costs: Sequence[StageCost]) -> list[tuple[float, float, float]]:
     """(F, B, AR) of every stage of DAPPLE's formula, communication stages included.
 
     4.1: "we consider inter-stage communication as an independent stage alongside the
     computation stages"; its AR is 0 and its F and B are the transfer times.
+    The backward of a stage that recomputes includes its ``recompute_ms`` (charged for
+    every micro-batch: an upper bound for ``except_last``).
     """
     phases: list[tuple[float, float, float]] = []
     for index, cost in enumerate(costs):
-        phases.append((cost.forward_ms, cost.backward_ms, cost.allreduce_ms))
+        phases.append((cost.forward_ms, cost.backward_ms + cost.recompute_ms, cost.allreduce_ms))
         if index + 1 < len(costs) and cost.send_ms > 0:
             phases.append((cost.send_ms, cost.send_ms, 0.0))
     return phases

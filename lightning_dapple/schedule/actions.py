@@ -7,6 +7,11 @@ deferred weight-gradient half). Communication actions move a micro-batch boundar
 adjacent stages (DAPPLE 5.2.2 split-concat when their widths differ). ALLREDUCE syncs the
 stage's gradients among its replicas once its last backward is done (DAPPLE 5.2.3).
 
+``layers`` (stage-local, half-open) narrows an action to some of the stage's layers: a W
+with layers computes only those layers' weight gradients (the per-layer ending phase of
+reverse first-k, ooo-backprop Algorithm 2), and an ALLREDUCE with layers is an
+asynchronous bucket that syncs only those layers' gradients while the stage computes on.
+
 Every replica of a stage runs the same list; a replica handles its slice of each
 micro-batch.
 """
@@ -36,8 +41,15 @@ class Action:
     kind: Kind
     stage: int
     microbatch: int | None = None
+    layers: tuple[int, int] | None = None
+
+    @property
+    def label(self) -> str:
+        """Short form without the stage: ``F3``, ``W7[2:3]``, ``allreduce[0:1]``."""
+        text = self.kind.value if self.microbatch is None else f"{self.kind.value}{self.microbatch}"
+        if self.layers is not None:
+            text += f"[{self.layers[0]}:{self.layers[1]}]"
+        return text
 
     def __str__(self) -> str:
-        if self.microbatch is None:
-            return f"{self.kind.value}@s{self.stage}"
-        return f"{self.kind.value}{self.microbatch}@s{self.stage}"
+        return f"{self.label}@s{self.stage}"

@@ -8,6 +8,11 @@
 Communication actions are inserted around compute: a stage receives a micro-batch's input
 right before its forward and its output gradient right before its backward, and sends as
 soon as the compute that produced the tensor is done.
+
+With out-of-order backprop (``plan.ooo``, ooo-backprop sec. 3 and 5.2) the same F/B order
+gets W actions for the deferred weight gradients; ``lightning_dapple.schedule.ooo`` places
+them. A schedule also carries each stage's recomputation mode (gpipe.txt 2.3), which both
+the simulator (extra forward before a recomputed backward) and the executor read.
 """
 from __future__ import annotations
 
@@ -28,12 +33,44 @@ class Schedule:
     warmups: tuple[int, ...]
     actions: tuple[tuple[Action, ...], ...]
     split_backward: bool = False
+    # per stage: "never", "always" or "except_last" (empty: never everywhere)
+    recompute: tuple[str, ...] = ()
+    # out-of-order backprop: max micro-batches a stage holds (F done, W not done), and
+    # Algorithm 2's k used for the per-layer ending phase of replicated stages
+    in_flight_caps: tuple[int, ...] = ()
+    first_k: int | None = None
 
     def compute(self, stage: int) -> list[Action]:
         return [action for action in self.actions[stage] if action.kind.is_compute]
 
     def describe(self, stage: int) -> str:
-        return " ".join(f"{a.kind.value}{a.microbatch}" for a in self.compute(stage))
+        return " ".join(a.label for a in self.compute(stage))
+
+    def recompute_mode(self, stage: int) -> str:
+        return self.recompute[stage] if stage < len(self.recompute) else "never"
+
+    def recomputed(self, stage: int) -> frozenset[int]:
+        """Micro-batches whose stage forward is recomputed before their backward.
+
+        ``always``: all. ``except_last``: all but those whose backward comes before any
+        other forward on the stage -- the micro-batch last in flight (torchgpipe's
+        'except_last'; under GPipe only micro-batch M-1, under early backward also every
+        micro-batch of a stage with K_i = 1), whose recomputation would save no memory.
+        """
+        mode = self.recompute_mode(stage)
+        if mode == "never":
+            return frozenset()
+        every = range(self.micro_batches)
+        if mode == "always":
+            return frozenset(every)
+        kept: set[int] = set()
+        last_forward: int | None = None
+        for action in self.compute(stage):
+            if action.kind is Kind.F:
+                last_forward = action.microbatch
+            elif action.kind is Kind.B and action.microbatch == last_forward:
+                kept.add(action.microbatch)
+        return frozenset(mb for mb in every if mb not in kept)
 
 
 def compute_order(name: str, stage: int, num_stages: int, micro_batches: int, warmup: int) -> list[Action]:
@@ -96,9 +133,35 @@ def build_schedule(name: str, num_stages: int, micro_batches: int, warmups: Sequ
 
 
 def schedule_for_plan(plan: "object") -> Schedule:
-    """The schedule a plan asks for, with its K_i filled by its policy when missing."""
+    """The schedule a plan asks for, with its K_i filled by its policy when missing.
+
+    ``plan.ooo`` adds deferred W actions (``schedule.ooo.build_ooo_schedule``: caps from
+    ``plan.extra["ooo_in_flight"]`` when the planner set them, k from ``plan.first_k``);
+    each stage's ``recompute`` mode is carried along either way.
+    """
+    from dataclasses import replace
+
     from lightning_dapple.plan.plan import Plan
 
     assert isinstance(plan, Plan)
     plan = plan.with_warmups()
-    return build_schedule(plan.schedule, plan.num_stages, plan.micro_batches, plan.warmups)
+    modes = tuple(stage.recompute for stage in plan.stages)
+    if plan.ooo:
+        from lightning_dapple.schedule.ooo import build_ooo_schedule
+
+        caps = plan.extra.get("ooo_in_flight") if isinstance(plan.extra, dict) else None
+        return build_ooo_schedule(
+            plan.schedule,
+            plan.num_stages,
+            plan.micro_batches,
+            plan.warmups,
+            caps=caps,
+            layer_counts=[stage.end - stage.start for stage in plan.stages],
+            replicated=[stage.replicas > 1 for stage in plan.stages],
+            first_k=plan.first_k,
+            recompute=modes,
+        )
+    built = build_schedule(plan.schedule, plan.num_stages, plan.micro_batches, plan.warmups)
+    if any(mode != "never" for mode in modes):
+        built = replace(built, recompute=modes)
+    return built

@@ -22,12 +22,20 @@ DAPPLE 5.2.2, so a stage is simulated once and its timeline copied to each of it
   transfer at a time, first come first served in issue order; a boundary-s transfer takes
   ``costs[s].send_ms`` in either direction. Transfers therefore overlap compute but not
   each other on the same link;
-* B takes ``backward_ms``; when the schedule splits backward (``split_backward`` or any W
-  action: out-of-order backprop, ooo-backprop sec. 3) B takes ``backward_input_ms`` and W
-  ``backward_weight_ms``;
+* B takes ``backward_ms``; on a stage that splits backward (it has W actions: out-of-order
+  backprop, ooo-backprop sec. 3; or ``split_backward`` on a schedule without any W) B takes
+  ``backward_input_ms`` and W ``backward_weight_ms``;
 * ALLREDUCE starts when the stage's preceding actions are done (i.e. at the end of its last
   compute action in the schedules of ``schedule/builders.py``) and takes ``allreduce_ms``
   (DAPPLE 5.2.3);
+* a W limited to some layers (the per-layer ending phase of out-of-order schedules,
+  ooo-backprop Algorithm 2) takes those layers' ``layer_weight_ms``; an ALLREDUCE limited
+  to some layers is an asynchronous bucket: it starts when the stage reaches it and the
+  stage's previous bucket is done, takes those layers' ``layer_allreduce_ms`` and does not
+  occupy the stage, whose end is then the later of its last compute and its last bucket.
+  Buckets are drawn on the link ``"AR<stage>"`` of ``transfers``;
+* the B of a micro-batch the stage recomputes (``Schedule.recomputed``) first pays
+  ``recompute_ms`` (the stage forward again, gpipe.txt 2.3);
 * a schedule that lists no communication action at all is read as "implicit communication":
   each result is sent as soon as the compute producing it ends.
 
@@ -43,7 +51,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 from lightning_dapple.errors import require
 from lightning_dapple.plan.costs import StageCost
 from lightning_dapple.schedule.actions import Action, Kind
-from lightning_dapple.schedule.builders import Schedule, build_schedule
+from lightning_dapple.schedule.builders import Schedule, schedule_for_plan
+from lightning_dapple.schedule.ooo import stash_walk
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from lightning_dapple.cluster import Cluster
@@ -89,10 +98,12 @@ class StageResult:
 
     ``peak_in_flight`` counts micro-batches whose F is done and whose backward is not: a
     micro-batch leaves the count when its B ends, or, if the stage also runs a W for it
-    (split backward), when that W ends, since W still reads the stashed activations.
+    (split backward), when its last W ends, since W still reads the stashed activations.
     ``peak_stash_bytes`` is that count times the stash of one micro-batch slice (the
     activation term of DAPPLE 5.3's memory bound: K_i slices under early backward, M under
-    GPipe).
+    GPipe); when the stage recomputes or defers W it is the peak of
+    ``schedule.ooo.stash_walk`` (stage input only for recomputed micro-batches, stash plus
+    kept gradients while a W is pending), the rule the executor measures by.
     """
 
     stage: int
@@ -206,11 +217,14 @@ def _check_schedule(schedule: Schedule, costs: Sequence[StageCost]) -> None:
     require(len(schedule.actions) == num_stages, "schedule.actions", f"has {len(schedule.actions)} lists for {num_stages} stages", "give one action list per stage")
     require(len(costs) == num_stages, "costs", f"has {len(costs)} entries for {num_stages} stages", "price every stage (stage_costs(profile, cluster, plan.stages, ...))")
     for s, actions in enumerate(schedule.actions):
-        seen: set[tuple[Kind, int | None]] = set()
+        seen_buckets: set[tuple[int, int] | None] = set()
+        seen: set[tuple[Kind, int | None, tuple[int, int] | None]] = set()
         for action in actions:
             where = f"schedule.actions[{s}] ({action})"
             require(action.stage == s, where, f"belongs to stage {action.stage}", "put each action in its own stage's list")
             if action.kind is Kind.ALLREDUCE:
+                require(action.layers not in seen_buckets, where, "appears twice", "list each AllReduce bucket once")
+                seen_buckets.add(action.layers)
                 continue
             require(
                 action.microbatch is not None and 0 <= action.microbatch < schedule.micro_batches,
@@ -218,7 +232,7 @@ def _check_schedule(schedule: Schedule, costs: Sequence[StageCost]) -> None:
                 f"names micro-batch {action.microbatch!r} but M = {schedule.micro_batches}",
                 "use micro-batch ids 0..M-1",
             )
-            key = (action.kind, action.microbatch)
+            key = (action.kind, action.microbatch, action.layers)
             require(key not in seen, where, "appears twice", "list each action once per stage")
             seen.add(key)
             no_prev = action.kind in (Kind.RECV_ACT, Kind.SEND_GRAD) and s == 0
@@ -246,7 +260,10 @@ def simulate(
     require(all(devices), "devices", "has an empty group", "give every stage at least one device")
     require(len(flat) == len(set(flat)), "devices", "lists a device in two stages", "give each device to one stage")
 
-    split = schedule.split_backward or any(a.kind is Kind.W for acts in schedule.actions for a in acts)
+    # a stage splits its backward when it has W actions (a schedule without any W splits
+    # everywhere when it says so: hand-made lists that charge B its input half only)
+    any_w = any(a.kind is Kind.W for acts in schedule.actions for a in acts)
+    splits = [any(a.kind is Kind.W for a in acts) or (schedule.split_backward and not any_w) for acts in schedule.actions]
     implicit = not any(a.kind in _COMM_KINDS for acts in schedule.actions for a in acts)
     stages = [_Stage(s, schedule.actions[s]) for s in range(num_stages)]
     act_links = [_Link(f"{s}->{s + 1}", costs[s].send_ms) for s in range(num_stages - 1)]
@@ -261,16 +278,32 @@ def simulate(
     def send_grad(s: int, mb: int, at: float) -> None:
         grad_arrival[s - 1][mb] = grad_links[s - 1].transfer(at, "grad", mb)
 
+    recomputed = [schedule.recomputed(s) for s in range(num_stages)]
+    w_parts = [_w_part_counts(schedule.actions[s]) for s in range(num_stages)]
+    bucket_parts = [sum(1 for a in schedule.actions[s] if a.kind is Kind.ALLREDUCE and a.layers is not None) for s in range(num_stages)]
+    bucket_links = [_Link(f"AR{s}", 0.0) for s in range(num_stages)]
+
     def compute(st: _Stage, kind: Kind, mb: int, duration: float, ready: float) -> None:
         start = max(st.clock, ready)
         st.clock = start + duration
         st.done[(kind, mb)] = st.clock
         st.spans.append(Span(start, st.clock, kind.value, mb))
 
+    def part_ms(per_layer: tuple[float, ...], whole: float, layers: tuple[int, int], parts: int) -> float:
+        if per_layer and layers[1] <= len(per_layer):
+            return float(sum(per_layer[layers[0] : layers[1]]))
+        return whole / max(parts, 1)
+
     def step(st: _Stage, action: Action) -> bool:
         """Execute ``action`` if its inputs are known; else record why not and return False."""
         s, kind, mb = st.index, action.kind, action.microbatch
         cost = costs[s]
+        if kind is Kind.ALLREDUCE and action.layers is not None:
+            link = bucket_links[s]
+            link.duration = part_ms(cost.layer_allreduce_ms, cost.allreduce_ms, action.layers, bucket_parts[s])
+            if link.duration > 0:
+                link.transfer(st.clock, "AR", None)  # type: ignore[arg-type]
+            return True
         if kind is Kind.ALLREDUCE:
             start = st.clock
             st.clock = start + cost.allreduce_ms
@@ -301,9 +334,12 @@ def simulate(
             if implicit and s < num_stages - 1:
                 send_act(s, mb, st.clock)
         elif kind is Kind.B:
-            compute(st, kind, mb, cost.backward_input_ms if split else cost.backward_ms, arrival)
+            extra = cost.recompute_ms if mb in recomputed[s] else 0.0
+            compute(st, kind, mb, (cost.backward_input_ms if splits[s] else cost.backward_ms) + extra, arrival)
             if implicit and s > 0:
                 send_grad(s, mb, st.clock)
+        elif kind is Kind.W and action.layers is not None:
+            compute(st, kind, mb, part_ms(cost.layer_weight_ms, cost.backward_weight_ms, action.layers, w_parts[s].get(mb, 1)), 0.0)
         elif kind is Kind.W:
             compute(st, kind, mb, cost.backward_weight_ms, 0.0)
         elif kind is Kind.SEND_ACT:
@@ -333,23 +369,28 @@ def simulate(
             "along the pipeline, K_i >= K_(i+1))"
         )
 
-    latency = max((st.clock for st in stages), default=0.0)
+    ends = [max(st.clock, bucket_links[st.index].free_at) for st in stages]
+    latency = max(ends, default=0.0)
     results: list[StageResult] = []
     timelines: dict[int, list[Span]] = {}
     busy_total = 0.0
-    for st in stages:
+    for st, end in zip(stages, ends):
         busy = sum(span.end_ms - span.start_ms for span in st.spans if span.kind != "AR")
-        peak = _peak_in_flight(st.actions)
         cost = costs[st.index]
+        stash, peak = stash_walk(
+            [a for a in st.actions if a.kind.is_compute], recomputed[st.index], cost.stash_bytes, cost.input_bytes, cost.wgrad_bytes
+        )
+        if not recomputed[st.index] and not any(a.kind is Kind.W for a in st.actions):
+            stash = peak * cost.stash_bytes  # the plain rule: K_i (or M) slices
         results.append(
             StageResult(
                 stage=st.index,
                 devices=devices[st.index],
                 warmup=schedule.warmups[st.index] if st.index < len(schedule.warmups) else 0,
                 busy_ms=busy,
-                end_ms=st.clock,
+                end_ms=end,
                 peak_in_flight=peak,
-                peak_stash_bytes=peak * cost.stash_bytes,
+                peak_stash_bytes=stash,
                 cost=cost,
                 spans=tuple(st.spans),
             )
@@ -360,6 +401,7 @@ def simulate(
     timelines = dict(sorted(timelines.items()))
     bubble = 1.0 - busy_total / (len(flat) * latency) if latency > 0 else 0.0
     transfers = {link.name: link.spans for link in [*act_links, *grad_links]}
+    transfers.update({link.name: link.spans for link in bucket_links if link.spans})
     return SimulationResult(
         schedule=schedule.name,
         micro_batches=schedule.micro_batches,
@@ -371,21 +413,12 @@ def simulate(
     )
 
 
-def _peak_in_flight(actions: Sequence[Action]) -> int:
-    """Max micro-batches with F done and backward (B, or W when the stage has one) not done.
-
-    A stage's compute actions run in list order, which is time order, so counting along the
-    list is counting over time.
-    """
-    with_w = {a.microbatch for a in actions if a.kind is Kind.W}
-    count = peak = 0
+def _w_part_counts(actions: Sequence[Action]) -> dict[int, int]:
+    counts: dict[int, int] = {}
     for action in actions:
-        if action.kind is Kind.F:
-            count += 1
-            peak = max(peak, count)
-        elif (action.kind is Kind.B and action.microbatch not in with_w) or action.kind is Kind.W:
-            count -= 1
-    return peak
+        if action.kind is Kind.W and action.layers is not None and action.microbatch is not None:
+            counts[action.microbatch] = counts.get(action.microbatch, 0) + 1
+    return counts
 
 
 # --------------------------------------------------------------------------- plans
@@ -415,7 +448,11 @@ def simulate_plan(
     ``schedule`` ('dapple' or 'gpipe') overrides ``plan.schedule``; when it differs, the
     plan's K_i (chosen for the other schedule) are dropped and refilled by the plan's policy.
     K_i come from ``plan.with_warmups()`` (DAPPLE 5.3). Costs are those of ``stage_costs``,
-    the ones the planner's formula uses, so the two can be compared.
+    the ones the planner's formula uses, so the two can be compared. The action lists are
+    those of ``schedule_for_plan``, the ones the executor runs: with ``plan.ooo`` the
+    out-of-order schedule, whose W work is priced from the profile's measured B/W split or,
+    for profiles without one, the estimate of ``plan.recompute.with_weight_split``; each
+    stage's ``recompute`` mode adds the recomputed forwards.
     """
     from lightning_dapple.plan.costs import stage_costs
 
@@ -424,6 +461,10 @@ def simulate_plan(
         plan = replace(plan, schedule=schedule, stages=tuple(replace(stage, warmup=None) for stage in plan.stages))
         plan.validate()
     plan = plan.with_warmups()
-    built = build_schedule(plan.schedule, plan.num_stages, plan.micro_batches, plan.warmups)
+    built = schedule_for_plan(plan)
+    if plan.ooo:
+        from lightning_dapple.plan.recompute import with_weight_split
+
+        profile = with_weight_split(profile)
     costs = stage_costs(profile, cluster, plan.stages, plan.micro_batch_size)
     return simulate(built, costs, [stage.devices for stage in plan.stages])

@@ -1,0 +1,367 @@
+"""Measured effect of out-of-order backprop and recomputation on CPU pipelines.
+
+Model: ``--layers`` dense layers ``Linear(width, width) + GELU`` (float32) and a linear
+head, cut into S equal stages (one gloo rank per stage, one thread each). For such layers
+the weight gradient is as heavy as the input gradient (dW and dX are GEMMs of the same
+size), so W is about half of every backward: the case out-of-order backprop targets.
+
+For S = 2 and S = 4 (``--stages``), with the DAPPLE schedule and M micro-batches (defaults:
+M = 4, global batch 512, width 1024, 7 hidden layers):
+
+* step time, ooo off vs on (recompute never): variants run round-robin in one process
+  group for ``--steps`` timed steps each after ``--warmup`` steps; a step's time is the
+  slowest rank's ``train_step``; medians, and the median of per-round ratios; also the
+  CPU time all ranks spent per step (the work, without the waiting);
+* peak stashed bytes (``runner.stats.peak_stash_bytes``, the executor's measurement) with
+  ooo on and recompute never / always / except_last / auto, against the planner's estimate
+  (``plan.recompute.stage_memory``) and a stated budget per device: weights + gradients +
+  Adam state of a stage plus ``--budget-fraction`` (0.7) of the largest stash the plain
+  schedule (no ooo, no recomputation) needs, so no stage that holds more than one
+  micro-batch fits without recomputation. Fixed modes use the default deferral caps;
+  ``auto`` is resolved under the budget by ``apply_ooo_recompute`` from a profile;
+* every variant's parameters after the timed steps are compared with the plain variant's
+  (same data, same seeds): they must agree to 1e-4 (float32).
+
+Simulated part (``--skip-measured`` runs only this): the bubble of uniform F:B:W = 1:1:1
+stages (S = 4, M = 8) with and without ooo, and for BERT-48 (global batch 64) and GNMT-16
+(1024) from shared/profiles/dapple on paper-a the plan DAPPLE's planner chooses
+(``plan.api.make_plan`` when present, else ``plan_dapple``) simulated without ooo and with
+it (``apply_ooo_recompute``: caps and k chosen; the graph texts' B/W split is the estimate
+of ``with_weight_split``), plus that plan with every stage recomputing (DAPPLE 6.5).
+
+    python benchmarks/bench_ooo.py                       # both parts: S = 2 and 4, M = 4, batch 512, width 1024
+    python benchmarks/bench_ooo.py --skip-simulated --stages 2 --steps 30
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue as queue_module
+import socket
+import statistics
+import sys
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+SEED = 1234
+MODES = ("never", "always", "except_last", "auto")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def make_layers(width: int, layers: int) -> list[Any]:
+    import torch
+    from torch import nn
+
+    torch.manual_seed(SEED)
+    body = [nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(layers)]
+    return [*body, nn.Linear(width, width)]
+
+
+def make_batch(step: int, batch: int, width: int) -> tuple[Any, Any]:
+    import torch
+
+    gen = torch.Generator().manual_seed(10_000 + step)
+    return torch.randn(batch, width, generator=gen), torch.randn(batch, width, generator=gen)
+
+
+def plans(cfg: dict) -> dict[str, dict]:
+    """Plan dicts per variant name for ``cfg['num_stages']`` (auto resolved here)."""
+    from lightning_dapple.cluster import Cluster
+    from lightning_dapple.plan.plan import straight_plan
+    from lightning_dapple.plan.recompute import apply_ooo_recompute, stage_memory
+    from lightning_dapple.profile.profiler import profile_layers
+
+    stages, total = cfg["num_stages"], cfg["layers"] + 1
+    per = total // stages
+    bounds = [per * i for i in range(1, stages)]
+    base = straight_plan(total, bounds, cfg["batch"], cfg["micro_batches"])
+    layers = make_layers(cfg["width"], cfg["layers"])
+    sample = make_batch(0, cfg["batch"], cfg["width"])[0][: cfg["batch"] // cfg["micro_batches"]]
+    profile = profile_layers(layers, sample, repeats=3, warmup=1)
+    cluster = Cluster(1, stages)
+    plain = apply_ooo_recompute(base, profile, cluster, ooo=False, recompute="never")
+    memory, stash, _, _ = stage_memory(plain, profile, cluster)
+    weights = [m - s for m, s in zip(memory, stash)]
+    budget = max(weights) + cfg["budget_fraction"] * max(stash)
+    out: dict[str, dict] = {"plain": plain.to_dict()}
+    estimates: dict[str, list[float]] = {"plain": stash}
+    for mode in MODES:
+        # fixed modes: no budget (default deferral caps); auto: under the stated budget
+        limit = budget if mode == "auto" else None
+        plan = apply_ooo_recompute(base, profile, cluster, recompute=mode, memory_budget_bytes=limit)
+        name = "ooo" if mode == "never" else f"ooo/{mode}"
+        out[name] = plan.to_dict()
+        estimates[name] = stage_memory(plan, profile, cluster)[1]
+    cfg["budget_bytes"] = budget
+    cfg["weights_bytes"] = weights
+    cfg["estimates"] = estimates
+    cfg["profile"] = {
+        "forward_ms": sum(l.forward_ms for l in profile.layers),
+        "backward_input_ms": sum(l.input_grad_ms for l in profile.layers),
+        "backward_weight_ms": sum(l.weight_grad_ms for l in profile.layers),
+    }
+    return out
+
+
+def worker(rank: int, world: int, cfg: dict) -> dict:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from lightning_dapple.execute.failure import FailureChannel
+    from lightning_dapple.execute.groups import build_groups
+    from lightning_dapple.execute.runner import StageRunner
+    from lightning_dapple.plan.plan import plan_from_dict
+    from lightning_dapple.schedule import schedule_for_plan
+
+    class Callbacks:
+        def make_input(self, batch: Any) -> Any:
+            return batch[0]
+
+        def compute_loss(self, batch: Any, forward: Any) -> Any:
+            return F.mse_loss(forward(batch[0]), batch[1])
+
+    failure = FailureChannel(rank, timeout_s=cfg["timeout"])
+    runners: dict[str, Any] = {}
+    optimizers: dict[str, Any] = {}
+    for name, data in cfg["plans"].items():
+        plan = plan_from_dict(data)
+        groups = build_groups(plan)
+        stage = plan.stages[plan.stage_of_rank(rank)]
+        layers = make_layers(cfg["width"], cfg["layers"])
+        local = layers[stage.start : stage.end]
+        runners[name] = StageRunner(plan, schedule_for_plan(plan), rank, local, torch.device("cpu"), failure, groups)
+        optimizers[name] = torch.optim.Adam(runners[name].parameters, lr=1e-3)
+    timed = [name for name in ("plain", "ooo") if name in runners]
+    times: dict[str, list[float]] = {name: [] for name in timed}
+    cpu: dict[str, list[float]] = {name: [] for name in timed}
+    stash: dict[str, int] = {}
+    callbacks = Callbacks()
+    for step in range(cfg["warmup"] + cfg["steps"]):
+        batch = make_batch(step, cfg["batch"], cfg["width"])
+        order = timed if step % 2 == 0 else list(reversed(timed))
+        for name in order:
+            dist.barrier()
+            start, start_cpu = time.perf_counter(), time.process_time()
+            runners[name].train_step(batch, callbacks)
+            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+            used = torch.tensor([time.process_time() - start_cpu], dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            dist.all_reduce(used, op=dist.ReduceOp.SUM)
+            optimizers[name].step()
+            if step >= cfg["warmup"]:
+                times[name].append(float(elapsed) * 1000.0)
+                cpu[name].append(float(used) * 1000.0)
+    for name, runner in runners.items():  # one more step each, same batch: stash and parameters
+        batch = make_batch(cfg["warmup"] + cfg["steps"], cfg["batch"], cfg["width"])
+        if name not in timed:  # bring the untimed variants to the same number of steps
+            for step in range(cfg["warmup"] + cfg["steps"]):
+                runner.train_step(make_batch(step, cfg["batch"], cfg["width"]), callbacks)
+                optimizers[name].step()
+        runner.train_step(batch, callbacks)
+        optimizers[name].step()
+        stash[name] = runner.stats.peak_stash_bytes
+    params = {name: torch.cat([p.detach().reshape(-1) for p in runner.parameters]).tolist()[:4096] for name, runner in runners.items()}
+    origin = runners["ooo"].stats.timeline[0][0]
+    timeline = [(round((s - origin) * 1000, 3), round((e - origin) * 1000, 3), k, mb) for s, e, k, mb in runners["ooo"].stats.timeline]
+    return {"times": times, "cpu": cpu, "stash": stash, "params": params, "timeline": timeline, "stage": rank}
+
+
+def _entry(rank: int, world: int, port: int, cfg: dict, results: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=cfg["timeout"]))
+        out = worker(rank, world, cfg)
+        results.put((rank, "ok", out))
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException as exc:  # reported to the parent
+        results.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+
+def run_ranks(cfg: dict, world: int) -> dict[int, Any]:
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world, port, cfg, results), daemon=True) for r in range(world)]
+    for proc in procs:
+        proc.start()
+    out: dict[int, Any] = {}
+    deadline = time.monotonic() + cfg["timeout"]
+    try:
+        while len(out) < world:
+            try:
+                rank, status, payload = results.get(timeout=1.0)
+            except queue_module.Empty:
+                if time.monotonic() > deadline or any(p.exitcode not in (None, 0) for p in procs):
+                    raise RuntimeError(f"benchmark ranks failed or timed out; got {sorted(out)}")
+                continue
+            if status != "ok":
+                raise RuntimeError(f"rank {rank} failed:\n{payload}")
+            out[rank] = payload
+    finally:
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.terminate()
+    return out
+
+
+def summarise(cfg: dict, ranks: dict[int, Any]) -> dict:
+    timed = ranks[0]["times"]
+    plain, ooo = timed["plain"], timed["ooo"]
+    ratios = [b / a for a, b in zip(plain, ooo)]
+    stash = {name: [ranks[r]["stash"][name] for r in sorted(ranks)] for name in ranks[0]["stash"]}
+    gaps = {}
+    for name in ranks[0]["params"]:
+        gaps[name] = max(max(abs(x - y) for x, y in zip(ranks[r]["params"][name], ranks[r]["params"]["plain"])) for r in ranks)
+    weights = cfg["weights_bytes"]
+    fits = {name: all(w + s <= cfg["budget_bytes"] for w, s in zip(weights, values)) for name, values in stash.items()}
+    modes = {name: [s.get("recompute", "never") for s in cfg["plans"][name]["stages"]] for name in cfg["plans"]}
+    return {
+        "median_step_ms": {"plain": statistics.median(plain), "ooo": statistics.median(ooo)},
+        "speedup_median": statistics.median(plain) / statistics.median(ooo),
+        "paired_ratio_median": statistics.median(ratios),
+        "median_cpu_ms_all_ranks": {name: statistics.median(values) for name, values in ranks[0]["cpu"].items()},
+        "step_ms": timed,
+        "peak_stash_bytes": stash,
+        "estimated_stash_bytes": cfg["estimates"],
+        "within_estimate": {name: all(m <= e + 1e-6 for m, e in zip(stash[name], cfg["estimates"][name])) for name in stash},
+        "budget_bytes": cfg["budget_bytes"],
+        "weights_bytes": weights,
+        "fits_budget": fits,
+        "recompute": modes,
+        "param_gap_vs_plain": gaps,
+        "profile": cfg["profile"],
+        "timeline_ooo_rank0": ranks[0]["timeline"],
+    }
+
+
+def simulated() -> dict[str, Any]:
+    """The simulated benchmark (no processes): uniform stages and the papers' profiles."""
+    from lightning_dapple.cluster import load_cluster
+    from lightning_dapple.plan.costs import StageCost
+    from lightning_dapple.plan.recompute import apply_ooo_recompute, stage_memory
+    from lightning_dapple.profile.model_profile import load_profile
+    from lightning_dapple.schedule import build_schedule
+    from lightning_dapple.schedule.ooo import build_ooo_schedule
+    from lightning_dapple.simulate import simulate, simulate_plan
+
+    out: dict[str, Any] = {}
+    unit = StageCost(1.0, 2.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0)
+    for name in ("dapple", "gpipe"):
+        plain = simulate(build_schedule(name, 4, 8), [unit] * 4)
+        ooo = simulate(build_ooo_schedule(name, 4, 8), [unit] * 4)
+        out[f"uniform-{name}"] = {
+            "latency": {"plain": plain.latency_ms, "ooo": ooo.latency_ms},
+            "bubble": {"plain": plain.bubble_fraction, "ooo": ooo.bubble_fraction},
+            "peak_in_flight_ooo": [st.peak_in_flight for st in ooo.stages],
+            "actions_ooo": [build_ooo_schedule(name, 4, 8).describe(s) for s in range(4)],
+        }
+        print(f"uniform F:B:W=1:1:1 S=4 M=8 {name}: bubble {plain.bubble_fraction:.4f} -> {ooo.bubble_fraction:.4f} with ooo "
+              f"(latency {plain.latency_ms:.0f} -> {ooo.latency_ms:.0f} units)")
+    try:
+        from lightning_dapple.plan.api import make_plan as planner  # type: ignore[import-not-found]
+        planner_name = "make_plan"
+    except ImportError:
+        from lightning_dapple.plan.dapple_planner import plan_dapple as planner
+        planner_name = "plan_dapple"
+    cluster = load_cluster("paper-a")
+    profiles = Path(__file__).resolve().parents[2] / "shared" / "profiles" / "dapple"
+    if not profiles.is_dir():
+        profiles = Path("/work/shared/profiles/dapple")
+    for name, batch in (("bert-48-pbs-2.txt", 64), ("gnmt-16-pbs-64.txt", 1024)):
+        if not (profiles / name).is_file():
+            continue
+        profile = load_profile(profiles / name)
+        start = time.perf_counter()
+        plan = planner(profile, cluster, batch)
+        planned_s = time.perf_counter() - start
+        plain = simulate_plan(plan, profile, cluster)
+        chosen = apply_ooo_recompute(plan, profile, cluster, ooo=True, recompute="never")
+        ooo = simulate_plan(chosen, profile, cluster)
+        rc = apply_ooo_recompute(plan, profile, cluster, ooo=False, recompute="always")
+        rc_sim = simulate_plan(rc, profile, cluster)
+        memory = {
+            "plain": stage_memory(plan, profile, cluster)[0],
+            "ooo": stage_memory(chosen, profile, cluster)[0],
+            "recompute_always": stage_memory(rc, profile, cluster)[0],
+        }
+        out[name] = {
+            "planner": planner_name, "planning_s": planned_s, "plan": plan.to_dict(),
+            "latency_ms": {"plain": plain.latency_ms, "ooo": ooo.latency_ms, "recompute_always": rc_sim.latency_ms},
+            "bubble": {"plain": plain.bubble_fraction, "ooo": ooo.bubble_fraction},
+            "first_k": chosen.first_k, "ooo_in_flight": chosen.extra.get("ooo_in_flight"),
+            "memory_bytes": memory,
+        }
+        print(f"{name} ({plan.kind()}, M={plan.micro_batches}, {planner_name}): {plain.latency_ms:.1f} ms -> {ooo.latency_ms:.1f} ms with ooo "
+              f"(bubble {plain.bubble_fraction:.3f} -> {ooo.bubble_fraction:.3f}, k={chosen.first_k}, caps {chosen.extra.get('ooo_in_flight')}); "
+              f"recompute always: {rc_sim.latency_ms:.1f} ms, peak memory {max(memory['recompute_always']) / 2**30:.2f} GiB "
+              f"vs {max(memory['plain']) / 2**30:.2f} GiB")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--stages", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--micro-batches", type=int, default=4)
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=7, help="hidden layers; with the head, layers + 1 must divide by each S")
+    parser.add_argument("--batch", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--budget-fraction", type=float, default=0.7)
+    parser.add_argument("--timeout", type=float, default=900.0)
+    parser.add_argument("--out", default=str(HERE / "results" / "ooo.json"))
+    parser.add_argument("--skip-simulated", action="store_true")
+    parser.add_argument("--skip-measured", action="store_true")
+    args = parser.parse_args(argv)
+    report: dict[str, Any] = {"config": vars(args), "results": {}}
+    if not args.skip_simulated:
+        report["simulated"] = simulated()
+    for stages in ([] if args.skip_measured else args.stages):
+        cfg = {
+            "num_stages": stages, "micro_batches": args.micro_batches, "width": args.width, "layers": args.layers,
+            "batch": args.batch, "steps": args.steps, "warmup": args.warmup, "budget_fraction": args.budget_fraction,
+            "timeout": args.timeout,
+        }
+        assert (args.layers + 1) % stages == 0, "layers + 1 must be a multiple of every stage count"
+        cfg["plans"] = plans(cfg)
+        ranks = run_ranks(cfg, stages)
+        result = summarise(cfg, ranks)
+        report["results"][str(stages)] = result
+        med = result["median_step_ms"]
+        print(f"S={stages} M={args.micro_batches}: step {med['plain']:.1f} ms plain, {med['ooo']:.1f} ms ooo "
+              f"(x{result['speedup_median']:.3f}; paired ratio ooo/plain {result['paired_ratio_median']:.3f}); "
+              f"CPU time of all ranks per step {result['median_cpu_ms_all_ranks']['plain']:.1f} vs {result['median_cpu_ms_all_ranks']['ooo']:.1f} ms")
+        print(f"  budget {result['budget_bytes'] / 2**20:.2f} MiB per device (weights+grads+Adam {max(result['weights_bytes']) / 2**20:.2f} MiB "
+              f"+ {args.budget_fraction:g} x the plain schedule's largest stash)")
+        for name, values in result["peak_stash_bytes"].items():
+            est = result["estimated_stash_bytes"][name]
+            print(f"  {name:16s} recompute {result['recompute'][name]}: peak stash MiB {[round(v / 2**20, 2) for v in values]} "
+                  f"(estimate {[round(v / 2**20, 2) for v in est]}), fits budget: {result['fits_budget'][name]}, "
+                  f"max |param - plain| {result['param_gap_vs_plain'][name]:.2e}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=1))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,251 @@
+"""Per-stage recomputation, out-of-order deferral caps and Algorithm 2's k for a plan.
+
+A planner (DAPPLE 4) decides the stages, replication, M and K_i; this module then fills in
+what the memory/time trade-offs of this issue add, by pricing the *exact action lists* the
+executor will run (``schedule_for_plan``) with the shared cost model:
+
+* memory per device = weights + gradients + optimizer state (``stage_memory_bytes``'s
+  first term) + the peak of the schedule's stash walk (``schedule.ooo.stash_walk``: full
+  stash for held micro-batches, only the stage input for recomputed ones, stash plus the
+  layer-output gradients for micro-batches whose W is deferred);
+* ``recompute="auto"``: every stage starts at ``never`` with the default deferral cap; a
+  stage over the device memory first holds fewer deferred micro-batches (cap down to its
+  K_i, then 0: no deferral, then -1: no B/W split on that stage), then recomputes
+  ``except_last``, then
+  ``always`` (gpipe.txt 2.3 re-materialization; DAPPLE 6.5 Table 5: recomputation trades
+  ~20% throughput for memory), each again from the largest cap. The first setting that
+  fits is the cheapest one: smaller caps only cost bubbles, recomputation costs a stage
+  forward per recomputed micro-batch, which the latency model adds to that stage's
+  backward (``StageCost.recompute_ms``). When nothing fits, each stage keeps the setting
+  that needed least memory, and the reason says so;
+* ``first_k`` (ooo-backprop Algorithm 2): on plans with replicated stages, the k whose
+  simulated step is fastest (the per-layer ending phase with bucketed AllReduce; the
+  profile's backward_weight_ms and the cluster's AllReduce times decide).
+
+The result records each stage's choice in ``stages[i].recompute``, the caps in
+``extra["ooo_in_flight"]`` and the explanation in ``extra["memory"]`` and ``reason``.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Sequence
+
+from lightning_dapple.cluster import Cluster
+from lightning_dapple.errors import require
+from lightning_dapple.plan.costs import StageCost, dapple_latency, stage_costs, stage_memory_from_stash
+from lightning_dapple.plan.plan import RECOMPUTE_MODES, Plan
+from lightning_dapple.profile.model_profile import LayerProfile, ModelProfile
+
+__all__ = ["apply_ooo_recompute", "set_options", "stage_memory", "with_weight_split", "WEIGHT_SPLIT_ESTIMATE"]
+
+# Share of a parameterised layer's backward charged to W when a profile does not split
+# it (PipeDream graph texts): for a GEMM/convolution, dX and dW are products of the same
+# sizes, so each is about half of the backward. Layers without parameters have no W.
+WEIGHT_SPLIT_ESTIMATE = 0.5
+_LADDER = ("never", "except_last", "always")
+GIB = 1024.0**3
+
+
+def with_weight_split(profile: ModelProfile, fraction: float = WEIGHT_SPLIT_ESTIMATE) -> ModelProfile:
+    """``profile`` with every layer's B/W split filled in; measured splits are kept."""
+    if all(layer.backward_input_ms is not None for layer in profile.layers):
+        return profile
+    layers = []
+    for layer in profile.layers:
+        if layer.backward_input_ms is not None:
+            layers.append(layer)
+            continue
+        weight = layer.backward_ms * fraction if layer.param_bytes > 0 else 0.0
+        layers.append(_split(layer, layer.backward_ms - weight, weight))
+    meta = dict(profile.meta)
+    meta["backward_split"] = f"estimated: W = {fraction:g} x backward of layers with parameters (no measured split)"
+    return replace(profile, layers=tuple(layers), meta=meta)
+
+
+def set_options(plan: Plan, *, ooo: bool | None = None, recompute: "str | Sequence[str] | None" = None) -> Plan:
+    """``plan`` with ``ooo`` and fixed per-stage recomputation modes set, without a profile
+    (for ``"auto"``, which needs the memory model, use ``apply_ooo_recompute``). ``None``
+    keeps what the plan says."""
+    if recompute is not None:
+        modes = [recompute] * plan.num_stages if isinstance(recompute, str) else list(recompute)
+        require(len(modes) == plan.num_stages, "recompute", f"has {len(modes)} entries for {plan.num_stages} stages", "give one mode per stage or a single mode")
+        for mode in modes:
+            require(mode in RECOMPUTE_MODES, "recompute", f"is {mode!r} here", f"use one of {list(RECOMPUTE_MODES)}, or 'auto' with a profile (apply_ooo_recompute)")
+        plan = replace(plan, stages=tuple(replace(stage, recompute=mode) for stage, mode in zip(plan.stages, modes)))
+    if ooo is not None:
+        plan = replace(plan, ooo=bool(ooo))
+    return plan
+
+
+def _split(layer: LayerProfile, input_ms: float, weight_ms: float) -> LayerProfile:
+    return replace(layer, backward_input_ms=input_ms, backward_weight_ms=weight_ms)
+
+
+def stage_memory(plan: Plan, profile: ModelProfile, cluster: Cluster) -> tuple[list[float], list[float], Any, list[StageCost]]:
+    """(memory bytes per stage, peak stashed bytes per stage, schedule, costs) of ``plan``
+    as the executor would run it."""
+    from lightning_dapple.schedule.builders import schedule_for_plan
+    from lightning_dapple.schedule.ooo import stash_walk
+
+    plan = plan.with_warmups()
+    schedule = schedule_for_plan(plan)
+    priced = with_weight_split(profile) if plan.ooo else profile
+    costs = stage_costs(priced, cluster, plan.stages, plan.micro_batch_size)
+    stashes, memory = [], []
+    for index, cost in enumerate(costs):
+        peak, _ = stash_walk(schedule.compute(index), schedule.recomputed(index), cost.stash_bytes, cost.input_bytes, cost.wgrad_bytes)
+        stashes.append(peak)
+        memory.append(stage_memory_from_stash(cost, peak, cluster))
+    return memory, stashes, schedule, costs
+
+
+def _with(plan: Plan, modes: Sequence[str], caps: Sequence[int] | None) -> Plan:
+    stages = tuple(replace(stage, recompute=mode) for stage, mode in zip(plan.stages, modes))
+    extra = dict(plan.extra)
+    if caps is not None:
+        extra["ooo_in_flight"] = [int(c) for c in caps]
+    else:
+        extra.pop("ooo_in_flight", None)
+    return replace(plan, stages=stages, extra=extra)
+
+
+def apply_ooo_recompute(
+    plan: Plan,
+    profile: ModelProfile,
+    cluster: Cluster,
+    *,
+    ooo: bool = True,
+    recompute: "str | Sequence[str]" = "auto",
+    memory_budget_bytes: float | None = None,
+    choose_first_k: bool = True,
+) -> Plan:
+    """``plan`` with out-of-order backprop on or off, each stage's recomputation resolved
+    to a concrete mode, the deferral caps and k chosen, and ``predicted`` re-priced.
+
+    ``recompute``: ``"auto"`` (see the module docstring), one mode for every stage, or a
+    list with one entry ("auto" or a mode) per stage. ``memory_budget_bytes`` defaults to
+    the cluster's device memory.
+    """
+    from lightning_dapple.schedule.ooo import default_caps
+    from lightning_dapple.simulate.engine import simulate
+
+    plan = replace(plan, ooo=bool(ooo)).with_warmups()
+    num = plan.num_stages
+    requested = [recompute] * num if isinstance(recompute, str) else list(recompute)
+    require(len(requested) == num, "recompute", f"has {len(requested)} entries for {num} stages", "give one mode per stage or a single mode")
+    for value in requested:
+        require(value == "auto" or value in RECOMPUTE_MODES, "recompute", f"is {value!r}", f"use 'auto' or one of {list(RECOMPUTE_MODES)}")
+    budget = float(memory_budget_bytes) if memory_budget_bytes is not None else cluster.device_memory_bytes
+    warmups = list(plan.warmups)
+    top = default_caps(plan.schedule, num, plan.micro_batches, warmups)
+    per_stage: list[list[tuple[str, int | None]]] = []
+    for index in range(num):
+        modes = _LADDER if requested[index] == "auto" else (requested[index],)
+        if ooo:
+            caps = [*range(top[index], min(warmups[index], plan.micro_batches) - 1, -1), 0, -1]
+            per_stage.append([(mode, cap) for mode in modes for cap in caps])
+        else:
+            per_stage.append([(mode, None) for mode in modes])
+    position = [0] * num
+    never_memory: list[float] | None = None
+    least: list[tuple[float, int]] = [(float("inf"), 0)] * num
+
+    def build(positions: list[int]) -> tuple[Plan, Any]:
+        modes = [per_stage[i][positions[i]][0] for i in range(num)]
+        caps = [int(per_stage[i][positions[i]][1] or 0) for i in range(num)] if ooo else None
+        candidate = _with(plan, modes, caps)
+        return candidate, stage_memory(candidate, profile, cluster)
+
+    while True:
+        candidate, (memory, stashes, schedule, costs) = build(position)
+        if never_memory is None:
+            never_memory = memory
+        for i in range(num):
+            least[i] = min(least[i], (memory[i], position[i]))
+        over = [i for i in range(num) if memory[i] > budget]
+        movable = [i for i in over if position[i] + 1 < len(per_stage[i])]
+        if not movable:
+            if over:  # nothing fits: keep, per stage, the setting that needed least memory
+                position = [least[i][1] if i in over else position[i] for i in range(num)]
+                candidate, (memory, stashes, schedule, costs) = build(position)
+            break
+        for i in movable:
+            position[i] += 1
+    plan = candidate
+    if ooo and choose_first_k and any(stage.replicas > 1 for stage in plan.stages):
+        plan = _choose_first_k(plan, profile, cluster)
+        memory, stashes, schedule, costs = stage_memory(plan, profile, cluster)
+    result = simulate(schedule, costs, [stage.devices for stage in plan.stages])
+    formula = dapple_latency(costs, plan.micro_batches, memory)
+    predicted = replace(formula, simulated_latency_ms=result.latency_ms, bubble_fraction=result.bubble_fraction)
+    explanation = _explain(plan, memory, never_memory or memory, stashes, budget)
+    extra = dict(plan.extra)
+    extra["memory"] = explanation
+    note = _reason_text(plan, requested, top, memory, never_memory or memory, budget)
+    reason = plan.reason + (" " if plan.reason and note else "") + note
+    return replace(plan, predicted=predicted, extra=extra, reason=reason)
+
+
+def _choose_first_k(plan: Plan, profile: ModelProfile, cluster: Cluster) -> Plan:
+    from lightning_dapple.simulate.engine import simulate_plan
+
+    deepest = max(stage.end - stage.start for stage in plan.stages)
+    best: tuple[float, int] | None = None
+    for k in range(0, deepest + 1):
+        if k == 1:
+            continue  # reversing one layer is the conventional order (k = 0)
+        latency = simulate_plan(replace(plan, first_k=k), profile, cluster).latency_ms
+        if best is None or latency < best[0] - 1e-9:
+            best = (latency, k)
+    assert best is not None
+    return replace(plan, first_k=best[1])
+
+
+def _explain(plan: Plan, memory: Sequence[float], never: Sequence[float], stashes: Sequence[float], budget: float) -> dict[str, Any]:
+    caps = plan.extra.get("ooo_in_flight")
+    stages = []
+    for index, stage in enumerate(plan.stages):
+        entry: dict[str, Any] = {
+            "recompute": stage.recompute,
+            "memory_bytes": memory[index],
+            "stash_bytes": stashes[index],
+            "memory_if_never_bytes": never[index],
+            "fits": memory[index] <= budget,
+        }
+        if caps is not None:
+            entry["ooo_in_flight"] = caps[index]
+        stages.append(entry)
+    return {"budget_bytes": budget, "ooo": plan.ooo, "first_k": plan.first_k, "stages": stages}
+
+
+def _reason_text(
+    plan: Plan, requested: Sequence[str], top: Sequence[int], memory: Sequence[float], never: Sequence[float], budget: float
+) -> str:
+    """Why stages recompute or defer less than the default, in one sentence per stage."""
+    caps = plan.extra.get("ooo_in_flight") if plan.ooo else None
+    parts = []
+    for index, stage in enumerate(plan.stages):
+        words = []
+        if requested[index] == "auto" and stage.recompute != "never":
+            words.append(f"recomputes ({stage.recompute})")
+        if caps is not None and caps[index] != top[index]:
+            cap = caps[index]
+            words.append(
+                "does not split its backward" if cap < 0 else "runs each W right after its B" if cap == 0 else f"defers W for at most {cap} micro-batches"
+            )
+        if words:
+            parts.append(
+                f"stage {index} {' and '.join(words)}: with ooo and no recomputation it would need {_size(never[index])} > "
+                f"{_size(budget)} budget, now {_size(memory[index])}"
+            )
+    misfits = [index for index in range(plan.num_stages) if memory[index] > budget]
+    if misfits:
+        parts.append(f"stages {misfits} exceed the {_size(budget)} budget even with every memory option")
+    return "; ".join(parts) + ("." if parts else "")
+
+
+def _size(num_bytes: float) -> str:
+    for unit, scale in (("GiB", GIB), ("MiB", 1024.0**2), ("KiB", 1024.0)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.2f} {unit}"
+    return f"{num_bytes:.0f} B"

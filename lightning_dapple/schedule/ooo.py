@@ -1,0 +1,311 @@
+"""Out-of-order backprop schedules: where the deferred weight-gradient work (W) goes.
+
+ooo-backprop (sec. 3) splits a layer's backward into the output-gradient work dO (our B:
+the gradient with respect to the stage input, which the previous stage waits for) and
+the weight-gradient work dW (our W, needed only by the optimizer). *Gradient
+fast-forwarding* (sec. 5.2) runs every B first and sends its result upstream at once, so
+the previous stage starts its own backward while this stage still owes W.
+
+Placement (``ooo_compute_orders``). The F/B order of the base schedule (DAPPLE early
+backward or GPipe) is kept exactly; W actions are inserted by a list scheduler that plays
+the pipeline with unit costs (F = B = W = 1, free transfers):
+
+* when the stage's next F or B can start (its input or gradient has arrived) it runs;
+* when it cannot (the stage would idle: warm-up tail, waits inside the steady phase, the
+  cool-down bubbles), the oldest pending W fills the slot;
+* a stage never holds more than ``caps[i]`` micro-batches (F done, W not done): before an
+  F that would exceed the cap, a pending W runs first. This is the memory budget of the
+  deferral. The default cap is the number the first stage holds under early backward
+  (K_0): every stage may hold as many micro-batches as the most loaded stage already
+  does, so for balanced stages the peak over devices is that of DAPPLE without ooo (the
+  same argument as the zero-bubble "H1" schedule). A planner that knows the memory of
+  each device lowers caps (``plan.extra["ooo_in_flight"]``, down to K_i); a cap of 0
+  defers nothing on that stage: each W runs right after its B (the gradient still leaves
+  first), which keeps no layer-output gradients across other work; a cap of -1 does not
+  split that stage's backward at all (plain B, no W, nothing extra kept);
+* on a stage that recomputes, at most one recomputed micro-batch waits for its W: before
+  the B of the next one (which replays its forward) the waiting W runs. Otherwise the
+  replayed activations of every deferred micro-batch would stay alive until the end --
+  the known failure of weight-gradient deferral combined with activation checkpointing;
+* what is still pending after the last B runs at the end, oldest first.
+
+Because F/B order is unchanged and a W depends only on its own B, the result cannot
+deadlock when the base schedule does not. With unit costs, S = 4, M = 8 this gives the
+bubble of the zero-bubble H1 schedule: (S-1)(F+B-W) instead of (S-1)(F+B+W).
+
+Ending phase, reverse first-k (ooo-backprop 5.1, Algorithm 2). On a replicated stage the
+gradient AllReduce (DAPPLE 5.2.3) can only start once the stage's last W is done. The last
+W is therefore split per layer and each layer's gradients are all-reduced as a bucket as
+soon as its part is done (asynchronously, overlapping the remaining parts). The parts run
+in Algorithm 2's order: layers L-1 down to k as in conventional backprop, then the first k
+layers in forward order 0..k-1, so the big first layers of a stage (embeddings) can start
+their AllReduce early. The planner picks k by simulation (``plan/recompute.py``).
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Sequence
+
+from lightning_dapple.errors import require
+from lightning_dapple.schedule.actions import Action, Kind
+from lightning_dapple.schedule.builders import Schedule, compute_order, with_communication
+
+__all__ = [
+    "build_ooo_schedule",
+    "default_caps",
+    "ending_order",
+    "ooo_compute_orders",
+    "stash_walk",
+]
+
+
+def default_caps(name: str, num_stages: int, micro_batches: int, warmups: Sequence[int]) -> list[int]:
+    """K_0 for every stage under early backward, M under GPipe (see the module docstring)."""
+    if name == "gpipe":
+        return [micro_batches] * num_stages
+    top = max(min(int(k), micro_batches) for k in warmups)
+    return [top] * num_stages
+
+
+def ooo_compute_orders(
+    name: str,
+    num_stages: int,
+    micro_batches: int,
+    warmups: Sequence[int],
+    caps: Sequence[int] | None = None,
+    recomputed: Sequence[frozenset[int]] | None = None,
+    recomputed_waiting: int = 1,
+) -> list[list[Action]]:
+    """Per stage: the base schedule's F/B order with W actions placed as described above.
+
+    ``recomputed[s]``: micro-batches stage s recomputes; at most ``recomputed_waiting`` of
+    them may wait for their W when a B starts."""
+    if caps is None:
+        caps = default_caps(name, num_stages, micro_batches, warmups)
+    require(len(caps) == num_stages, "ooo caps", f"has {len(caps)} entries for {num_stages} stages", "give one cap per stage")
+    base = [compute_order(name, s, num_stages, micro_batches, warmups[s]) for s in range(num_stages)]
+    # a stage must be able to hold what its own F/B order holds before any W
+    floors = [_held_by_order(order) for order in base]
+    limit = [max(int(cap), floor) for cap, floor in zip(caps, floors)]
+    eager = [int(cap) == 0 for cap in caps]
+    whole = [int(cap) < 0 for cap in caps]
+    clock = [0.0] * num_stages
+    pc = [0] * num_stages
+    held = [0] * num_stages
+    pending: list[deque[int]] = [deque() for _ in range(num_stages)]
+    out: list[list[Action]] = [[] for _ in range(num_stages)]
+    finished = [False] * num_stages
+    act_at: list[dict[int, float]] = [{} for _ in range(num_stages)]  # activation arrival at stage s
+    grad_at: list[dict[int, float]] = [{} for _ in range(num_stages)]  # gradient arrival at stage s
+
+    replayed = [frozenset() for _ in range(num_stages)] if recomputed is None else list(recomputed)
+
+    def run_w(s: int, mb: int | None = None) -> None:
+        if mb is None:
+            mb = pending[s].popleft()
+        else:
+            pending[s].remove(mb)
+        out[s].append(Action(Kind.W, s, mb))
+        clock[s] += 1.0
+        held[s] -= 1
+
+    def run(s: int, action: Action, start: float) -> None:
+        mb = action.microbatch
+        assert mb is not None
+        out[s].append(action)
+        pc[s] += 1
+        clock[s] = start + 1.0
+        if action.kind is Kind.F:
+            held[s] += 1
+            if s + 1 < num_stages:
+                act_at[s + 1][mb] = clock[s]
+        else:
+            pending[s].append(mb)
+            if s > 0:
+                grad_at[s - 1][mb] = clock[s]
+            if eager[s]:
+                run_w(s, mb)
+            elif whole[s]:  # not split: the B above was the whole backward
+                pending[s].pop()
+                held[s] -= 1
+
+    def advance(s: int) -> bool:
+        """Take one decision for stage s; False when it must wait for an unknown arrival."""
+        if pc[s] >= len(base[s]):
+            if pending[s]:
+                run_w(s)
+            else:
+                finished[s] = True
+            return True
+        action = base[s][pc[s]]
+        mb = action.microbatch
+        assert mb is not None
+        if action.kind is Kind.F:
+            arrival = 0.0 if s == 0 else act_at[s].get(mb)
+        else:
+            arrival = 0.0 if s == num_stages - 1 else grad_at[s].get(mb)
+        if action.kind is Kind.B and action.microbatch in replayed[s]:
+            waiting = [m for m in pending[s] if m in replayed[s]]
+            if len(waiting) >= max(1, recomputed_waiting):
+                run_w(s, waiting[0])  # free the replayed activations before replaying more
+                return True
+        over_cap = action.kind is Kind.F and held[s] >= limit[s] and bool(pending[s])
+        if not over_cap and arrival is not None and arrival <= clock[s]:
+            run(s, action, clock[s])
+            return True
+        if pending[s]:
+            run_w(s)  # fill the slot the stage would otherwise idle in (or make room)
+            return True
+        if arrival is not None:
+            run(s, action, arrival)
+            return True
+        return False
+
+    while not all(finished):
+        for s in sorted(range(num_stages), key=lambda i: (clock[i], i)):
+            if not finished[s] and advance(s):
+                break
+        else:  # pragma: no cover - the base orders are deadlock-free
+            raise RuntimeError("out-of-order placement made no progress; the base schedule deadlocks")
+    return out
+
+
+def _held_by_order(order: Sequence[Action]) -> int:
+    count = peak = 0
+    for action in order:
+        if action.kind is Kind.F:
+            count += 1
+            peak = max(peak, count)
+        elif action.kind is Kind.B:
+            count -= 1
+    return peak
+
+
+def _recomputed_by_order(order: Sequence[Action], mode: str, micro_batches: int) -> frozenset[int]:
+    """``Schedule.recomputed`` for an F/B order (W actions do not change it)."""
+    probe = Schedule("probe", 1, micro_batches, (1,), (tuple(Action(a.kind, 0, a.microbatch) for a in order),), recompute=(mode,))
+    return probe.recomputed(0)
+
+
+def ending_order(num_layers: int, first_k: int | None) -> list[int]:
+    """Stage-local layer order of the last W's parts (Algorithm 2, lines 3-7)."""
+    k = max(0, min(int(first_k or 0), num_layers))
+    return list(range(num_layers - 1, k - 1, -1)) + list(range(k))
+
+
+def _with_buckets(actions: list[Action], stage: int, num_layers: int, first_k: int | None) -> list[Action]:
+    """Split the stage's last W per layer, each part followed by its AllReduce bucket; the
+    whole-stage ALLREDUCE is then no longer needed."""
+    last_w = max(i for i, a in enumerate(actions) if a.kind is Kind.W)
+    mb = actions[last_w].microbatch
+    parts: list[Action] = []
+    for layer in ending_order(num_layers, first_k):
+        parts.append(Action(Kind.W, stage, mb, (layer, layer + 1)))
+        parts.append(Action(Kind.ALLREDUCE, stage, None, (layer, layer + 1)))
+    rest = [a for i, a in enumerate(actions) if i != last_w and not (a.kind is Kind.ALLREDUCE and a.layers is None)]
+    return rest[:last_w] + parts + rest[last_w:]
+
+
+def build_ooo_schedule(
+    name: str,
+    num_stages: int,
+    micro_batches: int,
+    warmups: Sequence[int] | None = None,
+    caps: Sequence[int] | None = None,
+    layer_counts: Sequence[int] | None = None,
+    replicated: Sequence[bool] | None = None,
+    first_k: int | None = None,
+    recompute: Sequence[str] | None = None,
+) -> Schedule:
+    """The out-of-order version of schedule ``name`` (see the module docstring).
+
+    ``layer_counts`` and ``replicated`` (per stage) enable the per-layer ending phase with
+    bucketed AllReduce on replicated stages; without them every stage ends with one W and
+    one whole-stage ALLREDUCE.
+    """
+    from lightning_dapple.schedule.policy import warmup_counts
+
+    require(num_stages >= 1, "num_stages", f"is {num_stages}", "use at least one stage")
+    require(micro_batches >= 1, "micro_batches", f"is {micro_batches}", "use at least one micro-batch")
+    if warmups is None:
+        warmups = warmup_counts(num_stages, micro_batches, "PA", schedule=name)
+    if name == "gpipe":
+        warmups = [micro_batches] * num_stages
+    warmups = [max(1, min(int(k), micro_batches)) for k in warmups]
+    if caps is None:
+        caps = default_caps(name, num_stages, micro_batches, warmups)
+    caps = [int(c) if int(c) <= 0 else (max(int(c), k) if name != "gpipe" else micro_batches) for c, k in zip(caps, warmups)]
+    modes = list(recompute) if recompute is not None else ["never"] * num_stages
+    replayed = [
+        _recomputed_by_order(compute_order(name, s, num_stages, micro_batches, warmups[s]), modes[s], micro_batches)
+        for s in range(num_stages)
+    ]
+    orders = ooo_compute_orders(name, num_stages, micro_batches, warmups, caps, replayed)
+    lists = []
+    for s, order in enumerate(orders):
+        actions = with_communication(order, s, num_stages)
+        if layer_counts is not None and replicated is not None and replicated[s] and layer_counts[s] > 0 and caps[s] >= 0:
+            actions = _with_buckets(actions, s, int(layer_counts[s]), first_k)
+        lists.append(tuple(actions))
+    return Schedule(
+        f"{name}+ooo",
+        num_stages,
+        micro_batches,
+        tuple(warmups),
+        tuple(lists),
+        split_backward=True,
+        recompute=tuple(recompute) if recompute is not None else (),
+        in_flight_caps=tuple(caps),
+        first_k=first_k,
+    )
+
+
+def stash_walk(
+    compute: Sequence[Action],
+    recomputed: frozenset[int] | set[int],
+    stash: float,
+    input_bytes: float = 0.0,
+    wgrad_bytes: float = 0.0,
+) -> tuple[float, int]:
+    """(peak stashed bytes, peak micro-batches in flight) of one stage's compute list.
+
+    The rule the executor measures by (``execute/runner.py``) and the planner estimates by:
+
+    * F of a micro-batch keeps ``stash`` bytes, or only its stage input (``input_bytes``)
+      when the micro-batch is recomputed;
+    * B of a recomputed micro-batch rebuilds the stash (input + stash held from then on);
+    * when a W follows later, B also keeps the gradients of the layer outputs that W
+      needs (``wgrad_bytes``) and the micro-batch is released by its (last) W, otherwise
+      by its B.
+
+    Peaks are taken after every step, so the result bounds the stash at any time.
+    """
+    last_w: dict[int, int] = {}
+    for index, action in enumerate(compute):
+        if action.kind is Kind.W and action.microbatch is not None:
+            last_w[action.microbatch] = index
+    held: dict[int, float] = {}
+    peak = 0.0
+    peak_count = 0
+    for index, action in enumerate(compute):
+        mb = action.microbatch
+        if mb is None:
+            continue
+        if action.kind is Kind.F:
+            held[mb] = input_bytes if mb in recomputed else stash
+            peak_count = max(peak_count, len(held))
+        elif action.kind is Kind.B:
+            if mb in recomputed:
+                held[mb] = held.get(mb, 0.0) + stash
+                peak = max(peak, sum(held.values()))
+            if mb in last_w:
+                held[mb] = held.get(mb, 0.0) + wgrad_bytes
+            else:
+                peak = max(peak, sum(held.values()))
+                held.pop(mb, None)
+                continue
+        elif action.kind is Kind.W and last_w.get(mb) == index:
+            held.pop(mb, None)
+            continue
+        peak = max(peak, sum(held.values()))
+    return peak, peak_count
