@@ -86,6 +86,10 @@ def _plan_on_rank_zero(strategy: "DappleStrategy", module: "LightningModule", co
     if strategy.policy in ("PA", "PB"):
         kwargs["policy"] = strategy.policy
     plan = make_plan(profile, cluster, rows, num_devices=strategy.world_size, **kwargs)
+    if strategy.recompute == "auto":
+        from lightning_dapple.plan.recompute import apply_ooo_recompute
+
+        plan = apply_ooo_recompute(plan, profile, cluster, ooo=strategy.ooo, recompute="auto")
     from lightning_dapple.plan.plan import atomic_write_text
 
     atomic_write_text(directory / "dapple_profile.json", profile.to_json() + "\n")

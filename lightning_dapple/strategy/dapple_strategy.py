@@ -154,6 +154,8 @@ class DappleStrategy(DDPStrategy):
         loss_reduction: Literal["mean", "sum"] = "mean",
         timeout_s: float = 120.0,
         profile_cache: str | None = None,
+        ooo: bool = True,
+        recompute: Any = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **kwargs: Any,
     ) -> None:
@@ -167,6 +169,20 @@ class DappleStrategy(DDPStrategy):
             f"is {micro_batches!r}",
             "use a positive integer or leave it out",
         )
+        require(
+            recompute is None or recompute == "auto" or isinstance(recompute, (str, list, tuple)),
+            "recompute",
+            f"is {recompute!r}",
+            "use 'never', 'always', 'except_last', 'auto' or one mode per stage",
+        )
+        require(
+            recompute != "auto" or plan == "auto",
+            "recompute",
+            "is 'auto' but the plan is given explicitly; 'auto' needs the profile that plan='auto' measures",
+            "use plan='auto', or name a mode per stage (never/always/except_last)",
+        )
+        self.ooo = bool(ooo)
+        self.recompute = recompute
         self.plan_spec = plan
         self.micro_batches = micro_batches
         self.schedule_name = schedule
@@ -378,6 +394,10 @@ class DappleStrategy(DDPStrategy):
         if overrides:
             stages = tuple(replace(stage, warmup=None) for stage in plan.stages) if {"micro_batches", "schedule", "policy"} & set(overrides) else plan.stages
             plan = replace(plan, stages=stages, **overrides)
+        if self.recompute != "auto":  # "auto" was resolved by the planner (auto_plan)
+            from lightning_dapple.plan.recompute import set_options
+
+            plan = set_options(plan, ooo=self.ooo, recompute=self.recompute)
         batch_rows = batch_size_of(sample)
         require(
             plan.global_batch_size == batch_rows,
