@@ -1,5 +1,5 @@
 """The measured timeline of a pipeline step: what each rank's executor really did, drawn
-like the simulator's pictures (``lightning_dapple.simulate.timeline_png``).
+by the simulator's drawing function (``lightning_dapple.simulate.timeline_png.draw_rows``).
 
 Each rank's ``StageRunner`` records ``(start, end, kind, micro-batch)`` in
 ``time.perf_counter`` seconds for every F, B and W of the last step. On one host these
@@ -12,15 +12,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from lightning_dapple.simulate.engine import Span
+
 __all__ = ["MeasuredSpan", "MeasuredTimeline", "draw_measured_timeline"]
 
-
-@dataclass(frozen=True)
-class MeasuredSpan:
-    start_ms: float
-    end_ms: float
-    kind: str
-    microbatch: int | None
+#: A measured block is the simulator's ``Span`` (start_ms, end_ms, kind, microbatch), so
+#: both pictures go through the same drawing function.
+MeasuredSpan = Span
 
 
 @dataclass
@@ -86,55 +84,18 @@ class MeasuredTimeline:
 
 
 def draw_measured_timeline(timeline: MeasuredTimeline, path: str | Path, title: str | None = None) -> Path:
-    """Write the measured spans as a PNG: one row per rank, F blue, B green, W orange."""
-    import matplotlib
+    """Write the measured spans as a PNG: one row per rank, F blue, B green, W orange.
 
-    matplotlib.use("Agg", force=False)
-    from matplotlib import pyplot as plt
-    from matplotlib.patches import Patch
+    Drawn by ``lightning_dapple.simulate.timeline_png.draw_rows``, like the simulated step.
+    """
+    from lightning_dapple.simulate.timeline_png import TimelineRow, draw_rows
 
-    from lightning_dapple.simulate.timeline_png import COLOURS, LABELS
-
-    path = Path(path)
-    ranks = sorted(timeline.spans)
-    total = max(timeline.span_ms, 1e-9)
-    count = sum(len(v) for v in timeline.spans.values())
-    width = min(max(8.0, 0.25 * count / max(len(ranks), 1)), 30.0)
-    height = max(1.6, 0.45 * len(ranks) + 1.2)
-    fig, ax = plt.subplots(figsize=(width, height))
-    try:
-        pixels = fig.get_figwidth() * fig.dpi
-        used: set[str] = set()
-        for row, rank in enumerate(ranks):
-            blocks: dict[str, list[tuple[float, float]]] = {}
-            for span in timeline.spans[rank]:
-                length = span.end_ms - span.start_ms
-                if length <= 0:
-                    continue
-                blocks.setdefault(span.kind, []).append((span.start_ms, length))
-                label = "" if span.microbatch is None else str(span.microbatch)
-                if label and length / total * pixels * 0.8 >= 7 * len(label) + 2:
-                    ax.text(span.start_ms + length / 2, row, label, ha="center", va="center", fontsize=7,
-                            color="black" if span.kind == "W" else "white")
-            for kind, ranges in blocks.items():
-                used.add(kind)
-                ax.broken_barh(ranges, (row - 0.4, 0.8), facecolors=COLOURS.get(kind, "#cccccc"), edgecolors="white", linewidth=0.5)
-        ax.set_yticks(range(len(ranks)))
-        ax.set_yticklabels([f"rank {r} (s{timeline.stage_of_rank.get(r, '?')})" for r in ranks])
-        ax.invert_yaxis()
-        ax.set_xlim(0, total)
-        ax.set_xlabel("time (ms)")
-        ax.set_title(
-            title
-            or f"measured (last step): {timeline.schedule}, M={timeline.micro_batches}, "
-            f"{timeline.span_ms:.2f} ms from first to last compute, busy {100 * timeline.busy_fraction():.1f}%"
-        )
-        handles = [Patch(color=COLOURS[k], label=LABELS.get(k, k)) for k in COLOURS if k in used]
-        if handles:
-            ax.legend(handles=handles, loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8, frameon=False)
-        fig.tight_layout()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=100)
-    finally:
-        plt.close(fig)
-    return path
+    rows = [
+        TimelineRow(f"rank {rank} (s{timeline.stage_of_rank.get(rank, '?')})", timeline.spans[rank])
+        for rank in sorted(timeline.spans)
+    ]
+    default = (
+        f"measured (last step): {timeline.schedule}, M={timeline.micro_batches}, "
+        f"{timeline.span_ms:.2f} ms from first to last compute, busy {100 * timeline.busy_fraction():.1f}%"
+    )
+    return draw_rows(rows, path, title or default, span_ms=timeline.span_ms)

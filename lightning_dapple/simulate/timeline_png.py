@@ -1,26 +1,81 @@
-"""Draw a simulated step as a picture in the style of DAPPLE Fig. 3 and 4.
+"""Draw a step's timeline as a picture in the style of DAPPLE Fig. 3 and 4.
 
 One row per device (replicas of a stage show the same row), time in ms along x. Forward
 blocks are blue and backward blocks green as in the paper's figures; deferred weight
 gradients (W, out-of-order backprop) are orange and AllReduce grey. Each block carries its
 micro-batch id when there is room for it; the white gaps are the bubbles.
+
+``draw_rows`` is the one drawing function: ``draw_timeline`` feeds it a simulated step and
+``lightning_dapple.app.timelines.draw_measured_timeline`` the spans a real step recorded.
+The title sits above everything and is wrapped to the figure's width, the legend sits to
+the right of the axes, and ``constrained_layout`` keeps tick labels, axis label, title and
+legend inside the figure and apart.
 """
 from __future__ import annotations
 
+import textwrap
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from lightning_dapple.simulate.engine import SimulationResult
 
-__all__ = ["COLOURS", "draw_timeline"]
+__all__ = ["COLOURS", "LABELS", "TimelineRow", "draw_rows", "draw_timeline"]
 
 COLOURS = {"F": "#4a7fd4", "B": "#4caf50", "W": "#f39c34", "AR": "#9e9e9e"}
 LABELS = {"F": "forward", "B": "backward", "W": "weight grad", "AR": "AllReduce"}
+OTHER_COLOUR = "#cccccc"
+TITLE_SIZE = 12
+DPI = 100
 
 
-def draw_timeline(result: "SimulationResult", path: str | Path, title: str | None = None) -> Path:
-    """Write ``result``'s device timelines as a PNG to ``path`` and return the path."""
+class SpanLike(Protocol):
+    """What a block needs: ``lightning_dapple.simulate.engine.Span`` has these fields."""
+
+    start_ms: float
+    end_ms: float
+    kind: str
+    microbatch: int | None
+
+
+@dataclass(frozen=True)
+class TimelineRow:
+    """One row of the picture: its y tick label and its blocks in ms."""
+
+    label: str
+    spans: Sequence[SpanLike]
+
+
+def _block_label(span: SpanLike) -> str:
+    if span.kind == "AR":
+        return "AR"
+    return "" if span.microbatch is None else str(span.microbatch)
+
+
+def _wrap_title(fig: Any, text: str, size: float) -> str:
+    """``text`` with line breaks so that each line fits the figure's width (measured)."""
+    renderer = fig.canvas.get_renderer()
+    room = fig.get_figwidth() * fig.dpi - 24  # a little margin either side
+    probe = fig.text(0, 0, "", fontsize=size)
+    try:
+        lines = text.splitlines() or [""]
+        chars = max(8, max(len(line) for line in lines))
+        while True:
+            wrapped = "\n".join(textwrap.fill(line, chars, break_on_hyphens=False) or line for line in lines)
+            probe.set_text(wrapped)
+            if probe.get_window_extent(renderer).width <= room or chars <= 8:
+                return wrapped
+            chars = max(8, int(chars * 0.9))
+    finally:
+        probe.remove()
+
+
+def draw_rows(rows: Sequence[TimelineRow], path: str | Path, title: str, span_ms: float | None = None) -> Path:
+    """Write ``rows`` (top to bottom) as a PNG to ``path`` and return the path.
+
+    ``span_ms`` is the length of the x axis; by default the last end of any span.
+    """
     import matplotlib
 
     matplotlib.use("Agg", force=False)
@@ -28,29 +83,33 @@ def draw_timeline(result: "SimulationResult", path: str | Path, title: str | Non
     from matplotlib.patches import Patch
 
     path = Path(path)
-    devices = list(result.timelines)
-    latency = max(result.latency_ms, 1e-9)
-    width = min(max(8.0, 0.25 * sum(len(v) for v in result.timelines.values()) / max(len(devices), 1)), 30.0)
-    height = max(1.6, 0.45 * len(devices) + 1.2)
-    stage_of = {device: stage.stage for stage in result.stages for device in stage.devices}
+    ends = [s.end_ms for row in rows for s in row.spans]
+    total = max(span_ms if span_ms is not None else max(ends, default=0.0), 1e-9)
+    count = sum(len(row.spans) for row in rows)
+    width = min(max(8.0, 0.25 * count / max(len(rows), 1)), 30.0)
+    height = max(1.6, 0.45 * len(rows) + 1.2)
 
-    fig, ax = plt.subplots(figsize=(width, height))
+    fig, ax = plt.subplots(figsize=(width, height), dpi=DPI, layout="constrained")
     try:
-        fig_width_px = fig.get_figwidth() * fig.dpi
-        used = set()
-        for row, device in enumerate(devices):
+        title = _wrap_title(fig, title, TITLE_SIZE)
+        extra_lines = title.count("\n")
+        if extra_lines:
+            fig.set_figheight(height + 0.22 * extra_lines)
+        axes_px = fig.get_figwidth() * fig.dpi * 0.75  # room left of the legend, right of the tick labels
+        used: list[str] = []
+        for index, row in enumerate(rows):
             blocks: dict[str, list[tuple[float, float]]] = {}
-            for span in result.timelines[device]:
+            for span in row.spans:
                 length = span.end_ms - span.start_ms
                 if length <= 0:
                     continue
                 blocks.setdefault(span.kind, []).append((span.start_ms, length))
-                label = "AR" if span.kind == "AR" else str(span.microbatch)
+                label = _block_label(span)
                 # only label blocks wide enough to hold the text (~7 px per character)
-                if length / latency * fig_width_px * 0.8 >= 7 * len(label) + 2:
+                if label and length / total * axes_px >= 7 * len(label) + 2:
                     ax.text(
                         span.start_ms + length / 2,
-                        row,
+                        index,
                         label,
                         ha="center",
                         va="center",
@@ -58,30 +117,38 @@ def draw_timeline(result: "SimulationResult", path: str | Path, title: str | Non
                         color="black" if span.kind == "W" else "white",
                     )
             for kind, ranges in blocks.items():
-                used.add(kind)
+                if kind not in used:
+                    used.append(kind)
                 ax.broken_barh(
                     ranges,
-                    (row - 0.4, 0.8),
-                    facecolors=COLOURS.get(kind, "#cccccc"),
+                    (index - 0.4, 0.8),
+                    facecolors=COLOURS.get(kind, OTHER_COLOUR),
                     edgecolors="white",
                     linewidth=0.5,
                 )
-        ax.set_yticks(range(len(devices)))
-        ax.set_yticklabels([f"dev {d} (s{stage_of.get(d, '?')})" for d in devices])
-        ax.invert_yaxis()
-        ax.set_xlim(0, latency)
+        ax.set_yticks(range(len(rows)))
+        ax.set_yticklabels([row.label for row in rows])
+        ax.set_ylim(len(rows) - 0.5, -0.5)  # first row on top
+        ax.set_xlim(0, total)
         ax.set_xlabel("time (ms)")
-        ax.set_title(
-            title
-            or f"{result.schedule}: M={result.micro_batches}, latency {result.latency_ms:.2f} ms, "
-            f"bubble {100 * result.bubble_fraction:.1f}%"
-        )
-        handles = [Patch(color=COLOURS[k], label=LABELS[k]) for k in COLOURS if k in used]
+        fig.suptitle(title, fontsize=TITLE_SIZE)
+        kinds = [k for k in COLOURS if k in used] + [k for k in used if k not in COLOURS]
+        handles = [Patch(color=COLOURS.get(k, OTHER_COLOUR), label=LABELS.get(k, k)) for k in kinds]
         if handles:
-            ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.35 if len(devices) < 4 else -0.12), ncol=len(handles), fontsize=8, frameon=False)
-        fig.tight_layout()
+            fig.legend(handles=handles, loc="outside right center", fontsize=8, frameon=False)
         path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=100)
+        fig.savefig(path, dpi=DPI)
     finally:
         plt.close(fig)
     return path
+
+
+def draw_timeline(result: "SimulationResult", path: str | Path, title: str | None = None) -> Path:
+    """Write ``result``'s device timelines as a PNG to ``path`` and return the path."""
+    stage_of = {device: stage.stage for stage in result.stages for device in stage.devices}
+    rows = [TimelineRow(f"dev {d} (s{stage_of.get(d, '?')})", spans) for d, spans in result.timelines.items()]
+    default = (
+        f"{result.schedule}: M={result.micro_batches}, latency {result.latency_ms:.2f} ms, "
+        f"bubble {100 * result.bubble_fraction:.1f}%"
+    )
+    return draw_rows(rows, path, title or default, span_ms=result.latency_ms)
