@@ -36,26 +36,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import queue as queue_module
-import socket
 import statistics
 import sys
 import time
-import traceback
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
+
+from lightning_dapple.execute.launch import run_ranks
 
 HERE = Path(__file__).resolve().parent
 SEED = 1234
 MODES = ("never", "always", "except_last", "auto")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def make_layers(width: int, layers: int) -> list[Any]:
@@ -175,52 +166,6 @@ def worker(rank: int, world: int, cfg: dict) -> dict:
     origin = runners["ooo"].stats.timeline[0][0]
     timeline = [(round((s - origin) * 1000, 3), round((e - origin) * 1000, 3), k, mb) for s, e, k, mb in runners["ooo"].stats.timeline]
     return {"times": times, "cpu": cpu, "stash": stash, "params": params, "timeline": timeline, "stage": rank}
-
-
-def _entry(rank: int, world: int, port: int, cfg: dict, results: Any) -> None:
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=cfg["timeout"]))
-        out = worker(rank, world, cfg)
-        results.put((rank, "ok", out))
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException as exc:  # reported to the parent
-        results.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
-
-
-def run_ranks(cfg: dict, world: int) -> dict[int, Any]:
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, cfg, results), daemon=True) for r in range(world)]
-    for proc in procs:
-        proc.start()
-    out: dict[int, Any] = {}
-    deadline = time.monotonic() + cfg["timeout"]
-    try:
-        while len(out) < world:
-            try:
-                rank, status, payload = results.get(timeout=1.0)
-            except queue_module.Empty:
-                if time.monotonic() > deadline or any(p.exitcode not in (None, 0) for p in procs):
-                    raise RuntimeError(f"benchmark ranks failed or timed out; got {sorted(out)}")
-                continue
-            if status != "ok":
-                raise RuntimeError(f"rank {rank} failed:\n{payload}")
-            out[rank] = payload
-    finally:
-        for proc in procs:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.terminate()
-    return out
 
 
 def summarise(cfg: dict, ranks: dict[int, Any]) -> dict:
@@ -343,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         assert (args.layers + 1) % stages == 0, "layers + 1 must be a multiple of every stage count"
         cfg["plans"] = plans(cfg)
-        ranks = run_ranks(cfg, stages)
+        ranks = run_ranks(worker, stages, cfg, timeout_s=cfg["timeout"], raise_on_error=True)
         result = summarise(cfg, ranks)
         report["results"][str(stages)] = result
         med = result["median_step_ms"]

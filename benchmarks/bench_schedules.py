@@ -23,15 +23,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue as queue_module
-import socket
 import statistics
 import sys
 import time
-import traceback
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
+
+from lightning_dapple.execute.launch import run_ranks
 
 HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
@@ -40,61 +38,10 @@ if str(HERE) not in sys.path:
 LOSS_TOL = 1e-5
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def _rank_main(rank: int, world: int, cfg: dict) -> Any:
+    import _schedules_worker  # beside this script; spawned ranks inherit its sys.path
 
-
-def _entry(rank: int, world: int, port: int, cfg: dict, results: Any) -> None:
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    try:
-        import _schedules_worker
-
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=cfg["timeout"]))
-        out = _schedules_worker.run(rank, world, cfg)
-        results.put((rank, "ok", out))
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException as exc:  # reported to the parent
-        results.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
-
-
-def run_ranks(cfg: dict, world: int = 2) -> dict[int, Any]:
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, cfg, results), daemon=True) for r in range(world)]
-    for proc in procs:
-        proc.start()
-    out: dict[int, Any] = {}
-    deadline = time.monotonic() + cfg["timeout"]
-    try:
-        while len(out) < world:
-            try:
-                rank, status, payload = results.get(timeout=1.0)
-            except queue_module.Empty:
-                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in out]
-                if dead:
-                    raise RuntimeError(f"rank(s) {dead} died before reporting") from None
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"ranks did not finish within {cfg['timeout']} s") from None
-                continue
-            if status != "ok":
-                raise RuntimeError(f"rank {rank} failed:\n{payload}")
-            out[rank] = payload
-    finally:
-        for proc in procs:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.terminate()
-    return out
+    return _schedules_worker.run(rank, world, cfg)
 
 
 def summarize(by_rank: dict[int, Any], cfg: dict) -> dict:
@@ -244,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         "layers": args.layers, "batch": args.batch, "timeout": args.timeout,
     }
     started, load_before = time.perf_counter(), os.getloadavg()
-    by_rank = run_ranks(cfg)
+    by_rank = run_ranks(_rank_main, 2, cfg, timeout_s=cfg["timeout"], raise_on_error=True)
     summary = summarize(by_rank, cfg)
     summary["wall_s"] = time.perf_counter() - started
     # other processes on the machine skew step times: keep the load next to the numbers
