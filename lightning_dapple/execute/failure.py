@@ -14,7 +14,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import torch.distributed as dist
 
@@ -52,9 +52,10 @@ class FailureChannel:
 
     def _serve(self) -> None:
         while True:
-            work, pending = self._jobs.get()
+            works, pending = self._jobs.get()
             try:
-                work.wait()
+                for work in works:
+                    work.wait()
             except BaseException as exc:  # handed back to the waiting thread
                 pending.error = exc
             pending.done.set()
@@ -78,8 +79,25 @@ class FailureChannel:
 
     def wait(self, work: Any, what: str) -> None:
         """Block until ``work`` completes, a peer fails, or ``timeout_s`` passes."""
+        self.finish(self.start((work,)), what)
+
+    def wait_all(self, works: "Sequence[Any]", what: str) -> None:
+        """``wait`` for several ``Work`` handles with one hand-off to the waiter thread
+        (a step's pending sends are waited together: one thread switch, not one each)."""
+        if works:
+            self.finish(self.start(works), what)
+
+    def start(self, works: "Sequence[Any]") -> "_Pending":
+        """Hand ``works`` to the waiter thread now; ``finish`` collects them later. A
+        receive posted ahead is started when posted, so by the time the rank needs it the
+        wait is usually over and ``finish`` returns without a thread switch. Works are
+        waited in the order they were started: start only what is due first."""
         pending = _Pending()
-        self._jobs.put((work, pending))
+        self._jobs.put((tuple(works), pending))
+        return pending
+
+    def finish(self, pending: "_Pending", what: str) -> None:
+        """Block until the started works complete, a peer fails, or ``timeout_s`` passes."""
         deadline = time.monotonic() + self.timeout_s
         while not pending.done.wait(self.poll_s):
             self.check()

@@ -150,7 +150,11 @@ class StageRunner:
         self.is_last = self.stage == plan.num_stages - 1
         self.stats = StageStats()
         self.parameters = [p for layer in self.layers for p in layer.parameters() if p.requires_grad]
-        self._counter: StashMeter | None = None
+        # stash measurement: parameter storages to leave out while a forward is measured
+        # (None: not measuring), per-layer stashed bytes by input layout, the last total
+        self._measure: set[int] | None = None
+        self._layer_stash: dict[Any, list[int]] = {}
+        self._last_stash = 0
         # out-of-order backprop and recomputation
         compute = schedule.compute(self.stage) if self.stage < schedule.num_stages else []
         any_w = any(a.kind is Kind.W for acts in schedule.actions for a in acts)
@@ -192,32 +196,50 @@ class StageRunner:
         return [Peer(rank, self._rows(stage, index, batch_rows, microbatch)) for index, rank in enumerate(devices)]
 
     def run_layers(self, x: Any) -> Any:
-        """Apply the stage's layers; while a forward is being measured, count what each
-        layer stashes (the layers only: the loss's own saves are not in any profile).
+        """Apply the stage's layers.
+
+        While a forward is measured (``self._measure``), count what each layer stashes (the
+        layers only: the loss's own saves are not in any profile) into ``_last_stash``.
+        Saved-tensor hooks cost Python work on every saved tensor, which small stages feel
+        (DAPPLE 5.2: per-micro-batch overhead is the pipeline's enemy), so each layer is
+        measured once per input layout (shapes, dtypes, requires_grad) and the sizes are
+        reused afterwards: what a layer saves depends on its input's layout, not its values.
         While a split-backward forward records, find where each weight group's W starts
         (``execute.recompute.weight_work``)."""
-        meter = self._counter
+        exclude = self._measure
         sink = self._edge_sink
-        if meter is None and sink is None:
+        if exclude is None and sink is None:
             for layer in self.layers:
                 x = layer(x)
             return x
+        key = (self.layers[0].training, _layout_key(x)) if exclude is not None and self.layers else None
+        known = self._layer_stash.get(key) if key is not None else None
+        meter = StashMeter(exclude) if exclude is not None and known is None else None
         hooks = torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack) if meter is not None else _null()
+        measured: list[int] = []
         inputs: list[Any] = []
-        stashed = 0
+        running = at_group_start = 0
         with hooks:
             for index, layer in enumerate(self.layers):
                 if sink is not None and index in self._group_starts:
                     inputs = output_edges(x)
-                    stashed = meter.bytes if meter is not None else 0
+                    at_group_start = running
+                before = 0
                 if meter is not None:
                     meter.next_layer()
+                    before = meter.bytes
                 x = layer(x)
+                if meter is not None:
+                    measured.append(meter.bytes - before)
+                running += measured[-1] if meter is not None else (known[index] if known is not None else 0)
                 if sink is not None and index in self._group_ends:
                     group = self._group_ends[index]
                     outputs = output_edges(x)
-                    limit = max(_grad_bytes(x), (meter.bytes - stashed) if meter is not None else 0)
+                    limit = max(_grad_bytes(x), running - at_group_start)
                     sink.append(weight_work(outputs, inputs, self._group_params[group], limit))
+        if meter is not None:
+            self._layer_stash[key] = measured
+        self._last_stash = running
         return x
 
     def check_batch(self, batch_rows: int) -> None:
@@ -262,10 +284,18 @@ class StageRunner:
         loss_sum = torch.zeros((), dtype=torch.float64)
         allreduce: tuple[Any, torch.Tensor] | None = None
         clock = time.perf_counter
+        actions = self.schedule.actions[self.stage]
+        receives = [i for i, a in enumerate(actions) if a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD)]
+        upcoming = 0  # index into ``receives`` of the first receive not yet executed
         try:
-            for action in self.schedule.actions[self.stage]:
+            for position, action in enumerate(actions):
                 mb = action.microbatch
                 kind = action.kind
+                if kind in (Kind.F, Kind.B, Kind.W):
+                    while upcoming < len(receives) and receives[upcoming] < position:
+                        upcoming += 1
+                    if upcoming < len(receives):
+                        self._post_ahead(actions[receives[upcoming]], state, batch_rows)
                 if kind is Kind.RECV_ACT:
                     assert mb is not None
                     rows = self._rows(self.stage, self.replica, batch_rows, mb)
@@ -276,7 +306,8 @@ class StageRunner:
                     start = clock()
                     item = state.setdefault(mb, _MicroBatch(rows=self._rows(self.stage, self.replica, batch_rows, mb)))
                     recompute = mb in self.recomputed
-                    counter = self._counter = None if recompute else StashMeter(exclude)
+                    self._measure = None if recompute else exclude
+                    self._last_stash = 0
                     if self.split and not recompute:
                         item.edges = []
                         self._edge_sink = item.edges
@@ -284,11 +315,11 @@ class StageRunner:
                         with seeded(self._seed(mb), self.device):
                             self._forward(item, take_rows(batch, *item.rows), callbacks, batch_rows, recompute)
                     finally:
-                        self._counter = None
+                        self._measure = None
                         self._edge_sink = None
                     if self.is_last and item.loss is not None:
                         loss_sum += item.loss.detach().to(torch.float64).cpu()
-                    stashed = tensor_bytes(item.inputs) if recompute else counter.bytes  # type: ignore[union-attr]
+                    stashed = tensor_bytes(item.inputs) if recompute else self._last_stash
                     self.stats.stash_bytes[mb] = stashed
                     self._hold(mb, stashed)
                     self.stats.peak_in_flight = max(self.stats.peak_in_flight, len(self._held))
@@ -344,9 +375,26 @@ class StageRunner:
             self._finish_buckets()
         finally:
             self._steps += 1
-        loss = self._share_loss(loss_sum)
-        shared = self._share_extras(extras() if (extras is not None and self.is_last) else None)
+        loss, shared = self._share_results(loss_sum, extras() if (extras is not None and self.is_last) else None)
+        assert loss is not None
         return loss, shared
+
+    def _post_ahead(self, action: Any, state: dict[int, "_MicroBatch"], batch_rows: int) -> None:
+        """Post the receives of the next receive action before this compute runs, so its
+        data arrives meanwhile (one transfer ahead, in action order: see transport)."""
+        mb = action.microbatch
+        what = f"{'activation' if action.kind is Kind.RECV_ACT else 'gradient'} {mb}"
+        if self.transport.is_posted(what):
+            return
+        if action.kind is Kind.RECV_ACT:
+            rows = self._rows(self.stage, self.replica, batch_rows, mb)
+            self.transport.post_activation(rows, self._peers(self.stage - 1, batch_rows, mb), what)
+            return
+        item = state.get(mb)
+        if item is None or item.outputs is None:
+            return  # its forward has not run yet: sizes unknown
+        like = [leaf for leaf in flatten(item.outputs)[0] if leaf.requires_grad]
+        self.transport.post_gradient(like, item.rows, self._peers(self.stage + 1, batch_rows, mb), what)
 
     def _release(self, state: dict[int, "_MicroBatch"], mb: int) -> None:
         item = state.get(mb)
@@ -383,7 +431,8 @@ class StageRunner:
     def _recompute(self, mb: int, item: _MicroBatch, exclude: set[int]) -> Any:
         """Replay the stage forward of ``mb`` with autograd (same seed, buffers kept) and
         hold what it stashes; returns the stage output with its graph."""
-        meter = self._counter = StashMeter(exclude)
+        self._measure = exclude
+        self._last_stash = 0
         if self.split:
             item.edges = []
             self._edge_sink = item.edges
@@ -391,10 +440,10 @@ class StageRunner:
             with seeded(self._seed(mb), self.device), frozen_buffers(self._buffers):
                 outputs = self.run_layers(item.inputs)
         finally:
-            self._counter = None
+            self._measure = None
             self._edge_sink = None
         self.stats.recomputed += 1
-        self._hold(mb, meter.bytes)
+        self._hold(mb, self._last_stash)
         return outputs
 
     def _grad_inputs(self, item: _MicroBatch) -> list[torch.Tensor]:
@@ -572,53 +621,74 @@ class StageRunner:
             param.grad = flat[offset : offset + count].view_as(param).clone()
             offset += count
 
-    def _share_loss(self, loss_sum: torch.Tensor) -> torch.Tensor:
+    def _share_results(self, loss_sum: torch.Tensor | None, obj: Any) -> tuple[torch.Tensor | None, list[Any]]:
+        """The global-batch loss and the objects of every last-stage replica (in replica
+        order), on every rank of the plan.
+
+        Last-stage replicas hand their loss and object to the first of them point to point;
+        it broadcasts one small tensor, (loss, payload size), and then the pickled objects
+        only when there are any. One collective per step in the common case: the end of a
+        step is on every rank's critical path, so it must stay cheap.
+        """
         last = self.plan.stages[-1]
-        group = self.replica_groups.get(self.plan.num_stages - 1)
-        if self.is_last and group is not None:
-            self.failure.wait(dist.all_reduce(loss_sum, group=group, async_op=True), "loss reduction")
-        if self.plan.world_size > 1:
-            self.failure.wait(dist.broadcast(loss_sum, src=last.devices[0], group=self.groups.plan, async_op=True), "loss broadcast")
-        return loss_sum
+        src = last.devices[0]
+        gathered: list[Any] = [obj]
+        total = loss_sum
+        if self.is_last and self.rank == src:
+            for peer in last.devices[1:]:
+                peer_loss, peer_obj = self._recv_result(peer, "results of the last stage")
+                if total is not None:
+                    total = total + peer_loss
+                gathered.append(peer_obj)
+        elif self.is_last:
+            self._send_result(loss_sum, obj, src, "results of the last stage")
+        if self.plan.world_size == 1:
+            return total, gathered
+        head = torch.zeros(2, dtype=torch.float64, device=self.device)
+        payload = None
+        if self.rank == src:
+            if total is not None:
+                head[0] = total.to(self.device)
+            if any(item is not None for item in gathered):
+                payload = _to_bytes(gathered, self.device)
+                head[1] = payload.numel()
+        self.failure.wait(dist.broadcast(head, src=src, group=self.groups.plan, async_op=True), "loss broadcast")
+        size = int(head[1].item())
+        if size and self.rank != src:
+            payload = torch.empty(size, dtype=torch.uint8, device=self.device)
+        if size:
+            self.failure.wait(dist.broadcast(payload, src=src, group=self.groups.plan, async_op=True), "result broadcast")
+        if self.rank != src:
+            gathered = _from_bytes(payload) if size else [None] * last.replicas
+        loss = head[0].cpu() if loss_sum is not None else None
+        return loss, gathered
 
     def _share_extras(self, obj: Any) -> list[Any]:
         """Objects of every last-stage replica (in replica order), on every rank of the plan."""
-        last = self.plan.stages[-1]
-        src = last.devices[0]
-        gathered: list[Any] | None = None
-        if self.is_last:
-            if self.rank == src:
-                gathered = [obj] + [self._recv_object(peer, "results of the last stage") for peer in last.devices[1:]]
-            else:
-                self._send_object(obj, src, "results of the last stage")
-        if self.plan.world_size == 1:
-            return gathered or [obj]
-        return self._broadcast_object(gathered, src)
+        return self._share_results(None, obj)[1]
 
-    def _send_object(self, obj: Any, dst: int, what: str) -> None:
-        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-        size = torch.tensor([payload.numel()], dtype=torch.int64)
-        self.failure.wait(dist.isend(size, dst), what)
-        self.failure.wait(dist.isend(payload, dst), what)
+    def _send_result(self, loss_sum: torch.Tensor | None, obj: Any, dst: int, what: str) -> None:
+        payload = _to_bytes(obj, self.device) if obj is not None else None
+        head = torch.tensor(
+            [float(loss_sum) if loss_sum is not None else 0.0, payload.numel() if payload is not None else 0],
+            dtype=torch.float64,
+            device=self.device,
+        )
+        works = [dist.isend(head, dst)]
+        if payload is not None:
+            works.append(dist.isend(payload, dst))
+        self.failure.wait_all(works, what)
 
-    def _recv_object(self, src: int, what: str) -> Any:
-        size = torch.zeros(1, dtype=torch.int64)
-        self.failure.wait(dist.irecv(size, src), what)
-        payload = torch.empty(int(size.item()), dtype=torch.uint8)
-        self.failure.wait(dist.irecv(payload, src), what)
-        return pickle.loads(payload.numpy().tobytes())
-
-    def _broadcast_object(self, obj: Any, src: int) -> Any:
-        if self.rank == src:
-            payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-            size = torch.tensor([payload.numel()], dtype=torch.int64)
-        else:
-            size = torch.zeros(1, dtype=torch.int64)
-        self.failure.wait(dist.broadcast(size, src=src, group=self.groups.plan, async_op=True), "result broadcast")
-        if self.rank != src:
-            payload = torch.empty(int(size.item()), dtype=torch.uint8)
-        self.failure.wait(dist.broadcast(payload, src=src, group=self.groups.plan, async_op=True), "result broadcast")
-        return pickle.loads(payload.numpy().tobytes()) if self.rank != src else obj
+    def _recv_result(self, src: int, what: str) -> tuple[torch.Tensor, Any]:
+        head = torch.zeros(2, dtype=torch.float64, device=self.device)
+        self.failure.wait(dist.irecv(head, src), what)
+        size = int(head[1].item())
+        obj = None
+        if size:
+            payload = torch.empty(size, dtype=torch.uint8, device=self.device)
+            self.failure.wait(dist.irecv(payload, src), what)
+            obj = _from_bytes(payload)
+        return head[0].cpu(), obj
 
     # -- forward only (validation, test, predict) -------------------------------
     def forward_step(self, batch: Any, callbacks: "EvalCallbacks") -> list[Any]:
@@ -651,6 +721,21 @@ class StageRunner:
         gathered = self._share_extras(results if self.is_last else None)
         replicas = self.plan.stages[-1].replicas
         return [gathered[replica][mb] for mb in range(self.plan.micro_batches) for replica in range(replicas)]
+
+
+def _to_bytes(obj: Any, device: torch.device) -> torch.Tensor:
+    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    return payload.to(device) if device.type != "cpu" else payload
+
+
+def _from_bytes(payload: torch.Tensor) -> Any:
+    return pickle.loads(payload.cpu().numpy().tobytes())
+
+
+def _layout_key(value: Any) -> tuple:
+    """What decides the tensors a forward saves: the layout of its input, not its values."""
+    leaves = tensor_leaves(value)
+    return (torch.is_grad_enabled(), *((tuple(t.shape), t.dtype, t.requires_grad, t.device) for t in leaves))
 
 
 def _grad_bytes(value: Any) -> int:

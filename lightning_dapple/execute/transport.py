@@ -5,11 +5,18 @@ receiver needs others; a sender ships to every receiver the rows both hold, and 
 receiver concatenates the pieces in row order. Row ranges come from ``slicing``, so both
 sides agree on them without negotiation.
 
-One activation transfer is two messages: a fixed-size int64 header (per tensor leaf:
-dtype, requires_grad, shape beyond the batch dimension; plus the length of the pytree
-spec when it changed, followed by the spec's bytes) and one byte buffer packing every
-leaf. A gradient transfer is one byte buffer: its receiver already knows the shapes (it
-sent the activations) and only leaves that require grad travel back.
+An activation transfer is one message once both sides know its layout: the packed bytes
+of every tensor leaf followed by one flag byte. Each side remembers, per peer, the layout
+(dtype, requires_grad and shape beyond the batch dimension of every leaf, and the pytree
+structure) of the last activation that went between them, so the receiver can post a
+receive of exactly the right size. When the layout changes (the first transfer, or e.g.
+an eval pass where nothing requires grad), the sender first sends a message of the size
+the receiver expects with the flag byte set, then a fixed-size int64 header describing
+the new layout (followed by the pickled structure when that changed too) and the data.
+Per-message overhead is what a pipeline of small stages pays most for (DAPPLE 5.2: the
+schedule only helps if the transfers between stages stay cheap), so the steady state is
+one round trip per transfer. A gradient transfer is one byte buffer: its receiver already
+knows the shapes (it sent the activations) and only leaves that require grad travel back.
 """
 from __future__ import annotations
 
@@ -39,7 +46,7 @@ class Peer:
     rows: tuple[int, int]
 
 
-@dataclass
+@dataclass(frozen=True)
 class LeafMeta:
     dtype: torch.dtype
     requires_grad: bool
@@ -49,14 +56,32 @@ class LeafMeta:
         count = rows
         for dim in self.tail_shape:
             count *= dim
-        return count * torch.empty((), dtype=self.dtype).element_size()
+        return count * self.dtype.itemsize
 
 
-def pack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """All tensors as one contiguous byte buffer."""
-    if not tensors:
+FLAG_SAME_LAYOUT = 0
+FLAG_NEW_LAYOUT = 1
+
+
+def _meta_of(leaf: torch.Tensor) -> LeafMeta:
+    if leaf.dtype not in _DTYPE_CODE:
+        raise TypeError(f"cannot send tensors of dtype {leaf.dtype} between stages")
+    return LeafMeta(leaf.dtype, leaf.requires_grad, tuple(leaf.shape[1:]))
+
+
+def _payload_bytes(metas: Sequence[LeafMeta], rows: int) -> int:
+    return sum(meta.nbytes(rows) for meta in metas)
+
+
+def pack(tensors: Sequence[torch.Tensor], flag: int | None = None) -> torch.Tensor:
+    """All tensors as one contiguous byte buffer, with a trailing ``flag`` byte if given."""
+    parts = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors]
+    if flag is not None:
+        device = parts[0].device if parts else None
+        parts.append(torch.full((1,), flag, dtype=torch.uint8, device=device))
+    if not parts:
         return torch.empty(0, dtype=torch.uint8)
-    return torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors])
+    return torch.cat(parts)
 
 
 def unpack(buffer: torch.Tensor, metas: Sequence[LeafMeta], rows: int) -> list[torch.Tensor]:
@@ -74,10 +99,14 @@ class Transport:
     def __init__(self, failure: FailureChannel, device: torch.device) -> None:
         self.failure = failure
         self.device = device
-        self._spec_sent: dict[int, Any] = {}
-        self._spec_received: dict[int, Any] = {}
+        # per peer: the layout of the last activation sent to / received from it
+        self._layout_sent: dict[int, tuple[tuple[LeafMeta, ...], Any]] = {}
+        self._layout_received: dict[int, tuple[tuple[LeafMeta, ...], Any]] = {}
         self._pending_sends: list[tuple[Any, torch.Tensor, str]] = []
+        # receives posted ahead of their action, by transfer name: (peer, work, buffer) each
+        self._posted: dict[str, list[tuple[int, Any, torch.Tensor]]] = {}
         self.bytes_sent = 0
+        self.messages_sent = 0
 
     # -- sending -------------------------------------------------------------
     def send_activation(self, structure: Any, my_rows: tuple[int, int], peers: Sequence[Peer], what: str) -> None:
@@ -92,16 +121,27 @@ class Transport:
                     f"({my_rows[1] - my_rows[0]} rows)",
                     "make every tensor passed between layers batch-first",
                 )
+        metas = tuple(_meta_of(leaf) for leaf in leaves)
         for peer in peers:
             rows = overlap(my_rows, peer.rows)
             if rows is None:
                 continue
             lo, hi = rows[0] - my_rows[0], rows[1] - my_rows[0]
-            header, spec_bytes = self._header(leaves, spec, peer.rank)
+            data = [leaf[lo:hi] for leaf in leaves]
+            known = self._layout_sent.get(peer.rank)
+            if known == (metas, spec):
+                self._isend(pack(data, FLAG_SAME_LAYOUT), peer.rank, what)
+                continue
+            if known is not None:  # the receiver expects the old layout's size: tell it to read a header
+                filler = torch.zeros(_payload_bytes(known[0], hi - lo) + 1, dtype=torch.uint8)
+                filler[-1] = FLAG_NEW_LAYOUT
+                self._isend(filler, peer.rank, f"layout change of {what}")
+            header, spec_bytes = self._header(metas, spec, send_spec=known is None or known[1] != spec)
+            self._layout_sent[peer.rank] = (metas, spec)
             self._isend(header, peer.rank, f"header of {what}")
             if spec_bytes is not None:
                 self._isend(spec_bytes, peer.rank, f"structure of {what}")
-            self._isend(pack([leaf[lo:hi] for leaf in leaves]), peer.rank, what)
+            self._isend(pack(data), peer.rank, what)
 
     def send_gradient(self, grads: Sequence[torch.Tensor], my_rows: tuple[int, int], peers: Sequence[Peer], what: str) -> None:
         for peer in peers:
@@ -111,16 +151,14 @@ class Transport:
             lo, hi = rows[0] - my_rows[0], rows[1] - my_rows[0]
             self._isend(pack([grad[lo:hi] for grad in grads]), peer.rank, what)
 
-    def _header(self, leaves: Sequence[torch.Tensor], spec: Any, peer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    @staticmethod
+    def _header(metas: Sequence[LeafMeta], spec: Any, send_spec: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         spec_bytes = None
-        if self._spec_sent.get(peer) != spec:
-            self._spec_sent[peer] = spec
+        if send_spec:
             spec_bytes = torch.frombuffer(bytearray(pickle.dumps(spec)), dtype=torch.uint8)
-        ints = [len(leaves), 0 if spec_bytes is None else spec_bytes.numel()]
-        for leaf in leaves:
-            if leaf.dtype not in _DTYPE_CODE:
-                raise TypeError(f"cannot send tensors of dtype {leaf.dtype} between stages")
-            ints += [_DTYPE_CODE[leaf.dtype], int(leaf.requires_grad), leaf.dim() - 1, *leaf.shape[1:]]
+        ints = [len(metas), 0 if spec_bytes is None else spec_bytes.numel()]
+        for meta in metas:
+            ints += [_DTYPE_CODE[meta.dtype], int(meta.requires_grad), len(meta.tail_shape), *meta.tail_shape]
         if len(ints) > HEADER_INTS:
             raise ValueError(f"a layer output has too many tensors/dimensions to describe in {HEADER_INTS} ints")
         header = torch.zeros(HEADER_INTS, dtype=torch.int64)
@@ -131,37 +169,99 @@ class Transport:
         tensor = tensor.to(self.device) if tensor.device != self.device else tensor
         self._pending_sends.append((dist.isend(tensor, peer), tensor, what))
         self.bytes_sent += tensor.numel() * tensor.element_size()
+        self.messages_sent += 1
 
     def flush(self) -> None:
         """Wait for every send issued so far (their buffers may be freed afterwards)."""
         pending, self._pending_sends = self._pending_sends, []
-        for work, _tensor, what in pending:
-            self.failure.wait(work, f"send of {what}")
+        if pending:
+            what = pending[0][2] if len(pending) == 1 else f"{len(pending)} sends ({pending[0][2]} ... {pending[-1][2]})"
+            self.failure.wait_all([work for work, _tensor, _what in pending], what)
 
     # -- receiving -----------------------------------------------------------
     def _recv(self, tensor: torch.Tensor, peer: int, what: str) -> torch.Tensor:
         self.failure.wait(dist.irecv(tensor, peer), f"{what} from rank {peer}")
         return tensor
 
-    def recv_activation(self, my_rows: tuple[int, int], peers: Sequence[Peer], what: str) -> Any:
-        """Receive and concatenate the rows ``my_rows`` of a boundary; grads enabled on
-        floating leaves that required grad on the sender."""
-        pieces: list[list[torch.Tensor]] = []
-        metas: list[LeafMeta] = []
-        spec = None
+    def _take(self, posted: list[tuple[int, Any, torch.Tensor]] | None, size: int, peer: int, what: str) -> torch.Tensor:
+        """The next message of ``size`` bytes from ``peer``: the receive posted ahead for
+        it if there is one, else a receive posted now."""
+        if posted:
+            rank, pending, buffer = posted.pop(0)
+            assert rank == peer and buffer.numel() == size, (rank, peer, buffer.numel(), size)
+            self.failure.finish(pending, f"{what} from rank {peer}")
+            return buffer
+        return self._recv(torch.empty(size, dtype=torch.uint8, device=self.device), peer, what)
+
+    # -- receiving ahead -----------------------------------------------------
+    # A receive posted before the rank needs it lets the data arrive while the rank computes
+    # (DAPPLE 5.2: communication overlapped with computation); without it every transfer
+    # starts only when its receiver asks. Sizes must be known to post: an activation's from
+    # the layout of the last one from the same peer (a changed layout arrives as a message
+    # of that size with the flag set, see the module docstring), a gradient's from the
+    # outputs it belongs to. Callers post in the order of their action list and at most one
+    # transfer ahead, so receives from one peer are matched in order.
+    def post_activation(self, my_rows: tuple[int, int], peers: Sequence[Peer], what: str) -> bool:
+        """Post the receives of activation ``what`` now; False if a layout is still unknown."""
+        sizes = []
         for peer in peers:
             rows = overlap(my_rows, peer.rows)
             if rows is None:
                 continue
-            header = self._recv(torch.empty(HEADER_INTS, dtype=torch.int64, device=self.device), peer.rank, f"header of {what}")
-            metas, spec_len = self._parse_header(header.cpu())
-            if spec_len:
-                raw = self._recv(torch.empty(spec_len, dtype=torch.uint8, device=self.device), peer.rank, f"structure of {what}")
-                self._spec_received[peer.rank] = pickle.loads(raw.cpu().numpy().tobytes())
-            spec = self._spec_received[peer.rank]
+            known = self._layout_received.get(peer.rank)
+            if known is None:
+                return False
+            sizes.append((peer.rank, _payload_bytes(known[0], rows[1] - rows[0]) + 1))
+        self._post(what, sizes)
+        return True
+
+    def post_gradient(self, like: Sequence[torch.Tensor], my_rows: tuple[int, int], peers: Sequence[Peer], what: str) -> None:
+        """Post the receives of gradient ``what`` (for this rank's outputs ``like``) now."""
+        metas = [_meta_of(t) for t in like]
+        sizes = []
+        for peer in peers:
+            rows = overlap(my_rows, peer.rows)
+            if rows is not None:
+                sizes.append((peer.rank, _payload_bytes(metas, rows[1] - rows[0])))
+        self._post(what, sizes)
+
+    def _post(self, what: str, sizes: list[tuple[int, int]]) -> None:
+        if what in self._posted:
+            raise RuntimeError(f"receives of {what} were already posted")
+        posted = []
+        for rank, size in sizes:
+            buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
+            posted.append((rank, self.failure.start((dist.irecv(buffer, rank),)), buffer))
+        self._posted[what] = posted
+
+    def is_posted(self, what: str) -> bool:
+        return what in self._posted
+
+    def recv_activation(self, my_rows: tuple[int, int], peers: Sequence[Peer], what: str) -> Any:
+        """Receive and concatenate the rows ``my_rows`` of a boundary; grads enabled on
+        floating leaves that required grad on the sender."""
+        pieces: list[list[torch.Tensor]] = []
+        metas: Sequence[LeafMeta] = ()
+        spec = None
+        posted = self._posted.pop(what, None)
+        for peer in peers:
+            rows = overlap(my_rows, peer.rows)
+            if rows is None:
+                continue
             count = rows[1] - rows[0]
-            total = sum(meta.nbytes(count) for meta in metas)
-            buffer = self._recv(torch.empty(total, dtype=torch.uint8, device=self.device), peer.rank, what)
+            known = self._layout_received.get(peer.rank)
+            buffer = None
+            if known is not None:
+                size = _payload_bytes(known[0], count)
+                message = self._take(posted, size + 1, peer.rank, what)
+                if int(message[-1].item()) == FLAG_SAME_LAYOUT:
+                    buffer = message[:size]
+            if buffer is None:
+                known = self._recv_layout(peer.rank, known, what)
+                buffer = self._recv(
+                    torch.empty(_payload_bytes(known[0], count), dtype=torch.uint8, device=self.device), peer.rank, what
+                )
+            metas, spec = known
             pieces.append(unpack(buffer, metas, count))
         leaves = [parts[0] if len(pieces) == 1 else torch.cat(parts) for parts in zip(*pieces)]
         for leaf, meta in zip(leaves, metas):
@@ -169,17 +269,32 @@ class Transport:
                 leaf.requires_grad_(True)
         return unflatten(leaves, spec)
 
+    def _recv_layout(self, peer: int, known: tuple[tuple[LeafMeta, ...], Any] | None, what: str) -> tuple[tuple[LeafMeta, ...], Any]:
+        """Receive a header (and the structure if it changed) and remember the layout."""
+        header = self._recv(torch.empty(HEADER_INTS, dtype=torch.int64, device=self.device), peer, f"header of {what}")
+        metas, spec_len = self._parse_header(header.cpu())
+        if spec_len:
+            raw = self._recv(torch.empty(spec_len, dtype=torch.uint8, device=self.device), peer, f"structure of {what}")
+            spec = pickle.loads(raw.cpu().numpy().tobytes())
+        elif known is not None:
+            spec = known[1]
+        else:
+            raise RuntimeError(f"rank {peer} sent {what} without its structure; the two sides' layout caches disagree")
+        layout = (tuple(metas), spec)
+        self._layout_received[peer] = layout
+        return layout
+
     def recv_gradient(self, like: Sequence[torch.Tensor], my_rows: tuple[int, int], peers: Sequence[Peer], what: str) -> list[torch.Tensor]:
         """Gradients for the leaves ``like`` (this rank's outputs that require grad)."""
         metas = [LeafMeta(t.dtype, False, tuple(t.shape[1:])) for t in like]
         pieces = []
+        posted = self._posted.pop(what, None)
         for peer in peers:
             rows = overlap(my_rows, peer.rows)
             if rows is None:
                 continue
             count = rows[1] - rows[0]
-            total = sum(meta.nbytes(count) for meta in metas)
-            buffer = self._recv(torch.empty(total, dtype=torch.uint8, device=self.device), peer.rank, what)
+            buffer = self._take(posted, _payload_bytes(metas, count), peer.rank, what)
             pieces.append(unpack(buffer, metas, count))
         return [parts[0] if len(pieces) == 1 else torch.cat(parts) for parts in zip(*pieces)]
 

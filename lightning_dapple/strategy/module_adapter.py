@@ -193,8 +193,9 @@ class LogRecorder:
             entry.weighted_sum += number * self.weight
             entry.weight += self.weight
 
-    def summary(self) -> dict[str, tuple[float, float, dict[str, Any]]]:
-        return {name: (v.weighted_sum, v.weight, v.kwargs) for name, v in self.values.items()}
+    def summary(self) -> dict[str, tuple[float, float, dict[str, Any]]] | None:
+        """What was logged, or None when nothing was (then nothing needs to travel)."""
+        return {name: (v.weighted_sum, v.weight, v.kwargs) for name, v in self.values.items()} or None
 
 
 def replay_logs(module: nn.Module, logs: dict[str, tuple[float, float, dict[str, Any]]], batch_size: int, dtype: torch.dtype) -> None:
