@@ -6,7 +6,6 @@ plain single-process run on the same global batches (issue acceptance: 1e-10).
 from __future__ import annotations
 
 import pytest
-import torch
 
 from dist_harness import run_ranks
 from equivalence_worker import make_batch, make_model, run_cases

@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 
 from lightning_dapple.app.timelines import MeasuredSpan, MeasuredTimeline, draw_measured_timeline
-from lightning_dapple.plan.costs import StageCost
 from lightning_dapple.schedule import build_schedule
 from lightning_dapple.simulate import Span, simulate
 from lightning_dapple.simulate import timeline_png
 from lightning_dapple.simulate.timeline_png import TimelineRow, draw_rows, draw_timeline
+from stage_costs import cost
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 LONG_TITLE = (
@@ -24,21 +24,6 @@ LONG_TITLE = (
     "micro-batch 6, cluster /some/rather/long/path/to/a/cluster/description.yaml) and then some "
     "more words so that the title cannot fit on one line of even a wide figure"
 )
-
-
-def cost(f: float, b: float, ar: float = 0.0) -> StageCost:
-    return StageCost(
-        forward_ms=f,
-        backward_ms=b,
-        backward_input_ms=b,
-        backward_weight_ms=0.0,
-        param_bytes=0.0,
-        stash_bytes=1.0,
-        output_bytes=0.0,
-        send_ms=0.0,
-        allreduce_ms=ar,
-        slice_size=1.0,
-    )
 
 
 def simulated(stages: int, micro_batches: int = 4):
