@@ -298,6 +298,8 @@ class DappleStrategy(DDPStrategy):
                 self._freed[index] = container[index].to("meta")  # structure kept, memory released
                 container[index] = FreedLayer(index, self._stage_of_layer(index))
         self._layer_container = container
+        if self.failure is not None:
+            self.failure.close()
         self.failure = FailureChannel(self.global_rank, timeout_s=self.timeout_s)
         self.groups = build_groups(plan)
         local = [container[i] for i in range(stage.start, stage.end)]
@@ -545,6 +547,11 @@ class DappleStrategy(DDPStrategy):
     @checkpoint_io.setter
     def checkpoint_io(self, io: Any) -> None:
         self._checkpoint_io = io
+
+    def teardown(self) -> None:
+        if self.failure is not None:
+            self.failure.close()
+        super().teardown()
 
     def on_train_end(self) -> None:
         """Give rank 0 the whole trained model back, as plain training would leave it.
