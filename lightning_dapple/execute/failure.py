@@ -11,9 +11,8 @@ facts about gloo shape the design (each checked on torch 2.13):
   ``wait()``; the peer's process exiting does, at once ("connection closed by peer").
 
 So the calling thread waits on the ``Work`` itself, with the whole ``timeout_s`` as the
-only deadline. (An earlier design handed every wait to a helper thread and polled; its two
-thread switches per wait made a 8 KiB gloo round trip between two CPU ranks take about
-440-510 us instead of 170-220 us on the 2-core development machine.)
+only deadline. (An earlier design handed every wait to a helper thread and polled, which
+cost two thread switches per wait on the pipeline's hot path.)
 A rank that raises writes its message under one store key (``report``) before it unwinds;
 when it exits, the peers blocked on it wake with a connection error, read the key, and
 raise ``PeerFailedError`` with that message; their exits wake the ranks blocked on them
@@ -119,13 +118,6 @@ class FailureChannel:
             self._raise_for(exc, what)
         finally:
             self._blocked_on = None
-
-    def start(self, works: Sequence[Any]) -> tuple[Any, ...]:
-        """Works whose wait is due later (a receive posted ahead); ``finish`` waits them."""
-        return tuple(works)
-
-    def finish(self, started: tuple[Any, ...], what: str) -> None:
-        self.wait_all(started, what)
 
     def _raise_for(self, exc: BaseException, what: str) -> None:
         """A wait failed: a peer that raised reports before it exits (and its exit is what

@@ -173,6 +173,9 @@ class StageRunner:
         self._param_owner = owner
         self._edge_sink: list[list[WeightWork]] | None = None
         self._steps = 0
+        # positions of this stage's receive actions (what ``_post_ahead`` looks for)
+        own = schedule.actions[self.stage] if self.stage < schedule.num_stages else []
+        self._receive_positions = [i for i, a in enumerate(own) if a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD)]
         self._w_count: dict[int, int] = {}
         for action in compute:
             if action.kind is Kind.W and action.microbatch is not None:
@@ -285,7 +288,7 @@ class StageRunner:
         allreduce: tuple[Any, torch.Tensor] | None = None
         clock = time.perf_counter
         actions = self.schedule.actions[self.stage]
-        receives = [i for i, a in enumerate(actions) if a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD)]
+        receives = self._receive_positions
         upcoming = 0  # index into ``receives`` of the first receive not yet executed
         try:
             for position, action in enumerate(actions):

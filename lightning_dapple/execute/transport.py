@@ -187,9 +187,9 @@ class Transport:
         """The next message of ``size`` bytes from ``peer``: the receive posted ahead for
         it if there is one, else a receive posted now."""
         if posted:
-            rank, pending, buffer = posted.pop(0)
+            rank, work, buffer = posted.pop(0)
             assert rank == peer and buffer.numel() == size, (rank, peer, buffer.numel(), size)
-            self.failure.finish(pending, f"{what} from rank {peer}")
+            self.failure.wait(work, f"{what} from rank {peer}")
             return buffer
         return self._recv(torch.empty(size, dtype=torch.uint8, device=self.device), peer, what)
 
@@ -231,7 +231,7 @@ class Transport:
         posted = []
         for rank, size in sizes:
             buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
-            posted.append((rank, self.failure.start((dist.irecv(buffer, rank),)), buffer))
+            posted.append((rank, dist.irecv(buffer, rank), buffer))
         self._posted[what] = posted
 
     def is_posted(self, what: str) -> bool:
@@ -286,7 +286,7 @@ class Transport:
 
     def recv_gradient(self, like: Sequence[torch.Tensor], my_rows: tuple[int, int], peers: Sequence[Peer], what: str) -> list[torch.Tensor]:
         """Gradients for the leaves ``like`` (this rank's outputs that require grad)."""
-        metas = [LeafMeta(t.dtype, False, tuple(t.shape[1:])) for t in like]
+        metas = [_meta_of(t) for t in like]
         pieces = []
         posted = self._posted.pop(what, None)
         for peer in peers:
