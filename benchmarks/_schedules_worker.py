@@ -4,7 +4,10 @@ Each rank builds, for one micro-batch count M, five trainers of the same MLP fro
 seed (so their first-step losses must agree), then runs them round-robin so that machine
 noise hits all variants alike:
 
-* ``dapple`` / ``gpipe``: lightning_dapple's ``StageRunner`` with that schedule;
+* ``dapple`` / ``gpipe``: lightning_dapple's ``StageRunner`` with that schedule (receives
+  posted where ``transport.receives_ahead_pay`` says, as users get it);
+* ``dapple-ahead``: the dapple schedule with every receive posted one transfer ahead (the
+  ablation behind that rule);
 * ``torch-1F1B`` / ``torch-GPipe``: ``torch.distributed.pipelining`` ``PipelineStage`` with
   ``Schedule1F1B`` / ``ScheduleGPipe``;
 * ``ddp``: ``DistributedDataParallel`` of the whole model, each rank half the batch.
@@ -33,7 +36,7 @@ from lightning_dapple.schedule import schedule_for_plan
 
 LR = 1e-3
 SEED = 1234
-VARIANTS = ("dapple", "gpipe", "torch-1F1B", "torch-GPipe", "ddp")
+VARIANTS = ("dapple", "dapple-ahead", "gpipe", "torch-1F1B", "torch-GPipe", "ddp")
 
 
 # -- model and data ------------------------------------------------------------------
@@ -187,8 +190,11 @@ class _Callbacks:
 
 
 class DappleVariant(Variant):
-    def __init__(self, schedule: str, rank: int, cfg: dict, micro_batches: int, failure: FailureChannel) -> None:
-        self.name = schedule
+    def __init__(
+        self, schedule: str, rank: int, cfg: dict, micro_batches: int, failure: FailureChannel, post_ahead: bool | None = None
+    ) -> None:
+        # post_ahead None: the executor decides (what a user gets); True: the ablation row
+        self.name = schedule if post_ahead is None else f"{schedule}-ahead"
         half = cfg["layers"] // 2
         plan = plan_from_dict(
             {
@@ -200,7 +206,9 @@ class DappleVariant(Variant):
         )
         blocks = make_blocks(cfg["width"], cfg["layers"])
         local = blocks[:half] if rank == 0 else blocks[half:]
-        self.runner = StageRunner(plan, schedule_for_plan(plan), rank, local, torch.device("cpu"), failure, build_groups(plan))
+        self.runner = StageRunner(
+            plan, schedule_for_plan(plan), rank, local, torch.device("cpu"), failure, build_groups(plan), post_ahead=post_ahead
+        )
         self.params = self.runner.parameters
         self.optimizer = torch.optim.SGD(self.params, lr=LR)
         self.callbacks = _Callbacks()
@@ -303,19 +311,26 @@ class DDPVariant(Variant):
 
 
 # -- the benchmark ------------------------------------------------------------------------
-def _timed(variant: Variant, batch: Any) -> tuple[float, float, Any]:
-    """(wall s of the slowest rank, CPU s of all ranks' processes together, step handle)."""
+def _timed(variant: Variant, batch: Any) -> tuple[float, float, float]:
+    """(wall s of the slowest rank, CPU s of all ranks' processes together, global loss).
+
+    A step is what a Lightning training step needs from every variant: forward, backward
+    and optimizer step of the global batch, and its loss known on every rank (the progress
+    bar and loggers live on rank 0, a first-stage rank). lightning_dapple's step ends that
+    way by itself; the others get it from ``global_loss`` (a broadcast or an all-reduce),
+    inside the timed window too.
+    """
     dist.barrier()
     cpu = time.process_time()
     start = time.perf_counter()
-    handle = variant.step(batch)
+    loss = variant.global_loss(variant.step(batch))
     elapsed = time.perf_counter() - start
     cpu = time.process_time() - cpu
     slowest = torch.tensor([elapsed], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a step ends when its last rank is done
     busy = torch.tensor([cpu], dtype=torch.float64)
     dist.all_reduce(busy)
-    return float(slowest), float(busy), handle
+    return float(slowest), float(busy), loss
 
 
 def run(rank: int, world: int, cfg: dict) -> dict:
@@ -325,6 +340,7 @@ def run(rank: int, world: int, cfg: dict) -> dict:
     for m in cfg["micro_batches"]:
         variants: list[Variant] = [
             DappleVariant("dapple", rank, cfg, m, failure),
+            DappleVariant("dapple", rank, cfg, m, failure, post_ahead=True),
             DappleVariant("gpipe", rank, cfg, m, failure),
             TorchPipeVariant("1F1B", rank, cfg, m),
             TorchPipeVariant("GPipe", rank, cfg, m),
@@ -334,8 +350,8 @@ def run(rank: int, world: int, cfg: dict) -> dict:
         batches = [make_batch(step, cfg["batch"], cfg["width"]) for step in range(4)]
         # step 0 (identical weights and batch everywhere): the correctness check
         for v in variants:
-            seconds, _, handle = _timed(v, batches[0])
-            per[v.name]["first_loss"] = v.global_loss(handle)
+            seconds, _, loss = _timed(v, batches[0])
+            per[v.name]["first_loss"] = loss
             per[v.name]["first_step_s"] = seconds
         # warm-up, then one untimed step with the stash hooks
         # step 1 checks the gradients of step 0 (same SGD update everywhere); then warm-up
@@ -351,10 +367,9 @@ def run(rank: int, world: int, cfg: dict) -> dict:
         for step in range(cfg["steps"]):
             shift = step % len(variants)
             for v in variants[shift:] + variants[:shift]:
-                seconds, cpu, handle = _timed(v, batches[step % len(batches)])
+                seconds, cpu, _ = _timed(v, batches[step % len(batches)])
                 per[v.name]["times_s"].append(seconds)
                 per[v.name]["cpu_s"].append(cpu)
-                v.global_loss(handle)
         for name, item in per.items():
             item["median_s"] = statistics.median(item["times_s"])
             item["median_cpu_s"] = statistics.median(item["cpu_s"])

@@ -4,13 +4,16 @@ On two CPU ranks (gloo, 127.0.0.1, one thread each) and one 2-stage partition of
 (first half of the blocks on rank 0, second half on rank 1), for each micro-batch count M:
 
 * dapple / gpipe: lightning_dapple's executor (``StageRunner``) with that schedule;
+* dapple-ahead: the dapple schedule with receives posted one transfer ahead (an ablation);
 * torch-1F1B / torch-GPipe: ``torch.distributed.pipelining`` ``Schedule1F1B`` / ``ScheduleGPipe``;
 * ddp: ``DistributedDataParallel`` of the whole model, each rank half of the global batch.
 
 Every variant starts from the same weights; their first-step losses on the same batch must
 agree to 1e-5 (asserted). After warm-up, variants run round-robin for ``--steps`` timed
 steps each (``dist.barrier`` before each; a step's time is the slowest rank's forward +
-backward + optimizer step); the median is reported, with the median of per-round ratios
+backward + optimizer step + the step's global-batch loss on every rank, which a Lightning
+step needs and lightning_dapple's executor delivers by itself -- torch's schedules and DDP
+get it from a broadcast / all-reduce in the same window); the median is reported, with the median of per-round ratios
 (robust to the machine's load drifting) and the CPU time of both ranks' processes. Peak
 stashed bytes come from one extra untimed step per variant, measured identically for all
 (``_schedules_worker.LiveStash``); for lightning_dapple ``runner.stats`` is shown too.

@@ -68,7 +68,7 @@ def run_cases(rank: int, world: int, cases: list[tuple[str, dict, str]]) -> list
     failure = FailureChannel(rank, timeout_s=60)
     references: dict[str, Any] = {}
     out: list[dict | None] = []
-    for name, plan_data, schedule in cases:
+    for index, (name, plan_data, schedule) in enumerate(cases):
         plan = plan_from_dict({**plan_data, "schedule": schedule})
         groups = build_groups(plan)
         if rank >= plan.world_size:
@@ -80,7 +80,10 @@ def run_cases(rank: int, world: int, cases: list[tuple[str, dict, str]]) -> list
         model = make_model(name)
         stage = plan.stages[plan.stage_of_rank(rank)]
         local = [model[i] for i in range(stage.start, stage.end)]
-        runner = StageRunner(plan, schedule_for_plan(plan), rank, local, torch.device("cpu"), failure, groups)
+        # both receive paths: posted one transfer ahead (alternate pairs of cases, so each
+        # schedule meets both) and posted when due
+        post_ahead = (index // 2) % 2 == 0
+        runner = StageRunner(plan, schedule_for_plan(plan), rank, local, torch.device("cpu"), failure, groups, post_ahead=post_ahead)
         opt = torch.optim.Adam(runner.parameters, lr=LR)
         losses, peaks, stash = [], [], []
         for step in range(STEPS):

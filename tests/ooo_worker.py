@@ -91,7 +91,7 @@ def run_cases(rank: int, world: int, cases: list[tuple[str, dict]]) -> list[dict
     references: dict[str, Any] = {}
     made: dict[Any, Any] = {}  # process groups per device layout (every rank builds them in the same order)
     out: list[dict | None] = []
-    for name, plan_data in cases:
+    for index, (name, plan_data) in enumerate(cases):
         plan = plan_from_dict(plan_data)
         layout = tuple(stage.devices for stage in plan.stages)
         if layout not in made:
@@ -103,7 +103,10 @@ def run_cases(rank: int, world: int, cases: list[tuple[str, dict]]) -> list[dict
         model = make_model(name)
         stage = plan.stages[plan.stage_of_rank(rank)]
         local = [model[i] for i in range(stage.start, stage.end)]
-        runner = StageRunner(plan, schedule_for_plan(plan), rank, local, torch.device("cpu"), failure, groups)
+        # both receive paths: posted one transfer ahead (every other case) and posted when due
+        runner = StageRunner(
+            plan, schedule_for_plan(plan), rank, local, torch.device("cpu"), failure, groups, post_ahead=index % 2 == 0
+        )
         opt = torch.optim.Adam(runner.parameters, lr=LR)
         losses, peaks, stash, recomputed = [], [], [], []
         for step in range(STEPS):

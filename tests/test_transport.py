@@ -10,6 +10,7 @@ reference, and rank 0 checks how many messages each transfer cost.
 """
 from __future__ import annotations
 
+import collections
 from typing import Any
 
 import pytest
@@ -32,6 +33,7 @@ def _reference(step: int, rows: int) -> Any:
     return {"hidden": x.requires_grad_(True), "mask": mask}  # steps 5, 6 (6: more rows)
 
 
+HiddenAndMask = collections.namedtuple("HiddenAndMask", "hidden mask")  # module level: picklable
 ROWS = {6: 10}  # step 6 changes the micro-batch size
 STEPS = 9
 SAME_LAYOUT = (1, 4, 8)  # repeats of the previous transfer's layout
@@ -82,3 +84,23 @@ def test_layouts_change_and_repeat_over_a_split_boundary() -> None:
     assert messages[0] == 6
     assert messages[2] == 2 * 3  # filler, header, data (the structure did not change)
     assert messages[3] == 2 * 4  # filler, header, structure, data
+
+
+def test_structures_travel_as_pytree_json_and_namedtuples_by_pickle() -> None:
+    """Layer-output structures round-trip; the common ones (tensor, tuple, dict, list) go as
+    pytree's JSON, so the receiver never unpickles a deprecated leaf spec (a FutureWarning on
+    every layout change before), and node types JSON cannot name still travel."""
+    import warnings
+
+    from torch.utils import _pytree as pytree
+
+    from lightning_dapple.execute.transport import _spec_from_bytes, _spec_to_bytes
+
+    t = torch.zeros(2, 1)
+    for value, kind in [(t, b"J"), ((t, t), b"J"), ({"hidden": t, "extra": [t, t]}, b"J"), (HiddenAndMask(t, t), b"P")]:
+        spec = pytree.tree_flatten(value)[1]
+        raw = _spec_to_bytes(spec)
+        assert raw[:1] == kind, value
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert _spec_from_bytes(raw) == spec

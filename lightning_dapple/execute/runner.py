@@ -38,7 +38,6 @@ recomputed micro-batch, the gradients a pending W keeps.
 """
 from __future__ import annotations
 
-import pickle
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
@@ -49,6 +48,7 @@ from torch import nn
 
 from lightning_dapple.errors import DappleConfigError
 from lightning_dapple.execute.failure import FailureChannel
+from lightning_dapple.execute.results import ResultChannel
 from lightning_dapple.execute.groups import PlanGroups
 from lightning_dapple.execute.recompute import (
     WeightWork,
@@ -62,7 +62,7 @@ from lightning_dapple.execute.recompute import (
     weight_work,
 )
 from lightning_dapple.execute.slicing import batch_size_of, flatten, slice_rows, take_rows
-from lightning_dapple.execute.transport import Peer, Transport
+from lightning_dapple.execute.transport import Peer, Transport, receives_ahead_pay
 from lightning_dapple.plan.plan import Plan
 from lightning_dapple.profile.stash import StashMeter, parameter_storages
 from lightning_dapple.schedule.actions import Kind
@@ -132,6 +132,7 @@ class StageRunner:
         failure: FailureChannel,
         groups: PlanGroups,
         loss_reduction: str = "mean",
+        post_ahead: bool | None = None,
     ) -> None:
         self.plan = plan
         self.schedule = schedule
@@ -143,6 +144,9 @@ class StageRunner:
         self.device = device
         self.failure = failure
         self.transport = Transport(failure, device)
+        self.results = ResultChannel(plan, rank, device, failure)
+        # post each receive one transfer ahead (None: where that pays, see receives_ahead_pay)
+        self.post_ahead = receives_ahead_pay(device) if post_ahead is None else post_ahead
         self.groups = groups
         self.replica_groups = groups.replicas
         self.loss_reduction = loss_reduction
@@ -290,11 +294,12 @@ class StageRunner:
         actions = self.schedule.actions[self.stage]
         receives = self._receive_positions
         upcoming = 0  # index into ``receives`` of the first receive not yet executed
+        self.results.post()
         try:
             for position, action in enumerate(actions):
                 mb = action.microbatch
                 kind = action.kind
-                if kind in (Kind.F, Kind.B, Kind.W):
+                if self.post_ahead and kind in (Kind.F, Kind.B, Kind.W):
                     while upcoming < len(receives) and receives[upcoming] < position:
                         upcoming += 1
                     if upcoming < len(receives):
@@ -378,7 +383,7 @@ class StageRunner:
             self._finish_buckets()
         finally:
             self._steps += 1
-        loss, shared = self._share_results(loss_sum, extras() if (extras is not None and self.is_last) else None)
+        loss, shared = self.results.share(loss_sum, extras() if (extras is not None and self.is_last) else None)
         assert loss is not None
         return loss, shared
 
@@ -624,74 +629,9 @@ class StageRunner:
             param.grad = flat[offset : offset + count].view_as(param).clone()
             offset += count
 
-    def _share_results(self, loss_sum: torch.Tensor | None, obj: Any) -> tuple[torch.Tensor | None, list[Any]]:
-        """The global-batch loss and the objects of every last-stage replica (in replica
-        order), on every rank of the plan.
-
-        Last-stage replicas hand their loss and object to the first of them point to point;
-        it broadcasts one small tensor, (loss, payload size), and then the pickled objects
-        only when there are any. One collective per step in the common case: the end of a
-        step is on every rank's critical path, so it must stay cheap.
-        """
-        last = self.plan.stages[-1]
-        src = last.devices[0]
-        gathered: list[Any] = [obj]
-        total = loss_sum
-        if self.is_last and self.rank == src:
-            for peer in last.devices[1:]:
-                peer_loss, peer_obj = self._recv_result(peer, "results of the last stage")
-                if total is not None:
-                    total = total + peer_loss
-                gathered.append(peer_obj)
-        elif self.is_last:
-            self._send_result(loss_sum, obj, src, "results of the last stage")
-        if self.plan.world_size == 1:
-            return total, gathered
-        head = torch.zeros(2, dtype=torch.float64, device=self.device)
-        payload = None
-        if self.rank == src:
-            if total is not None:
-                head[0] = total.to(self.device)
-            if any(item is not None for item in gathered):
-                payload = _to_bytes(gathered, self.device)
-                head[1] = payload.numel()
-        self.failure.wait(dist.broadcast(head, src=src, group=self.groups.plan, async_op=True), "loss broadcast")
-        size = int(head[1].item())
-        if size and self.rank != src:
-            payload = torch.empty(size, dtype=torch.uint8, device=self.device)
-        if size:
-            self.failure.wait(dist.broadcast(payload, src=src, group=self.groups.plan, async_op=True), "result broadcast")
-        if self.rank != src:
-            gathered = _from_bytes(payload) if size else [None] * last.replicas
-        loss = head[0].cpu() if loss_sum is not None else None
-        return loss, gathered
-
-    def _share_extras(self, obj: Any) -> list[Any]:
+    def share_extras(self, obj: Any) -> list[Any]:
         """Objects of every last-stage replica (in replica order), on every rank of the plan."""
-        return self._share_results(None, obj)[1]
-
-    def _send_result(self, loss_sum: torch.Tensor | None, obj: Any, dst: int, what: str) -> None:
-        payload = _to_bytes(obj, self.device) if obj is not None else None
-        head = torch.tensor(
-            [float(loss_sum) if loss_sum is not None else 0.0, payload.numel() if payload is not None else 0],
-            dtype=torch.float64,
-            device=self.device,
-        )
-        works = [dist.isend(head, dst)]
-        if payload is not None:
-            works.append(dist.isend(payload, dst))
-        self.failure.wait_all(works, what)
-
-    def _recv_result(self, src: int, what: str) -> tuple[torch.Tensor, Any]:
-        head = torch.zeros(2, dtype=torch.float64, device=self.device)
-        self.failure.wait(dist.irecv(head, src), what)
-        size = int(head[1].item())
-        obj = None
-        if size:
-            payload = torch.empty(size, dtype=torch.uint8, device=self.device)
-            self.failure.wait(dist.irecv(payload, src), what)
-            obj = _from_bytes(payload)
-        return head[0].cpu(), obj
+        return self.results.share(None, obj)[1]
 
     # -- forward only (validation, test, predict) -------------------------------
     def forward_step(self, batch: Any, callbacks: "EvalCallbacks") -> list[Any]:
@@ -700,6 +640,7 @@ class StageRunner:
         batch_rows = batch_size_of(batch)
         self.check_batch(batch_rows)
         results: list[Any] = []
+        self.results.post()
         with torch.no_grad():
             for mb in range(self.plan.micro_batches):
                 rows = self._rows(self.stage, self.replica, batch_rows, mb)
@@ -721,18 +662,9 @@ class StageRunner:
                     outputs = self.run_layers(received)
                     self.transport.send_activation(outputs, rows, self._peers(self.stage + 1, batch_rows, mb), f"activation {mb}")
         self.transport.flush()
-        gathered = self._share_extras(results if self.is_last else None)
+        gathered = self.share_extras(results if self.is_last else None)
         replicas = self.plan.stages[-1].replicas
         return [gathered[replica][mb] for mb in range(self.plan.micro_batches) for replica in range(replicas)]
-
-
-def _to_bytes(obj: Any, device: torch.device) -> torch.Tensor:
-    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-    return payload.to(device) if device.type != "cpu" else payload
-
-
-def _from_bytes(payload: torch.Tensor) -> Any:
-    return pickle.loads(payload.cpu().numpy().tobytes())
 
 
 def _layout_key(value: Any) -> tuple:

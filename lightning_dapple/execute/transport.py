@@ -20,12 +20,15 @@ knows the shapes (it sent the activations) and only leaves that require grad tra
 """
 from __future__ import annotations
 
+import os
 import pickle
+import warnings
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.utils import _pytree as pytree
 
 from lightning_dapple.execute.failure import FailureChannel
 from lightning_dapple.execute.slicing import flatten, overlap, unflatten
@@ -36,6 +39,49 @@ _DTYPES = [
     torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
 ]
 _DTYPE_CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
+
+
+def _spec_to_bytes(spec: Any) -> bytes:
+    """A pytree structure as bytes: pytree's own JSON form where it has one (unpickling a
+    leaf spec is deprecated in torch), pickle for node types it cannot name."""
+    try:
+        return b"J" + pytree.treespec_dumps(spec).encode()
+    except (TypeError, NotImplementedError):
+        return b"P" + pickle.dumps(spec)
+
+
+def _spec_from_bytes(raw: bytes) -> Any:
+    if raw[:1] == b"J":
+        return pytree.treespec_loads(raw[1:].decode())
+    with warnings.catch_warnings():  # torch's own leaf specs warn when unpickled
+        warnings.simplefilter("ignore", FutureWarning)
+        return pickle.loads(raw[1:])
+
+
+def receives_ahead_pay(device: torch.device, local_ranks: int | None = None, threads: int | None = None) -> bool:
+    """Whether posting receives one transfer ahead (DAPPLE 5.2: overlap transfers with
+    compute) speeds this rank up rather than slowing it down.
+
+    * Only under gloo. NCCL matches the point-to-point operations of a pair by their order on
+      one stream, so a receive posted before a send the peer is waiting for would deadlock
+      (a rank's posted receive of gradient j blocks its own send of activation j+1).
+    * Only when the machine has a core left for every rank's gloo I/O thread. gloo sends a
+      message's data once its receive is posted; with the receive posted ahead the data
+      arrives while the receiver computes, and gloo's loop thread must run then. With every
+      core already computing it preempts the compute, and the step gets slower:
+      ``benchmarks/bench_schedules.py`` measured dapple 12-14% slower with receives posted
+      ahead than without on 2 ranks sharing 2 cores (see the README).
+
+    ``local_ranks`` defaults to ``LOCAL_WORLD_SIZE`` (else the world size: every rank on this
+    machine), ``threads`` to ``torch.get_num_threads()``.
+    """
+    if device.type != "cpu" or not dist.is_initialized() or dist.get_backend() != "gloo":
+        return False
+    if local_ranks is None:
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    if threads is None:
+        threads = torch.get_num_threads()
+    return (os.cpu_count() or 1) >= local_ranks * (threads + 1)
 
 
 @dataclass(frozen=True)
@@ -155,7 +201,7 @@ class Transport:
     def _header(metas: Sequence[LeafMeta], spec: Any, send_spec: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         spec_bytes = None
         if send_spec:
-            spec_bytes = torch.frombuffer(bytearray(pickle.dumps(spec)), dtype=torch.uint8)
+            spec_bytes = torch.frombuffer(bytearray(_spec_to_bytes(spec)), dtype=torch.uint8)
         ints = [len(metas), 0 if spec_bytes is None else spec_bytes.numel()]
         for meta in metas:
             ints += [_DTYPE_CODE[meta.dtype], int(meta.requires_grad), len(meta.tail_shape), *meta.tail_shape]
@@ -275,7 +321,7 @@ class Transport:
         metas, spec_len = self._parse_header(header.cpu())
         if spec_len:
             raw = self._recv(torch.empty(spec_len, dtype=torch.uint8, device=self.device), peer, f"structure of {what}")
-            spec = pickle.loads(raw.cpu().numpy().tobytes())
+            spec = _spec_from_bytes(raw.cpu().numpy().tobytes())
         elif known is not None:
             spec = known[1]
         else:

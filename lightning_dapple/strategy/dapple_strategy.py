@@ -500,7 +500,7 @@ class DappleStrategy(DDPStrategy):
         try:
             with torch.no_grad():
                 outputs = self.runner.forward_step(batch, callbacks)
-                logs = self.runner._share_extras(recorder.summary() if self.runner.is_last else None)
+                logs = self.runner.share_extras(recorder.summary() if self.runner.is_last else None)
         except BaseException as exc:
             self.failure.report(exc)
             raise
