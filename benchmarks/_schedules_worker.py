@@ -311,21 +311,25 @@ class DDPVariant(Variant):
 
 
 # -- the benchmark ------------------------------------------------------------------------
-def _timed(variant: Variant, batch: Any) -> tuple[float, float, float]:
-    """(wall s of the slowest rank, CPU s of all ranks' processes together, global loss).
+def _timed(variant: Variant, batches: list[Any], first: int = 0, count: int = 1) -> tuple[float, float, float]:
+    """(wall s per step of the slowest rank, CPU s per step of all ranks' processes
+    together, global loss of the last step) over ``count`` consecutive steps.
 
     A step is what a Lightning training step needs from every variant: forward, backward
     and optimizer step of the global batch, and its loss known on every rank (the progress
     bar and loggers live on rank 0, a first-stage rank). lightning_dapple's step ends that
     way by itself; the others get it from ``global_loss`` (a broadcast or an all-reduce),
-    inside the timed window too.
+    inside the timed window too. Consecutive steps run back to back as in training (the
+    ranks meet only at a barrier before the block), so each block is timed warm.
     """
     dist.barrier()
     cpu = time.process_time()
     start = time.perf_counter()
-    loss = variant.global_loss(variant.step(batch))
-    elapsed = time.perf_counter() - start
-    cpu = time.process_time() - cpu
+    loss = 0.0
+    for index in range(first, first + count):
+        loss = variant.global_loss(variant.step(batches[index % len(batches)]))
+    elapsed = (time.perf_counter() - start) / count
+    cpu = (time.process_time() - cpu) / count
     slowest = torch.tensor([elapsed], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a step ends when its last rank is done
     busy = torch.tensor([cpu], dtype=torch.float64)
@@ -350,7 +354,7 @@ def run(rank: int, world: int, cfg: dict) -> dict:
         batches = [make_batch(step, cfg["batch"], cfg["width"]) for step in range(4)]
         # step 0 (identical weights and batch everywhere): the correctness check
         for v in variants:
-            seconds, _, loss = _timed(v, batches[0])
+            seconds, _, loss = _timed(v, batches)
             per[v.name]["first_loss"] = loss
             per[v.name]["first_step_s"] = seconds
         # warm-up, then one untimed step with the stash hooks
@@ -363,11 +367,11 @@ def run(rank: int, world: int, cfg: dict) -> dict:
         for v in variants:
             dist.barrier()
             per[v.name].update(v.measure_stash(batches[1]))
-        # timed steps, round-robin with a rotating order
+        # timed blocks of ``block`` consecutive steps, round-robin with a rotating order
         for step in range(cfg["steps"]):
             shift = step % len(variants)
             for v in variants[shift:] + variants[:shift]:
-                seconds, cpu, _ = _timed(v, batches[step % len(batches)])
+                seconds, cpu, _ = _timed(v, batches, step, cfg["block"])
                 per[v.name]["times_s"].append(seconds)
                 per[v.name]["cpu_s"].append(cpu)
         for name, item in per.items():

@@ -10,11 +10,14 @@ On two CPU ranks (gloo, 127.0.0.1, one thread each) and one 2-stage partition of
 
 Every variant starts from the same weights; their first-step losses on the same batch must
 agree to 1e-5 (asserted). After warm-up, variants run round-robin for ``--steps`` timed
-steps each (``dist.barrier`` before each; a step's time is the slowest rank's forward +
-backward + optimizer step + the step's global-batch loss on every rank, which a Lightning
+blocks each, a block being ``--block`` consecutive training steps (``dist.barrier`` before
+each block, none inside, as in training; ``--block 1`` times isolated steps). A step's
+time is the slowest rank's block time over the block's steps, a step being forward +
+backward + optimizer step + the step's global-batch loss on every rank (which a Lightning
 step needs and lightning_dapple's executor delivers by itself -- torch's schedules and DDP
-get it from a broadcast / all-reduce in the same window); the median is reported, with the median of per-round ratios
-(robust to the machine's load drifting) and the CPU time of both ranks' processes. Peak
+get it from a broadcast / all-reduce in the same window); the median over blocks is
+reported, with the median of per-round ratios (robust to the machine's load drifting) and
+the CPU time of both ranks' processes. Peak
 stashed bytes come from one extra untimed step per variant, measured identically for all
 (``_schedules_worker.LiveStash``); for lightning_dapple ``runner.stats`` is shown too.
 
@@ -98,7 +101,7 @@ def print_table(summary: dict) -> None:
     table = Table(
         title=(
             f"2-stage MLP, {cfg['layers']} x Linear({cfg['width']})+ReLU, global batch {cfg['batch']}, "
-            f"{cfg['steps']} timed steps (median), 2 gloo ranks x 1 thread"
+            f"{cfg['steps']} timed blocks of {cfg['block']} steps (median per step), 2 gloo ranks x 1 thread"
         )
     )
     for col, justify in [
@@ -169,7 +172,8 @@ def check_losses(summary: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=25, help="timed steps per variant (median reported; >= 7)")
+    parser.add_argument("--steps", type=int, default=25, help="timed blocks per variant (median reported; >= 7)")
+    parser.add_argument("--block", type=int, default=8, help="consecutive training steps per timed block (1: isolated steps)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed warm-up steps per variant after the first (>= 1)")
     parser.add_argument("--micro-batches", type=int, nargs="+", default=[4, 8], help="values of M")
     parser.add_argument("--width", type=int, default=1024, help="Linear width")
@@ -182,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--steps must be at least 7")
     if args.warmup < 1:
         parser.error("--warmup must be at least 1")
+    if args.block < 1:
+        parser.error("--block must be at least 1")
     if args.layers < 2 or args.layers % 2:
         parser.error("--layers must be an even number >= 2")
     if args.batch % 2:
@@ -190,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         if m < 2 or args.batch % m:
             parser.error(f"M={m}: need M >= 2 (Schedule1F1B wants M >= stages) dividing --batch into equal micro-batches")
     cfg = {
-        "steps": args.steps, "warmup": args.warmup, "micro_batches": args.micro_batches, "width": args.width,
+        "steps": args.steps, "block": args.block, "warmup": args.warmup, "micro_batches": args.micro_batches, "width": args.width,
         "layers": args.layers, "batch": args.batch, "timeout": args.timeout,
     }
     started, load_before = time.perf_counter(), os.getloadavg()
