@@ -13,7 +13,6 @@ from lightning_dapple.profile.graph_text import parse_graph_text
 PROFILES = shared_profiles()
 SHARED = sorted(PROFILES.glob("*/*.txt"))
 assert SHARED, f"the shared profiles are required beside the checkout: {PROFILES}"
-needs_shared = pytest.mark.usefixtures()  # shared/profiles is required (it sits beside every clone)
 
 
 def _node(node_id: str, desc: str, fwd: float, bwd: float, act: str, params: float) -> str:
@@ -84,7 +83,6 @@ def test_duplicate_descriptions_get_node_id_prefix_and_long_ones_are_trimmed() -
     assert len(names[2]) <= 60 and names[2].startswith("Conv2d(")
 
 
-@needs_shared
 def test_bert48_matches_file() -> None:
     profile = load_profile(PROFILES / "dapple" / "bert-48-pbs-2.txt")
     assert profile.num_layers == 53
@@ -95,7 +93,6 @@ def test_bert48_matches_file() -> None:
     assert layer0.param_bytes == 50384896
 
 
-@needs_shared
 def test_amoeba36_space_tab_quirk_parses_with_skip_connections() -> None:
     path = PROFILES / "dapple" / "amoeba-36-pbs-1.txt"
     assert any(line.startswith(" \t") for line in path.read_text().splitlines())  # the quirk is really there
@@ -109,7 +106,6 @@ def test_amoeba36_space_tab_quirk_parses_with_skip_connections() -> None:
     assert by_name["cell_0"].output_bytes == expected
 
 
-@needs_shared
 @pytest.mark.parametrize("path", SHARED, ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_every_shared_profile_loads(path: Path) -> None:
     batch = None if "pbs-" in path.name else 64
@@ -121,7 +117,6 @@ def test_every_shared_profile_loads(path: Path) -> None:
     assert sum(layer.forward_ms for layer in profile.layers) > 0
 
 
-@needs_shared
 def test_missing_batch_size_asks_for_flag() -> None:
     with pytest.raises(DappleConfigError, match="--profile-batch-size"):
         load_profile(PROFILES / "pipedream" / "vgg16.graph.txt")

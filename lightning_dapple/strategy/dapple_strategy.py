@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any, Callable, Literal
 
 import torch
-import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import DoublePrecision, Precision
 from lightning.pytorch.plugins.precision.half import HalfPrecision
