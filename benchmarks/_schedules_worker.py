@@ -191,10 +191,18 @@ class _Callbacks:
 
 class DappleVariant(Variant):
     def __init__(
-        self, schedule: str, rank: int, cfg: dict, micro_batches: int, failure: FailureChannel, post_ahead: bool | None = None
+        self,
+        schedule: str,
+        rank: int,
+        cfg: dict,
+        micro_batches: int,
+        failure: FailureChannel,
+        post_ahead: bool | None = None,
+        settle_sends: bool = True,
     ) -> None:
-        # post_ahead None: the executor decides (what a user gets); True: the ablation row
-        self.name = schedule if post_ahead is None else f"{schedule}-ahead"
+        # post_ahead None: the executor decides (what a user gets); True: the ablation row;
+        # settle_sends False: every send waited only at the end of the step (ablation)
+        self.name = schedule + ("" if post_ahead is None else "-ahead") + ("" if settle_sends else "-nosettle")
         half = cfg["layers"] // 2
         plan = plan_from_dict(
             {
@@ -207,7 +215,15 @@ class DappleVariant(Variant):
         blocks = make_blocks(cfg["width"], cfg["layers"])
         local = blocks[:half] if rank == 0 else blocks[half:]
         self.runner = StageRunner(
-            plan, schedule_for_plan(plan), rank, local, torch.device("cpu"), failure, build_groups(plan), post_ahead=post_ahead
+            plan,
+            schedule_for_plan(plan),
+            rank,
+            local,
+            torch.device("cpu"),
+            failure,
+            build_groups(plan),
+            post_ahead=post_ahead,
+            settle_sends=settle_sends,
         )
         self.params = self.runner.parameters
         self.optimizer = torch.optim.SGD(self.params, lr=LR)

@@ -8,7 +8,7 @@ global-batch loss on every rank, as in ``bench_schedules.py``); the result is th
 per step and the median per-round ratio to the first variant named.
 
     python benchmarks/bench_pair.py torch-1F1B dapple --width 512 --micro-batches 8
-    python benchmarks/bench_pair.py torch-1F1B dapple ddp --width 16 --micro-batches 8
+    python benchmarks/bench_pair.py torch-1F1B dapple dapple-nosettle --width 512 --micro-batches 8 --rounds 40
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-NAMES = ("torch-1F1B", "torch-GPipe", "dapple", "dapple-ahead", "gpipe", "ddp")
+NAMES = ("torch-1F1B", "torch-GPipe", "dapple", "dapple-ahead", "dapple-nosettle", "gpipe", "ddp")
 
 
 def _rank_main(rank: int, world: int, cfg: dict) -> dict[str, list[float]]:
@@ -42,8 +42,10 @@ def _rank_main(rank: int, world: int, cfg: dict) -> dict[str, list[float]]:
             return worker.TorchPipeVariant(name.removeprefix("torch-"), rank, cfg, m)
         if name == "ddp":
             return worker.DDPVariant(rank, world, cfg)
-        schedule = name.removesuffix("-ahead")
-        return worker.DappleVariant(schedule, rank, cfg, m, failure, post_ahead=True if name.endswith("-ahead") else None)
+        schedule, _, option = name.partition("-")
+        return worker.DappleVariant(
+            schedule, rank, cfg, m, failure, post_ahead=True if option == "ahead" else None, settle_sends=option != "nosettle"
+        )
 
     variants = [(name, make(name)) for name in cfg["variants"]]
     batches = [worker.make_batch(step, cfg["batch"], cfg["width"]) for step in range(4)]

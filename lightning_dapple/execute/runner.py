@@ -24,7 +24,9 @@ by ``lightning_dapple.schedule`` (the same list the simulator times):
   of a recomputed micro-batch keeps only the stage input; right before its B the stage
   forward is replayed under the same seed (buffers restored), and B/W then use that one
   graph (see ``execute/recompute.py`` for why this is not ``torch.utils.checkpoint``);
-* send/receive: split-concat transfers to adjacent stages (5.2.2);
+* send/receive: split-concat transfers to adjacent stages (5.2.2). Sends are asynchronous;
+  a receive, once its data is in, also waits for the earlier sends ``schedule.settle``
+  names (those the peer has already posted receives for), the rest at the end of the step;
 * ALLREDUCE: sum the accumulated gradients among the stage's replicas, started as soon as
   the stage's last backward is done and waited at the end of the step; an ALLREDUCE
   limited to some layers is an asynchronous bucket of just their gradients.
@@ -67,6 +69,7 @@ from lightning_dapple.plan.plan import Plan
 from lightning_dapple.profile.stash import StashMeter, parameter_storages
 from lightning_dapple.schedule.actions import Kind
 from lightning_dapple.schedule.builders import Schedule
+from lightning_dapple.schedule.settle import settle_points
 
 
 class StageCallbacks(Protocol):
@@ -133,6 +136,7 @@ class StageRunner:
         groups: PlanGroups,
         loss_reduction: str = "mean",
         post_ahead: bool | None = None,
+        settle_sends: bool = True,
     ) -> None:
         self.plan = plan
         self.schedule = schedule
@@ -180,6 +184,11 @@ class StageRunner:
         # positions of this stage's receive actions (what ``_post_ahead`` looks for)
         own = schedule.actions[self.stage] if self.stage < schedule.num_stages else []
         self._receive_positions = [i for i, a in enumerate(own) if a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD)]
+        # per receive position: the earlier sends it waits for too (schedule/settle.py);
+        # settle_sends=False leaves every send to the end of the step (the benchmarks' ablation)
+        self._settle_at = (
+            settle_points(schedule.actions)[self.stage] if settle_sends and self.stage < schedule.num_stages else {}
+        )
         self._w_count: dict[int, int] = {}
         for action in compute:
             if action.kind is Kind.W and action.microbatch is not None:
@@ -309,6 +318,7 @@ class StageRunner:
                     rows = self._rows(self.stage, self.replica, batch_rows, mb)
                     inputs = self.transport.recv_activation(rows, self._peers(self.stage - 1, batch_rows, mb), f"activation {mb}")
                     state[mb] = _MicroBatch(rows=rows, inputs=inputs)
+                    self.transport.settle(self._settle_at.get(position))
                 elif kind is Kind.F:
                     assert mb is not None
                     start = clock()
@@ -335,13 +345,16 @@ class StageRunner:
                 elif kind is Kind.SEND_ACT:
                     assert mb is not None
                     item = state[mb]
-                    self.transport.send_activation(item.outputs, item.rows, self._peers(self.stage + 1, batch_rows, mb), f"activation {mb}")
+                    self.transport.send_activation(
+                        item.outputs, item.rows, self._peers(self.stage + 1, batch_rows, mb), f"activation {mb}", (kind, mb)
+                    )
                 elif kind is Kind.RECV_GRAD:
                     assert mb is not None
                     item = state[mb]
                     like = [leaf for leaf in flatten(item.outputs)[0] if leaf.requires_grad]
                     grads = self.transport.recv_gradient(like, item.rows, self._peers(self.stage + 1, batch_rows, mb), f"gradient {mb}")
                     item.outputs = (like, grads)
+                    self.transport.settle(self._settle_at.get(position))
                 elif kind is Kind.B:
                     assert mb is not None
                     start = clock()
@@ -357,7 +370,7 @@ class StageRunner:
                     grads = item.input_grads
                     if grads is None:
                         grads = [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in self._grad_inputs(item)]
-                    self.transport.send_gradient(grads, item.rows, self._peers(self.stage - 1, batch_rows, mb), f"gradient {mb}")
+                    self.transport.send_gradient(grads, item.rows, self._peers(self.stage - 1, batch_rows, mb), f"gradient {mb}", (kind, mb))
                     item.input_grads = None
                     item.sent = True
                     self._release(state, mb)

@@ -148,14 +148,18 @@ class Transport:
         # per peer: the layout of the last activation sent to / received from it
         self._layout_sent: dict[int, tuple[tuple[LeafMeta, ...], Any]] = {}
         self._layout_received: dict[int, tuple[tuple[LeafMeta, ...], Any]] = {}
-        self._pending_sends: list[tuple[Any, torch.Tensor, str]] = []
+        # sends not yet waited: (work, buffer, what, key); ``settle`` and ``flush`` wait them
+        self._pending_sends: list[tuple[Any, torch.Tensor, str, Any]] = []
         # receives posted ahead of their action, by transfer name: (peer, work, buffer) each
         self._posted: dict[str, list[tuple[int, Any, torch.Tensor]]] = {}
         self.bytes_sent = 0
         self.messages_sent = 0
 
     # -- sending -------------------------------------------------------------
-    def send_activation(self, structure: Any, my_rows: tuple[int, int], peers: Sequence[Peer], what: str) -> None:
+    def send_activation(
+        self, structure: Any, my_rows: tuple[int, int], peers: Sequence[Peer], what: str, key: Any = None
+    ) -> None:
+        """Send the rows of ``structure`` each peer holds; ``key`` names the transfer for ``settle``."""
         leaves, spec = flatten(structure)
         for leaf in leaves:
             if leaf.dim() == 0 or leaf.shape[0] != my_rows[1] - my_rows[0]:
@@ -176,26 +180,28 @@ class Transport:
             data = [leaf[lo:hi] for leaf in leaves]
             known = self._layout_sent.get(peer.rank)
             if known == (metas, spec):
-                self._isend(pack(data, FLAG_SAME_LAYOUT), peer.rank, what)
+                self._isend(pack(data, FLAG_SAME_LAYOUT), peer.rank, what, key)
                 continue
             if known is not None:  # the receiver expects the old layout's size: tell it to read a header
                 filler = torch.zeros(_payload_bytes(known[0], hi - lo) + 1, dtype=torch.uint8)
                 filler[-1] = FLAG_NEW_LAYOUT
-                self._isend(filler, peer.rank, f"layout change of {what}")
+                self._isend(filler, peer.rank, f"layout change of {what}", key)
             header, spec_bytes = self._header(metas, spec, send_spec=known is None or known[1] != spec)
             self._layout_sent[peer.rank] = (metas, spec)
-            self._isend(header, peer.rank, f"header of {what}")
+            self._isend(header, peer.rank, f"header of {what}", key)
             if spec_bytes is not None:
-                self._isend(spec_bytes, peer.rank, f"structure of {what}")
-            self._isend(pack(data), peer.rank, what)
+                self._isend(spec_bytes, peer.rank, f"structure of {what}", key)
+            self._isend(pack(data), peer.rank, what, key)
 
-    def send_gradient(self, grads: Sequence[torch.Tensor], my_rows: tuple[int, int], peers: Sequence[Peer], what: str) -> None:
+    def send_gradient(
+        self, grads: Sequence[torch.Tensor], my_rows: tuple[int, int], peers: Sequence[Peer], what: str, key: Any = None
+    ) -> None:
         for peer in peers:
             rows = overlap(my_rows, peer.rows)
             if rows is None:
                 continue
             lo, hi = rows[0] - my_rows[0], rows[1] - my_rows[0]
-            self._isend(pack([grad[lo:hi] for grad in grads]), peer.rank, what)
+            self._isend(pack([grad[lo:hi] for grad in grads]), peer.rank, what, key)
 
     @staticmethod
     def _header(metas: Sequence[LeafMeta], spec: Any, send_spec: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -211,18 +217,32 @@ class Transport:
         header[: len(ints)] = torch.tensor(ints, dtype=torch.int64)
         return header, spec_bytes
 
-    def _isend(self, tensor: torch.Tensor, peer: int, what: str) -> None:
+    def _isend(self, tensor: torch.Tensor, peer: int, what: str, key: Any = None) -> None:
         tensor = tensor.to(self.device) if tensor.device != self.device else tensor
-        self._pending_sends.append((dist.isend(tensor, peer), tensor, what))
+        self._pending_sends.append((dist.isend(tensor, peer), tensor, what, key))
         self.bytes_sent += tensor.numel() * tensor.element_size()
         self.messages_sent += 1
 
     def flush(self) -> None:
         """Wait for every send issued so far (their buffers may be freed afterwards)."""
         pending, self._pending_sends = self._pending_sends, []
+        self._wait_sends(pending)
+
+    def settle(self, keys: Any) -> None:
+        """Wait for the pending sends whose key is in ``keys`` (``schedule.settle`` says which
+        a receive may wait for: those the peer has already posted receives for), so gloo
+        writes their data while this rank is blocked rather than during its next compute."""
+        if not keys or not self._pending_sends:
+            return
+        due = [item for item in self._pending_sends if item[3] in keys]
+        if due:
+            self._pending_sends = [item for item in self._pending_sends if item[3] not in keys]
+            self._wait_sends(due)
+
+    def _wait_sends(self, pending: list[tuple[Any, torch.Tensor, str, Any]]) -> None:
         if pending:
             what = pending[0][2] if len(pending) == 1 else f"{len(pending)} sends ({pending[0][2]} ... {pending[-1][2]})"
-            self.failure.wait_all([work for work, _tensor, _what in pending], what)
+            self.failure.wait_all([item[0] for item in pending], what)
 
     # -- receiving -----------------------------------------------------------
     def _recv(self, tensor: torch.Tensor, peer: int, what: str) -> torch.Tensor:
