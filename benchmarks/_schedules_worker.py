@@ -394,6 +394,9 @@ def run(rank: int, world: int, cfg: dict) -> dict:
             item["median_s"] = statistics.median(item["times_s"])
             item["median_cpu_s"] = statistics.median(item["cpu_s"])
         results[str(m)] = per
+        for v in variants:
+            if isinstance(v, DappleVariant):
+                v.runner.finish()
         del variants
         dist.barrier()
     return results

@@ -58,6 +58,9 @@ def _rank_main(rank: int, world: int, cfg: dict) -> dict[str, list[float]]:
         for name, variant in variants[shift:] + variants[:shift]:
             seconds, _, _ = worker._timed(variant, batches, round_, cfg["block"])
             times[name].append(seconds)
+    for _, variant in variants:
+        if isinstance(variant, worker.DappleVariant):
+            variant.runner.finish()
     return times
 
 

@@ -116,6 +116,7 @@ def _rank_main(rank: int, world: int, cfg: dict) -> dict[str, dict[str, float]]:
             per[name]["total"].append(total)
             for key in PARTS:
                 per[name][key].append(part.get(key, 0.0))
+    runner.finish()
     return {name: {key: statistics.median(values) * 1e3 for key, values in rows.items()} for name, rows in per.items()}
 
 

@@ -64,6 +64,8 @@ def _rank_main(rank: int, world: int, variant: str) -> dict[str, Any]:
     threads = sorted(
         ((name, seconds - before.get(tid, (name, 0.0))[1]) for tid, (name, seconds) in after.items()), key=lambda item: -item[1]
     )
+    if variant == "dapple":
+        runner.runner.finish()
     return {"wall_s": wall, "cpu_s": cpu, "threads": [(name, round(s, 3)) for name, s in threads[:4]]}
 
 

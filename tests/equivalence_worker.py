@@ -93,6 +93,7 @@ def run_cases(rank: int, world: int, cases: list[tuple[str, dict, str]]) -> list
             losses.append(float(loss))
             peaks.append(runner.stats.peak_in_flight)
             stash.append(runner.stats.peak_stash_bytes)
+        runner.finish()
         diff = 0.0
         for offset, layer in enumerate(local):
             for key, value in layer.state_dict().items():

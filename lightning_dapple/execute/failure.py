@@ -23,6 +23,7 @@ the peer's message and ends the process, so no rank outlives a failure by more t
 """
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import threading
@@ -67,6 +68,10 @@ class FailureChannel:
         self._closed = threading.Event()
         self._watchdog = threading.Thread(target=self._watch, name="dapple-watchdog", daemon=True)
         self._watchdog.start()
+        # A daemon thread still inside a store call when the interpreter finalizes is unwound
+        # through C++ code that may not be unwound ("terminate called without an active
+        # exception", SIGABRT at exit): stop and join it before finalization.
+        atexit.register(self.close)
 
     # -- reporting --------------------------------------------------------------
     def report(self, exc: BaseException) -> None:
@@ -89,6 +94,11 @@ class FailureChannel:
             except Exception:  # store unreachable: its host rank is gone
                 return None
         return self._peer_message
+
+    @property
+    def failed(self) -> bool:
+        """Whether this rank or a peer has reported a failure."""
+        return self._reported or self._read_report() is not None
 
     def check(self) -> None:
         """Raise ``PeerFailedError`` if some rank has reported a failure."""
@@ -151,8 +161,11 @@ class FailureChannel:
                 os._exit(1)
 
     def close(self) -> None:
-        """Stop the watchdog (the process group is going away)."""
+        """Stop the watchdog and wait for it (the process group is going away)."""
         self._closed.set()
+        if self._watchdog.is_alive() and threading.current_thread() is not self._watchdog:
+            self._watchdog.join(timeout=max(5.0, 4 * self.poll_s))
+        atexit.unregister(self.close)
 
 
 def _default_store() -> Any:

@@ -642,6 +642,12 @@ class StageRunner:
             param.grad = flat[offset : offset + count].view_as(param).clone()
             offset += count
 
+    def finish(self) -> None:
+        """Wait for every send still pending (the last results hand-off): gloo aborts a
+        process that tears its process group down under unwaited sends."""
+        self.transport.flush()
+        self.results.flush()
+
     def share_extras(self, obj: Any) -> list[Any]:
         """Objects of every last-stage replica (in replica order), on every rank of the plan."""
         return self.results.share(None, obj)[1]

@@ -297,6 +297,8 @@ class DappleStrategy(DDPStrategy):
                 self._freed[index] = container[index].to("meta")  # structure kept, memory released
                 container[index] = FreedLayer(index, self._stage_of_layer(index))
         self._layer_container = container
+        if self.runner is not None and self.failure is not None and not self.failure.failed:
+            self.runner.finish()
         if self.failure is not None:
             self.failure.close()
         self.failure = FailureChannel(self.global_rank, timeout_s=self.timeout_s)
@@ -548,6 +550,8 @@ class DappleStrategy(DDPStrategy):
         self._checkpoint_io = io
 
     def teardown(self) -> None:
+        if self.runner is not None and self.failure is not None and not self.failure.failed:
+            self.runner.finish()  # no unwaited sends may outlive the process group
         if self.failure is not None:
             self.failure.close()
         super().teardown()
