@@ -189,6 +189,7 @@ class StageRunner:
         self._settle_at = (
             settle_points(schedule.actions)[self.stage] if settle_sends and self.stage < schedule.num_stages else {}
         )
+        self._peer_cache: dict[tuple[int, int, int], list[Peer]] = {}
         self._w_count: dict[int, int] = {}
         for action in compute:
             if action.kind is Kind.W and action.microbatch is not None:
@@ -208,8 +209,15 @@ class StageRunner:
         return slice_rows(batch_rows, self.plan.micro_batches, microbatch, self.plan.stages[stage].replicas, replica)
 
     def _peers(self, stage: int, batch_rows: int, microbatch: int) -> list[Peer]:
-        devices = self.plan.stages[stage].devices
-        return [Peer(rank, self._rows(stage, index, batch_rows, microbatch)) for index, rank in enumerate(devices)]
+        """The ranks of ``stage`` and the rows of ``microbatch`` each holds (memoised: the same
+        few answers are asked for on every step, on the per-micro-batch path)."""
+        key = (stage, batch_rows, microbatch)
+        peers = self._peer_cache.get(key)
+        if peers is None:
+            devices = self.plan.stages[stage].devices
+            peers = [Peer(rank, self._rows(stage, index, batch_rows, microbatch)) for index, rank in enumerate(devices)]
+            self._peer_cache[key] = peers
+        return peers
 
     def run_layers(self, x: Any) -> Any:
         """Apply the stage's layers.
@@ -322,7 +330,9 @@ class StageRunner:
                 elif kind is Kind.F:
                     assert mb is not None
                     start = clock()
-                    item = state.setdefault(mb, _MicroBatch(rows=self._rows(self.stage, self.replica, batch_rows, mb)))
+                    item = state.get(mb)
+                    if item is None:
+                        item = state[mb] = _MicroBatch(rows=self._rows(self.stage, self.replica, batch_rows, mb))
                     recompute = mb in self.recomputed
                     self._measure = None if recompute else exclude
                     self._last_stash = 0
