@@ -90,25 +90,14 @@ class ResultChannel:
         gathered = [obj]
         for peer in self.last_replicas[1:]:
             head = torch.zeros(2, dtype=torch.float64, device=self.device)
-            self.failure.wait(dist.irecv(head, peer, tag=RESULT_TAG), f"results of last-stage rank {peer}")
-            size = int(head[1].item())
-            peer_obj = None
-            if size:
-                payload = torch.empty(size, dtype=torch.uint8, device=self.device)
-                self.failure.wait(dist.irecv(payload, peer, tag=RESULT_TAG), f"results of last-stage rank {peer}")
-                peer_obj = from_bytes(payload)
+            peer_obj = self._complete(dist.irecv(head, peer, tag=RESULT_TAG), head, peer, f"results of last-stage rank {peer}")
             if total is not None:
                 total = total + head[0].cpu()
             gathered.append(peer_obj)
         return total, gathered
 
     def _send_all(self, total: torch.Tensor | None, gathered: list[Any]) -> None:
-        payload = to_bytes(gathered, self.device) if any(item is not None for item in gathered) else None
-        head = torch.tensor(
-            [float(total) if total is not None else 0.0, payload.numel() if payload is not None else 0],
-            dtype=torch.float64,
-            device=self.device,
-        )
+        head, payload = self._encode(total, gathered if any(item is not None for item in gathered) else None)
         self._keep = [head] + ([payload] if payload is not None else [])
         for peer in self.receivers:
             self._sends.append(dist.isend(head, peer, tag=RESULT_TAG))
@@ -117,12 +106,7 @@ class ResultChannel:
 
     # -- the other ranks -------------------------------------------------------------
     def _send_own(self, loss_sum: torch.Tensor | None, obj: Any) -> None:
-        payload = to_bytes(obj, self.device) if obj is not None else None
-        head = torch.tensor(
-            [float(loss_sum) if loss_sum is not None else 0.0, payload.numel() if payload is not None else 0],
-            dtype=torch.float64,
-            device=self.device,
-        )
+        head, payload = self._encode(loss_sum, obj)
         works = [dist.isend(head, self.source, tag=RESULT_TAG)]
         if payload is not None:
             works.append(dist.isend(payload, self.source, tag=RESULT_TAG))
@@ -135,15 +119,30 @@ class ResultChannel:
         else:
             head = torch.zeros(2, dtype=torch.float64, device=self.device)
             work = dist.irecv(head, self.source, tag=RESULT_TAG)
-        self.failure.wait(work, f"results from rank {self.source}")
-        size = int(head[1].item())
-        if size:
-            payload = torch.empty(size, dtype=torch.uint8, device=self.device)
-            self.failure.wait(dist.irecv(payload, self.source, tag=RESULT_TAG), f"results from rank {self.source}")
-            gathered = from_bytes(payload)
-        else:
+        gathered = self._complete(work, head, self.source, f"results from rank {self.source}")
+        if gathered is None:
             gathered = [None] * len(self.last_replicas)
         return (head[0].cpu() if want_loss else None), gathered
+
+    # -- the message: a (loss, payload size) head, then the pickled object if any ------
+    def _encode(self, loss: torch.Tensor | None, obj: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        payload = to_bytes(obj, self.device) if obj is not None else None
+        head = torch.tensor(
+            [float(loss) if loss is not None else 0.0, payload.numel() if payload is not None else 0],
+            dtype=torch.float64,
+            device=self.device,
+        )
+        return head, payload
+
+    def _complete(self, work: Any, head: torch.Tensor, peer: int, what: str) -> Any:
+        """Wait for a head received into ``head``, then its payload; the object, or None."""
+        self.failure.wait(work, what)
+        size = int(head[1].item())
+        if not size:
+            return None
+        payload = torch.empty(size, dtype=torch.uint8, device=self.device)
+        self.failure.wait(dist.irecv(payload, peer, tag=RESULT_TAG), what)
+        return from_bytes(payload)
 
 
 def to_bytes(obj: Any, device: torch.device) -> torch.Tensor:

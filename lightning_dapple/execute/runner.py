@@ -653,8 +653,8 @@ class StageRunner:
             offset += count
 
     def finish(self) -> None:
-        """Wait for every send still pending (the last results hand-off): gloo aborts a
-        process that tears its process group down under unwaited sends."""
+        """Wait for every send still pending (the last results hand-off), so that no send
+        outlives the runner or the process group it was issued on."""
         self.transport.flush()
         self.results.flush()
 

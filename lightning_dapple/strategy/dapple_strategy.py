@@ -297,10 +297,7 @@ class DappleStrategy(DDPStrategy):
                 self._freed[index] = container[index].to("meta")  # structure kept, memory released
                 container[index] = FreedLayer(index, self._stage_of_layer(index))
         self._layer_container = container
-        if self.runner is not None and self.failure is not None and not self.failure.failed:
-            self.runner.finish()
-        if self.failure is not None:
-            self.failure.close()
+        self._close_runner()
         self.failure = FailureChannel(self.global_rank, timeout_s=self.timeout_s)
         self.groups = build_groups(plan)
         local = [container[i] for i in range(stage.start, stage.end)]
@@ -550,11 +547,16 @@ class DappleStrategy(DDPStrategy):
         self._checkpoint_io = io
 
     def teardown(self) -> None:
+        self._close_runner()
+        super().teardown()
+
+    def _close_runner(self) -> None:
+        """Wait for the runner's last sends (none may outlive the process group; skipped after
+        a failure, when peers may be gone) and stop the failure watchdog."""
         if self.runner is not None and self.failure is not None and not self.failure.failed:
-            self.runner.finish()  # no unwaited sends may outlive the process group
+            self.runner.finish()
         if self.failure is not None:
             self.failure.close()
-        super().teardown()
 
     def on_train_end(self) -> None:
         """Give rank 0 the whole trained model back, as plain training would leave it.
