@@ -4,6 +4,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh || exit 1
+# a fatal signal in any process (spawned ranks too) prints every thread's Python stack
+export PYTHONFAULTHANDLER=1
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
 status=$?
 if [ "$status" -eq 5 ]; then

@@ -87,3 +87,27 @@ class LossRecorder(Callback):
             self.losses[trainer.global_step] = float(trainer.callback_metrics["train_loss"])
             with open(self.path, "w") as stream:
                 json.dump(self.losses, stream)
+
+
+def _thread_names() -> list[str]:
+    import os
+
+    return sorted(open(f"/proc/self/task/{task}/comm").read().strip() for task in os.listdir("/proc/self/task"))
+
+
+class ExitCleanupProbe(Callback):
+    """At the Trainer's last hook, runs the strategy's exit handler (shutdown.destroy_groups)
+    and writes, per rank, whether one was registered and the OS threads still alive after it:
+    gloo's worker threads ("pt_gloo_runloop") outliving it can abort the process at exit."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def teardown(self, trainer, pl_module, stage) -> None:
+        from lightning_dapple.execute import shutdown
+
+        registered = len(shutdown._owners)
+        before = _thread_names()
+        shutdown.destroy_groups()
+        with open(f"{self.directory}/exit_rank{trainer.global_rank}.json", "w") as stream:
+            json.dump({"registered": registered, "before": before, "after": _thread_names()}, stream)

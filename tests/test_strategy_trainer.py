@@ -19,7 +19,7 @@ from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 
 import lightning_dapple  # noqa: F401  (registers the strategies)
 from lightning_dapple.strategy import DappleStrategy
-from lightning_toys import LossRecorder, MLPModule, mlp_loader, single_device_run
+from lightning_toys import ExitCleanupProbe, LossRecorder, MLPModule, mlp_loader, single_device_run
 
 TWO_BY_TWO = {"global_batch_size": 12, "micro_batches": 3, "stages": [{"layers": [0, 2], "devices": [0, 1]}, {"layers": [2, 5], "devices": [2, 3]}]}
 
@@ -45,7 +45,8 @@ def test_fit_matches_single_device_and_logs_global_loss(tmp_path: Path) -> None:
     model = MLPModule().double()
     best = ModelCheckpoint(dirpath=str(tmp_path / "best"), monitor="val_loss", mode="min")
     stop = EarlyStopping(monitor="val_loss", patience=10)
-    trainer = _trainer(tmp_path, TWO_BY_TWO, 4, 3, gradient_clip_val=0.5, limit_val_batches=1, val_check_interval=3, callbacks=[best, stop])
+    probe = ExitCleanupProbe(str(tmp_path))
+    trainer = _trainer(tmp_path, TWO_BY_TWO, 4, 3, gradient_clip_val=0.5, limit_val_batches=1, val_check_interval=3, callbacks=[best, stop, probe])
     trainer.fit(model, mlp_loader(3), mlp_loader(1))
     assert Path(best.best_model_path).is_file()  # monitored a metric logged on the last stage
     reference, losses = single_device_run(3, clip=0.5)
@@ -60,6 +61,13 @@ def test_fit_matches_single_device_and_logs_global_loss(tmp_path: Path) -> None:
     assert float(trainer.callback_metrics["val_mse"]) == pytest.approx(expected_val, abs=1e-6)  # torchmetrics
     plan = json.loads((tmp_path / "dapple_plan.json").read_text())
     assert [s["warmup"] for s in plan["stages"]] == [2, 1]
+    # gloo's worker threads (which own every collective's Work) must not outlive the exit
+    # handler: one dropping a tensor during interpreter finalization aborts the process.
+    for rank in range(4):
+        exit_state = json.loads((tmp_path / f"exit_rank{rank}.json").read_text())
+        assert exit_state["registered"] == 1
+        assert "pt_gloo_runloop" in exit_state["before"]
+        assert "pt_gloo_runloop" not in exit_state["after"], exit_state
 
 
 def _plan_straight(cuts: list[int], layers: int = 5) -> dict:

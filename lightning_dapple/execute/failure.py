@@ -100,6 +100,12 @@ class FailureChannel:
         """Whether this rank or a peer has reported a failure."""
         return self._reported or self._read_report() is not None
 
+    @property
+    def known_failed(self) -> bool:
+        """Whether this rank has already seen a failure (its own or a peer's), without asking
+        the store (at exit its host may be gone)."""
+        return self._reported or self._peer_message is not None
+
     def check(self) -> None:
         """Raise ``PeerFailedError`` if some rank has reported a failure."""
         message = self._read_report()

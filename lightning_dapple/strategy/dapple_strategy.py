@@ -36,6 +36,7 @@ from lightning_dapple.execute.clipping import clip_grad_norm_global
 from lightning_dapple.execute.failure import FailureChannel
 from lightning_dapple.execute.groups import PlanGroups, build_groups
 from lightning_dapple.execute.runner import StageRunner
+from lightning_dapple.execute.shutdown import destroy_groups_at_exit
 from lightning_dapple.execute.slicing import batch_size_of
 from lightning_dapple.plan.plan import Plan, load_plan, plan_from_dict
 from lightning_dapple.schedule.builders import schedule_for_plan
@@ -222,6 +223,17 @@ class DappleStrategy(DDPStrategy):
     def stage(self) -> int:
         assert self.plan is not None
         return self.plan.stage_of_rank(self.global_rank)
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        # gloo groups left to the interpreter's finalization can abort a finished run (shutdown.py)
+        destroy_groups_at_exit(lambda: self.failure is not None and self.failure.known_failed, self._release_groups)
+
+    def _release_groups(self) -> None:
+        """Drop this strategy's references to process groups (so that destroying them at
+        exit joins their threads; shutdown.py)."""
+        self.runner = None
+        self.groups = None
 
     def setup(self, trainer: Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
