@@ -9,6 +9,7 @@ until all have reported, a rank dies, or the deadline passes -- never longer.
 """
 from __future__ import annotations
 
+import gc
 import os
 import queue as queue_module
 import socket
@@ -39,6 +40,7 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
         results.put((rank, "ok", result))
         dist.barrier()
         dist.destroy_process_group()
+        gc.collect()  # groups fn left in reference cycles: their destructors join gloo's threads (shutdown.py)
     except BaseException as exc:  # reported to the parent, which decides what to do with it
         results.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
