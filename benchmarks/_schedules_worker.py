@@ -199,16 +199,21 @@ class DappleVariant(Variant):
         failure: FailureChannel,
         post_ahead: bool | None = None,
         settle_sends: bool = True,
+        ooo: bool = False,
     ) -> None:
         # post_ahead None: the executor decides (what a user gets); True: the ablation row;
-        # settle_sends False: every send waited only at the end of the step (ablation)
-        self.name = schedule + ("" if post_ahead is None else "-ahead") + ("" if settle_sends else "-nosettle")
+        # settle_sends False: every send waited only at the end of the step (ablation);
+        # ooo: out-of-order backprop, what DappleStrategy runs by default (ooo=True)
+        self.name = (
+            schedule + ("" if post_ahead is None else "-ahead") + ("" if settle_sends else "-nosettle") + ("-ooo" if ooo else "")
+        )
         half = cfg["layers"] // 2
         plan = plan_from_dict(
             {
                 "global_batch_size": cfg["batch"],
                 "micro_batches": micro_batches,
                 "schedule": schedule,
+                "ooo": ooo,
                 "stages": [{"layers": [0, half], "devices": [0]}, {"layers": [half, cfg["layers"]], "devices": [1]}],
             }
         )

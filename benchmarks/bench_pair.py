@@ -24,7 +24,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-NAMES = ("torch-1F1B", "torch-GPipe", "dapple", "dapple-ahead", "dapple-nosettle", "gpipe", "ddp")
+NAMES = ("torch-1F1B", "torch-GPipe", "dapple", "dapple-ooo", "dapple-ahead", "dapple-nosettle", "gpipe", "ddp")
 
 
 def _rank_main(rank: int, world: int, cfg: dict) -> dict[str, list[float]]:
@@ -44,7 +44,14 @@ def _rank_main(rank: int, world: int, cfg: dict) -> dict[str, list[float]]:
             return worker.DDPVariant(rank, world, cfg)
         schedule, _, option = name.partition("-")
         return worker.DappleVariant(
-            schedule, rank, cfg, m, failure, post_ahead=True if option == "ahead" else None, settle_sends=option != "nosettle"
+            schedule,
+            rank,
+            cfg,
+            m,
+            failure,
+            post_ahead=True if option == "ahead" else None,
+            settle_sends=option != "nosettle",
+            ooo=option == "ooo",
         )
 
     variants = [(name, make(name)) for name in cfg["variants"]]

@@ -17,7 +17,7 @@ blocks of consecutive steps. Wrapped functions accumulate wall time per step:
 each part counts exclusive time (a wrapped call inside another is charged to its own part);
 * ``rest``: everything else (the schedule loop itself).
 
-    python benchmarks/step_breakdown.py --width 512 --micro-batches 8
+    python benchmarks/step_breakdown.py --width 512 --micro-batches 8 [--clock cpu]
 """
 from __future__ import annotations
 
@@ -50,6 +50,9 @@ def _rank_main(rank: int, world: int, cfg: dict) -> dict[str, dict[str, float]]:
     from lightning_dapple.execute.failure import FailureChannel
 
     torch.set_num_threads(1)
+    # wall time, or (--clock cpu) the main thread's CPU time: what is left of a part after
+    # leaving out the time the thread was descheduled or asleep in it
+    clock = time.thread_time if cfg["clock"] == "cpu" else time.perf_counter
     spent: dict[str, float] = collections.defaultdict(float)
     nested: list[float] = []  # per open wrapped call: time spent in wrapped calls inside it
 
@@ -57,12 +60,12 @@ def _rank_main(rank: int, world: int, cfg: dict) -> dict[str, dict[str, float]]:
         """Charge a call's exclusive time (minus wrapped calls inside it) to ``label``."""
 
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
+            start = clock()
             nested.append(0.0)
             try:
                 return fn(*args, **kwargs)
             finally:
-                elapsed = time.perf_counter() - start
+                elapsed = clock() - start
                 inner = nested.pop()
                 spent[label] += elapsed - inner
                 if nested:
@@ -103,14 +106,14 @@ def _rank_main(rank: int, world: int, cfg: dict) -> dict[str, dict[str, float]]:
         for name, variant in variants if round_ % 2 else variants[::-1]:
             dist.barrier()
             spent.clear()
-            start = time.perf_counter()
+            start = clock()
             for index in range(block):
                 handle = variant.step(batches[index % 4])
                 if name == "dapple":
                     variant.global_loss(handle)  # a float already: the hand-off ran inside the step
                 else:
                     timed(variant.global_loss, "loss")(handle)
-            total = (time.perf_counter() - start) / block
+            total = (clock() - start) / block
             part = {key: value / block for key, value in spent.items()}
             part["rest"] = total - sum(part.values())
             per[name]["total"].append(total)
@@ -128,16 +131,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--block", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="wall time, or the main thread's CPU time")
     args = parser.parse_args(argv)
     cfg = {
         "width": args.width, "micro_batches": args.micro_batches, "layers": args.layers, "batch": args.batch,
-        "block": args.block, "rounds": args.rounds,
+        "block": args.block, "rounds": args.rounds, "clock": args.clock,
     }
     by_rank = run_ranks(_rank_main, 2, cfg, timeout_s=600, raise_on_error=True)
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"ms per step (median over {args.rounds} blocks of {args.block}), width {args.width}, M={args.micro_batches}")
+    table = Table(title=f"{'CPU ' if args.clock == 'cpu' else ''}ms per step (median over {args.rounds} blocks of {args.block}), width {args.width}, M={args.micro_batches}")
     for column in ("rank", "executor", "total", *PARTS):
         table.add_column(column, justify="left" if column in ("rank", "executor") else "right")
     for rank in sorted(by_rank):

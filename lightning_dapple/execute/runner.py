@@ -105,7 +105,7 @@ class StageStats:
     recomputed: int = 0
 
 
-@dataclass
+@dataclass(slots=True)
 class _MicroBatch:
     rows: tuple[int, int]
     inputs: Any = None
@@ -305,7 +305,7 @@ class StageRunner:
         self._buckets: list[tuple[Any, torch.Tensor, list[torch.nn.Parameter]]] = []
         exclude = parameter_storages(self.parameters)
         state: dict[int, _MicroBatch] = {}
-        loss_sum = torch.zeros((), dtype=torch.float64)
+        losses: list[torch.Tensor] = []  # last stage: each micro-batch's weighted loss, summed once at the end
         allreduce: tuple[Any, torch.Tensor] | None = None
         clock = time.perf_counter
         actions = self.schedule.actions[self.stage]
@@ -346,7 +346,7 @@ class StageRunner:
                         self._measure = None
                         self._edge_sink = None
                     if self.is_last and item.loss is not None:
-                        loss_sum += item.loss.detach().to(torch.float64).cpu()
+                        losses.append(item.loss.detach())
                     stashed = tensor_bytes(item.inputs) if recompute else self._last_stash
                     self.stats.stash_bytes[mb] = stashed
                     self._hold(mb, stashed)
@@ -406,6 +406,7 @@ class StageRunner:
             self._finish_buckets()
         finally:
             self._steps += 1
+        loss_sum = torch.stack(losses).to(torch.float64).sum().cpu() if losses else torch.zeros((), dtype=torch.float64)
         loss, shared = self.results.share(loss_sum, extras() if (extras is not None and self.is_last) else None)
         assert loss is not None
         return loss, shared

@@ -52,6 +52,10 @@ def take_rows(batch: Any, lo: int, hi: int) -> Any:
 
     A list of per-sample items of the batch's length (e.g. strings) is cut too.
     """
+    if type(batch) in (tuple, list) and batch and all(type(leaf) is torch.Tensor and leaf.dim() > 0 for leaf in batch):
+        size = batch[0].shape[0]
+        if all(leaf.shape[0] == size for leaf in batch):  # the common (x, y) batch: no tree walk per micro-batch
+            return type(batch)(leaf[lo:hi] for leaf in batch)
     size = batch_size_of(batch)
 
     def cut(leaf: Any) -> Any:

@@ -24,7 +24,7 @@ import os
 import pickle
 import warnings
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -92,8 +92,10 @@ class Peer:
     rows: tuple[int, int]
 
 
-@dataclass(frozen=True)
-class LeafMeta:
+class LeafMeta(NamedTuple):
+    """One tensor leaf's layout. A named tuple rather than a dataclass: one is built per leaf
+    and transfer on the per-micro-batch path, where construction cost shows."""
+
     dtype: torch.dtype
     requires_grad: bool
     tail_shape: tuple[int, ...]
@@ -107,6 +109,7 @@ class LeafMeta:
 
 FLAG_SAME_LAYOUT = 0
 FLAG_NEW_LAYOUT = 1
+_FLAGS = {flag: torch.tensor([flag], dtype=torch.uint8) for flag in (FLAG_SAME_LAYOUT, FLAG_NEW_LAYOUT)}  # cat copies them
 
 
 def _meta_of(leaf: torch.Tensor) -> LeafMeta:
@@ -121,10 +124,10 @@ def _payload_bytes(metas: Sequence[LeafMeta], rows: int) -> int:
 
 def pack(tensors: Sequence[torch.Tensor], flag: int | None = None) -> torch.Tensor:
     """All tensors as one contiguous byte buffer, with a trailing ``flag`` byte if given."""
-    parts = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors]
+    parts = [t.detach().reshape(-1).view(torch.uint8) for t in tensors]  # reshape copies only what is not contiguous
     if flag is not None:
-        device = parts[0].device if parts else None
-        parts.append(torch.full((1,), flag, dtype=torch.uint8, device=device))
+        device = parts[0].device if parts else torch.device("cpu")
+        parts.append(_FLAGS[flag] if device.type == "cpu" else torch.full((1,), flag, dtype=torch.uint8, device=device))
     if not parts:
         return torch.empty(0, dtype=torch.uint8)
     return torch.cat(parts)
@@ -177,7 +180,7 @@ class Transport:
             if rows is None:
                 continue
             lo, hi = rows[0] - my_rows[0], rows[1] - my_rows[0]
-            data = [leaf[lo:hi] for leaf in leaves]
+            data = leaves if hi - lo == my_rows[1] - my_rows[0] else [leaf[lo:hi] for leaf in leaves]
             known = self._layout_sent.get(peer.rank)
             if known == (metas, spec):
                 self._isend(pack(data, FLAG_SAME_LAYOUT), peer.rank, what, key)
@@ -201,7 +204,8 @@ class Transport:
             if rows is None:
                 continue
             lo, hi = rows[0] - my_rows[0], rows[1] - my_rows[0]
-            self._isend(pack([grad[lo:hi] for grad in grads]), peer.rank, what, key)
+            whole = hi - lo == my_rows[1] - my_rows[0]
+            self._isend(pack(grads if whole else [grad[lo:hi] for grad in grads]), peer.rank, what, key)
 
     @staticmethod
     def _header(metas: Sequence[LeafMeta], spec: Any, send_spec: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -321,7 +325,7 @@ class Transport:
                 size = _payload_bytes(known[0], count)
                 message = self._take(posted, size + 1, peer.rank, what)
                 if int(message[-1].item()) == FLAG_SAME_LAYOUT:
-                    buffer = message[:size]
+                    buffer = message  # unpack reads the leaves' bytes and leaves the flag byte
             if buffer is None:
                 known = self._recv_layout(peer.rank, known, what)
                 buffer = self._recv(
