@@ -40,11 +40,56 @@ SAME_LAYOUT = (1, 4, 8)  # repeats of the previous transfer's layout
 
 
 def worker(rank: int, world: int) -> dict:
+    """Both activation protocols (gloo's short messages, and the flag byte on every message
+    that NCCL needs), gradients of one and of two leaves, and the gloo behaviour the short
+    protocol relies on."""
+    import torch.distributed as dist
+
     from lightning_dapple.execute.failure import FailureChannel
+    from lightning_dapple.execute.transport import short_messages_match
+
+    failure = FailureChannel(rank, timeout_s=60)
+    out: dict[str, Any] = {"short_default": short_messages_match()}
+    # gloo: a message shorter than the receive posted for it leaves the buffer's tail as it was
+    if rank == 0:
+        dist.isend(torch.arange(4, dtype=torch.float32), 1).wait()
+    elif rank == 1:
+        buffer = torch.full((17,), 0xAB, dtype=torch.uint8)
+        dist.irecv(buffer, 0).wait()
+        out["short_tail"] = int(buffer[-1])
+        out["short_head"] = buffer[:16].view(torch.float32).tolist()
+    for short in (True, False):
+        out[short] = _activations(rank, failure, short)
+    out["gradients"] = _gradients(rank, failure)
+    return out
+
+
+def _gradients(rank: int, failure: Any) -> int:
+    """Ranks 1 and 2 (half the rows each) send gradients of one and of two leaves to rank 0."""
+    from lightning_dapple.execute.transport import Peer, Transport
+
+    transport = Transport(failure, torch.device("cpu"))
+    checked = 0
+    for leaves in (1, 2):
+        like = [torch.zeros(6, 4 + i, dtype=torch.float64, requires_grad=True) for i in range(leaves)]
+        full = [torch.randn(6, 4 + i, generator=torch.Generator().manual_seed(10 + i), dtype=torch.float64) for i in range(leaves)]
+        halves = [Peer(1, (0, 3)), Peer(2, (3, 6))]
+        if rank == 0:
+            got = transport.recv_gradient(like, (0, 6), halves, f"gradient {leaves}")
+            assert all(torch.equal(g, w) for g, w in zip(got, full)), leaves
+            checked += 1
+        else:
+            mine = halves[rank - 1].rows
+            transport.send_gradient([g[mine[0] : mine[1]] for g in full], mine, [Peer(0, (0, 6))], f"gradient {leaves}")
+            transport.flush()
+    return checked
+
+
+def _activations(rank: int, failure: Any, short: bool) -> dict:
     from lightning_dapple.execute.slicing import flatten
     from lightning_dapple.execute.transport import Peer, Transport
 
-    transport = Transport(FailureChannel(rank, timeout_s=60), torch.device("cpu"))
+    transport = Transport(failure, torch.device("cpu"), short_messages=short)
     out: dict[str, Any] = {"messages": [], "checked": 0}
     for step in range(STEPS):
         rows = ROWS.get(step, 6)
@@ -75,15 +120,19 @@ def worker(rank: int, world: int) -> dict:
 def test_layouts_change_and_repeat_over_a_split_boundary() -> None:
     results = run_ranks(worker, 3, timeout_s=100)
     assert "__errors__" not in results, results.get("__errors__")
-    assert results[1]["checked"] == results[2]["checked"] == STEPS
-    messages = results[0]["messages"]
-    for step in SAME_LAYOUT:
-        assert messages[step] == 2, f"step {step}: a known layout must cost one message per receiver, not {messages[step]}"
-    # the first transfer: header + structure + data per receiver; later changes add the
-    # message that tells the receiver to read a header
-    assert messages[0] == 6
-    assert messages[2] == 2 * 3  # filler, header, data (the structure did not change)
-    assert messages[3] == 2 * 4  # filler, header, structure, data
+    assert results[0]["short_default"] is True  # gloo
+    assert results[1]["short_tail"] == 0xAB and results[1]["short_head"] == [0.0, 1.0, 2.0, 3.0]
+    assert results[0]["gradients"] == 2
+    for short in (True, False):
+        assert results[1][short]["checked"] == results[2][short]["checked"] == STEPS, short
+        messages = results[0][short]["messages"]
+        for step in SAME_LAYOUT:
+            assert messages[step] == 2, f"step {step}: a known layout must cost one message per receiver, not {messages[step]}"
+        # the first transfer: header + structure + data per receiver; later changes add the
+        # message that tells the receiver to read a header
+        assert messages[0] == 6
+        assert messages[2] == 2 * 3  # filler, header, data (the structure did not change)
+        assert messages[3] == 2 * 4  # filler, header, structure, data
 
 
 def test_structures_travel_as_pytree_json_and_namedtuples_by_pickle() -> None:

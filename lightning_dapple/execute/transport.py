@@ -142,12 +142,58 @@ def unpack(buffer: torch.Tensor, metas: Sequence[LeafMeta], rows: int) -> list[t
     return out
 
 
+def as_message(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """What to send for ``tensors``: a lone tensor as it is (no copy: gloo and NCCL move raw
+    bytes, and the receiver knows its dtype and shape), several packed into one buffer."""
+    if len(tensors) == 1:
+        tensor = tensors[0]
+        return tensor if tensor.is_contiguous() else tensor.contiguous()
+    return pack(tensors)
+
+
+def short_messages_match() -> bool:
+    """Whether a message may be shorter than the receive posted for it, leaving the rest of
+    the receive buffer as it was. gloo allows it (a message's length must not exceed the
+    posted buffer; ``tests/test_transport.py`` checks the behaviour); NCCL requires equal
+    counts, so there every activation keeps its flag byte."""
+    return dist.is_initialized() and dist.get_backend() == "gloo"
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    """A receive buffer: its shape and dtype, and whether it starts zeroed (an activation's
+    trailing flag byte must read "same layout" when a short message leaves it untouched)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    zeroed: bool = False
+
+    def make(self, device: torch.device) -> torch.Tensor:
+        make = torch.zeros if self.zeroed else torch.empty
+        return make(self.shape, dtype=self.dtype, device=device)
+
+
+def _activation_buffer(metas: Sequence[LeafMeta], rows: int) -> BufferSpec:
+    """The leaves' bytes and a flag byte, zeroed (FLAG_SAME_LAYOUT)."""
+    return BufferSpec((_payload_bytes(metas, rows) + 1,), torch.uint8, zeroed=True)
+
+
+def _gradient_buffer(metas: Sequence[LeafMeta], rows: int) -> BufferSpec:
+    """A lone gradient arrives in its own dtype and shape (no unpacking); several, as bytes."""
+    if len(metas) == 1:
+        return BufferSpec((rows, *metas[0].tail_shape), metas[0].dtype)
+    return BufferSpec((_payload_bytes(metas, rows),), torch.uint8)
+
+
 class Transport:
     """Sends and receives boundary tensors of one rank, with bounded waits."""
 
-    def __init__(self, failure: FailureChannel, device: torch.device) -> None:
+    def __init__(self, failure: FailureChannel, device: torch.device, short_messages: bool | None = None) -> None:
         self.failure = failure
         self.device = device
+        # whether a known layout's activation may travel without its flag byte (see
+        # ``short_messages_match``); None: decide from the backend
+        self.short = short_messages_match() if short_messages is None else short_messages
         # per peer: the layout of the last activation sent to / received from it
         self._layout_sent: dict[int, tuple[tuple[LeafMeta, ...], Any]] = {}
         self._layout_received: dict[int, tuple[tuple[LeafMeta, ...], Any]] = {}
@@ -183,7 +229,10 @@ class Transport:
             data = leaves if hi - lo == my_rows[1] - my_rows[0] else [leaf[lo:hi] for leaf in leaves]
             known = self._layout_sent.get(peer.rank)
             if known == (metas, spec):
-                self._isend(pack(data, FLAG_SAME_LAYOUT), peer.rank, what, key)
+                if self.short and _payload_bytes(metas, hi - lo):
+                    self._isend(as_message(data), peer.rank, what, key)  # the receiver's flag byte stays "same"
+                else:
+                    self._isend(pack(data, FLAG_SAME_LAYOUT), peer.rank, what, key)
                 continue
             if known is not None:  # the receiver expects the old layout's size: tell it to read a header
                 filler = torch.zeros(_payload_bytes(known[0], hi - lo) + 1, dtype=torch.uint8)
@@ -205,7 +254,7 @@ class Transport:
                 continue
             lo, hi = rows[0] - my_rows[0], rows[1] - my_rows[0]
             whole = hi - lo == my_rows[1] - my_rows[0]
-            self._isend(pack(grads if whole else [grad[lo:hi] for grad in grads]), peer.rank, what, key)
+            self._isend(as_message(grads if whole else [grad[lo:hi] for grad in grads]), peer.rank, what, key)
 
     @staticmethod
     def _header(metas: Sequence[LeafMeta], spec: Any, send_spec: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -253,15 +302,15 @@ class Transport:
         self.failure.wait(dist.irecv(tensor, peer), f"{what} from rank {peer}")
         return tensor
 
-    def _take(self, posted: list[tuple[int, Any, torch.Tensor]] | None, size: int, peer: int, what: str) -> torch.Tensor:
-        """The next message of ``size`` bytes from ``peer``: the receive posted ahead for
-        it if there is one, else a receive posted now."""
+    def _take(self, posted: list[tuple[int, Any, torch.Tensor]] | None, spec: "BufferSpec", peer: int, what: str) -> torch.Tensor:
+        """The next message from ``peer``, into a buffer made by ``spec``: the receive posted
+        ahead for it if there is one, else a receive posted now."""
         if posted:
             rank, work, buffer = posted.pop(0)
-            assert rank == peer and buffer.numel() == size, (rank, peer, buffer.numel(), size)
+            assert rank == peer and buffer.shape == spec.shape and buffer.dtype == spec.dtype, (rank, peer, buffer.shape, spec)
             self.failure.wait(work, f"{what} from rank {peer}")
             return buffer
-        return self._recv(torch.empty(size, dtype=torch.uint8, device=self.device), peer, what)
+        return self._recv(spec.make(self.device), peer, what)
 
     # -- receiving ahead -----------------------------------------------------
     # A receive posted before the rank needs it lets the data arrive while the rank computes
@@ -281,7 +330,7 @@ class Transport:
             known = self._layout_received.get(peer.rank)
             if known is None:
                 return False
-            sizes.append((peer.rank, _payload_bytes(known[0], rows[1] - rows[0]) + 1))
+            sizes.append((peer.rank, _activation_buffer(known[0], rows[1] - rows[0])))
         self._post(what, sizes)
         return True
 
@@ -292,15 +341,15 @@ class Transport:
         for peer in peers:
             rows = overlap(my_rows, peer.rows)
             if rows is not None:
-                sizes.append((peer.rank, _payload_bytes(metas, rows[1] - rows[0])))
+                sizes.append((peer.rank, _gradient_buffer(metas, rows[1] - rows[0])))
         self._post(what, sizes)
 
-    def _post(self, what: str, sizes: list[tuple[int, int]]) -> None:
+    def _post(self, what: str, specs: list[tuple[int, "BufferSpec"]]) -> None:
         if what in self._posted:
             raise RuntimeError(f"receives of {what} were already posted")
         posted = []
-        for rank, size in sizes:
-            buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
+        for rank, spec in specs:
+            buffer = spec.make(self.device)
             posted.append((rank, dist.irecv(buffer, rank), buffer))
         self._posted[what] = posted
 
@@ -322,8 +371,7 @@ class Transport:
             known = self._layout_received.get(peer.rank)
             buffer = None
             if known is not None:
-                size = _payload_bytes(known[0], count)
-                message = self._take(posted, size + 1, peer.rank, what)
+                message = self._take(posted, _activation_buffer(known[0], count), peer.rank, what)
                 if int(message[-1].item()) == FLAG_SAME_LAYOUT:
                     buffer = message  # unpack reads the leaves' bytes and leaves the flag byte
             if buffer is None:
@@ -364,8 +412,8 @@ class Transport:
             if rows is None:
                 continue
             count = rows[1] - rows[0]
-            buffer = self._take(posted, _payload_bytes(metas, count), peer.rank, what)
-            pieces.append(unpack(buffer, metas, count))
+            buffer = self._take(posted, _gradient_buffer(metas, count), peer.rank, what)
+            pieces.append([buffer] if len(metas) == 1 else unpack(buffer, metas, count))
         return [parts[0] if len(pieces) == 1 else torch.cat(parts) for parts in zip(*pieces)]
 
     @staticmethod
