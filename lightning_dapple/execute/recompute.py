@@ -15,7 +15,8 @@ Pieces used by ``execute/runner.py``:
   recomputed micro-batch, which keeps only the stage input;
 * ``seeded(seed, device)``: run under a fixed RNG seed and restore the caller's RNG state
   afterwards, so the F of a micro-batch and its recomputation draw the same dropout masks
-  and the rest of the program sees an RNG stream the pipeline did not advance;
+  and the rest of the program sees an RNG stream the pipeline did not advance (a training
+  step saves and restores once, with ``save_rng``/``restore_rng``, and ``reseed``s per forward);
 * ``frozen_buffers(modules)``: buffers (BatchNorm running statistics) are put back after
   a recomputation, so they are updated once per micro-batch as without it;
 * ``weight_groups(layers)``: the unit of W work -- one layer, or several layers merged
@@ -57,6 +58,9 @@ __all__ = [
     "frozen_buffers",
     "output_edges",
     "seeded",
+    "save_rng",
+    "restore_rng",
+    "reseed",
     "tensor_bytes",
     "tensor_leaves",
     "weight_groups",
@@ -79,19 +83,38 @@ def discard_saved() -> contextlib.AbstractContextManager[Any]:
 @contextlib.contextmanager
 def seeded(seed: int, device: torch.device) -> Iterator[None]:
     """Run with the CPU (and ``device``'s CUDA) generator seeded by ``seed``; restore after."""
-    cpu_state = torch.get_rng_state()
+    state = save_rng(device)
+    try:
+        reseed(seed, device)
+        yield
+    finally:
+        restore_rng(state)
+
+
+def save_rng(device: torch.device) -> tuple[torch.Tensor, tuple[int, torch.Tensor] | None]:
+    """The CPU (and ``device``'s CUDA) generator state, for ``restore_rng``. A training step
+    saves it once and ``reseed``s before each forward, rather than saving and restoring around
+    every micro-batch (two tensor copies per forward on the per-micro-batch path)."""
     cuda_state = None
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         cuda_state = (index, torch.cuda.get_rng_state(index))
+    return torch.get_rng_state(), cuda_state
+
+
+def restore_rng(state: tuple[torch.Tensor, tuple[int, torch.Tensor] | None]) -> None:
+    cpu_state, cuda_state = state
+    torch.set_rng_state(cpu_state)
+    if cuda_state is not None:
+        torch.cuda.set_rng_state(cuda_state[1], cuda_state[0])
+
+
+def reseed(seed: int, device: torch.device) -> None:
+    """Seed the CPU (and ``device``'s CUDA) generator (between ``save_rng`` and ``restore_rng``)."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
         torch.cuda.default_generators[index].manual_seed(seed)
     torch.default_generator.manual_seed(seed)
-    try:
-        yield
-    finally:
-        torch.set_rng_state(cpu_state)
-        if cuda_state is not None:
-            torch.cuda.set_rng_state(cuda_state[1], cuda_state[0])
 
 
 @contextlib.contextmanager
@@ -126,6 +149,8 @@ def weight_groups(layers: Sequence[nn.Module]) -> list[tuple[int, int]]:
 
 
 def tensor_leaves(value: Any) -> list[torch.Tensor]:
+    if type(value) is torch.Tensor:  # the common layer output: no tree walk
+        return [value]
     return [leaf for leaf in pytree.tree_leaves(value) if isinstance(leaf, torch.Tensor)]
 
 

@@ -57,7 +57,9 @@ from lightning_dapple.execute.recompute import (
     discard_saved,
     frozen_buffers,
     output_edges,
-    seeded,
+    reseed,
+    restore_rng,
+    save_rng,
     tensor_bytes,
     tensor_leaves,
     weight_groups,
@@ -181,6 +183,7 @@ class StageRunner:
         self._param_owner = owner
         self._edge_sink: list[list[WeightWork]] | None = None
         self._steps = 0
+        self._base_seed = torch.initial_seed()
         # positions of this stage's receive actions (what ``_post_ahead`` looks for)
         own = schedule.actions[self.stage] if self.stage < schedule.num_stages else []
         self._receive_positions = [i for i, a in enumerate(own) if a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD)]
@@ -277,7 +280,7 @@ class StageRunner:
 
     def _seed(self, microbatch: int) -> int:
         """The RNG seed of one micro-batch's forward on this rank in this step."""
-        return hash((torch.initial_seed(), self._steps, self.stage, self.replica, microbatch)) & 0x7FFF_FFFF_FFFF_FFFF
+        return hash((self._base_seed, self._steps, self.stage, self.replica, microbatch)) & 0x7FFF_FFFF_FFFF_FFFF
 
     # -- stash accounting (schedule.ooo.stash_walk with measured sizes) ----------
     def _hold(self, mb: int, nbytes: int) -> None:
@@ -312,6 +315,8 @@ class StageRunner:
         receives = self._receive_positions
         upcoming = 0  # index into ``receives`` of the first receive not yet executed
         self.results.post()
+        rng = save_rng(self.device)  # every F reseeds; the caller's RNG stream is put back when the step ends
+        self._base_seed = torch.initial_seed()  # before any reseed changes what initial_seed() answers
         try:
             for position, action in enumerate(actions):
                 mb = action.microbatch
@@ -340,8 +345,8 @@ class StageRunner:
                         item.edges = []
                         self._edge_sink = item.edges
                     try:
-                        with seeded(self._seed(mb), self.device):
-                            self._forward(item, take_rows(batch, *item.rows), callbacks, batch_rows, recompute)
+                        reseed(self._seed(mb), self.device)
+                        self._forward(item, take_rows(batch, *item.rows), callbacks, batch_rows, recompute)
                     finally:
                         self._measure = None
                         self._edge_sink = None
@@ -405,6 +410,7 @@ class StageRunner:
                 self._finish_allreduce(*allreduce)
             self._finish_buckets()
         finally:
+            restore_rng(rng)
             self._steps += 1
         loss_sum = torch.stack(losses).to(torch.float64).sum().cpu() if losses else torch.zeros((), dtype=torch.float64)
         loss, shared = self.results.share(loss_sum, extras() if (extras is not None and self.is_last) else None)
@@ -469,7 +475,8 @@ class StageRunner:
             item.edges = []
             self._edge_sink = item.edges
         try:
-            with seeded(self._seed(mb), self.device), frozen_buffers(self._buffers):
+            reseed(self._seed(mb), self.device)  # the step restores the caller's RNG state
+            with frozen_buffers(self._buffers):
                 outputs = self.run_layers(item.inputs)
         finally:
             self._measure = None
@@ -699,7 +706,7 @@ class StageRunner:
 
 def _layout_key(value: Any) -> tuple:
     """What decides the tensors a forward saves: the layout of its input, not its values."""
-    leaves = tensor_leaves(value)
+    leaves = [value] if type(value) is torch.Tensor else tensor_leaves(value)
     return (torch.is_grad_enabled(), *((tuple(t.shape), t.dtype, t.requires_grad, t.device) for t in leaves))
 
 

@@ -5,18 +5,30 @@ receiver needs others; a sender ships to every receiver the rows both hold, and 
 receiver concatenates the pieces in row order. Row ranges come from ``slicing``, so both
 sides agree on them without negotiation.
 
-An activation transfer is one message once both sides know its layout: the packed bytes
-of every tensor leaf followed by one flag byte. Each side remembers, per peer, the layout
-(dtype, requires_grad and shape beyond the batch dimension of every leaf, and the pytree
-structure) of the last activation that went between them, so the receiver can post a
-receive of exactly the right size. When the layout changes (the first transfer, or e.g.
-an eval pass where nothing requires grad), the sender first sends a message of the size
-the receiver expects with the flag byte set, then a fixed-size int64 header describing
-the new layout (followed by the pickled structure when that changed too) and the data.
+An activation transfer is one message once both sides know its layout. Each side remembers,
+per peer, the layout (dtype, requires_grad and shape beyond the batch dimension of every
+leaf, and the pytree structure) of the last activation that went between them, so the
+receiver can post a receive of the right size: the leaves' bytes plus one flag byte, zeroed
+("same layout"). When the layout changes (the first transfer, or e.g. an eval pass where
+nothing requires grad), the sender first sends a message that fills the whole receive with
+the flag byte set, then a fixed-size int64 header describing the new layout (followed by the
+structure when that changed too) and the data.
+
+In the steady state, what the sender sends depends on the backend:
+* under gloo, which accepts a message shorter than the receive posted for it and leaves the
+  rest of the buffer as it was, the sender sends the stage output itself (a lone tensor
+  goes as it is, several are packed), and the receiver's flag byte stays "same";
+* under NCCL, which needs equal sizes, every message carries its flag byte.
+
 Per-message overhead is what a pipeline of small stages pays most for (DAPPLE 5.2: the
-schedule only helps if the transfers between stages stay cheap), so the steady state is
-one round trip per transfer. A gradient transfer is one byte buffer: its receiver already
-knows the shapes (it sent the activations) and only leaves that require grad travel back.
+schedule only helps if the transfers between stages stay cheap), so the steady state is one
+round trip per transfer, with as few tensor operations as possible. Between the GEMMs and
+gloo calls of a loaded step each operation costs far more than alone
+(``benchmarks/step_breakdown.py --clock cpu``).
+
+A gradient transfer is one message: its receiver already knows the shapes (it sent the
+activations) and only leaves that require grad travel back. A lone gradient is sent as it
+is and received straight into a tensor of its dtype and shape.
 """
 from __future__ import annotations
 
