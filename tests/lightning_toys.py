@@ -106,7 +106,7 @@ class ExitCleanupProbe(Callback):
     def teardown(self, trainer, pl_module, stage) -> None:
         from lightning_dapple.execute import shutdown
 
-        registered = len(shutdown._owners)
+        registered = [ref() is trainer.strategy for ref in shutdown._owners]
         before = _thread_names()
         shutdown.destroy_groups()
         with open(f"{self.directory}/exit_rank{trainer.global_rank}.json", "w") as stream:

@@ -153,3 +153,22 @@ def test_structures_travel_as_pytree_json_and_namedtuples_by_pickle() -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             assert _spec_from_bytes(raw) == spec
+
+
+def test_awkward_layouts_pack_and_lone_tensors_go_as_they_are() -> None:
+    """Leaves whose flattened view is not a dense byte range (an expanded, stride-0 gradient;
+    a column slice; a transpose) pack and unpack exactly; a lone tensor is sent as itself
+    (contiguous) unless it is complex, which travels as bytes (NCCL has no complex type)."""
+    from lightning_dapple.execute.transport import _meta_of, as_message, pack, unpack
+
+    base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    leaves = [torch.ones(3, 1).expand(3, 4), base[:, 0], base.t().contiguous().t(), base.double()]
+    message = as_message(leaves)
+    assert message.dtype == torch.uint8
+    for got, want in zip(unpack(pack(leaves), [_meta_of(t) for t in leaves], 3), leaves):
+        assert torch.equal(got, want)
+    assert torch.equal(unpack(message, [_meta_of(t) for t in leaves], 3)[1], base[:, 0])
+    column = as_message([base[:, 1]])
+    assert column.dtype == torch.float32 and column.is_contiguous() and torch.equal(column, base[:, 1])
+    assert as_message([base]) is base  # no copy
+    assert as_message([torch.zeros(3, 2, dtype=torch.complex64)]).dtype == torch.uint8

@@ -14,41 +14,50 @@ dump of a reproduction (two ranks exiting with all-reduces still queued) shows t
 
 Destroying the groups in an ``atexit`` handler, after their owners have dropped their
 references (a group still referenced keeps its threads), joins those threads while the
-interpreter is whole. It is skipped after a failure: a peer that is gone can keep a
-collective (and so the join) waiting, and a failing rank must exit promptly (see ``failure``).
+interpreter is whole. Owners (strategies) are held weakly, so a finished Trainer is not kept
+alive until exit. The most recently registered owner decides whether to skip: after a failure
+a peer that is gone can keep a collective (and so the join) waiting, and a failing rank must
+exit promptly (see ``failure``). Under NCCL, Lightning registers its own exit-time destroy,
+which runs whatever this handler decides.
 """
 from __future__ import annotations
 
 import atexit
 import gc
-from typing import Callable
+import weakref
+from typing import Any
 
 import torch.distributed as dist
 
-# (failed, release) per owner: whether a rank failed; drop the owner's group references
-_owners: list[tuple[Callable[[], bool], Callable[[], None]]] = []
+# owners (held weakly), oldest first; each has ``exit_failed()`` and ``release_groups()``
+_owners: list[weakref.ref] = []
 _registered = False
 
 
-def destroy_groups_at_exit(failed: Callable[[], bool], release: Callable[[], None]) -> None:
-    """At exit, unless some owner's ``failed()`` is true, call every owner's ``release()``
-    and destroy all process groups. One handler per process; each call adds an owner."""
+def destroy_groups_at_exit(owner: Any) -> None:
+    """At exit, unless ``owner.exit_failed()`` (asked of the latest owner), call every live
+    owner's ``release_groups()`` and destroy all process groups. One handler per process;
+    registering an owner again makes it the latest."""
     global _registered
-    _owners.append((failed, release))
+    _owners[:] = [ref for ref in _owners if ref() is not None and ref() is not owner]
+    _owners.append(weakref.ref(owner))
     if not _registered:
         atexit.register(destroy_groups)
         _registered = True
 
 
 def destroy_groups() -> None:
-    """The exit handler: release the owners' groups, destroy them all, collect the garbage
-    that still references them (their destructors join gloo's threads)."""
-    owners, _owners[:] = list(_owners), []
-    if not dist.is_available() or not dist.is_initialized():
+    """The exit handler: release the owners' groups, destroy them all, and collect the
+    garbage that still references them (their destructors join gloo's threads). Runs the
+    release even when the user destroyed the default group already, since subgroups the
+    owners hold would keep their threads."""
+    owners = [owner for owner in (ref() for ref in _owners) if owner is not None]
+    _owners.clear()
+    if owners and owners[-1].exit_failed():
         return
-    if any(failed() for failed, _ in owners):
-        return
-    for _, release in owners:
-        release()
-    dist.destroy_process_group()
+    for owner in owners:
+        owner.release_groups()
+    del owners
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
     gc.collect()

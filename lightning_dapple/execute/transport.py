@@ -136,7 +136,9 @@ def _payload_bytes(metas: Sequence[LeafMeta], rows: int) -> int:
 
 def pack(tensors: Sequence[torch.Tensor], flag: int | None = None) -> torch.Tensor:
     """All tensors as one contiguous byte buffer, with a trailing ``flag`` byte if given."""
-    parts = [t.detach().reshape(-1).view(torch.uint8) for t in tensors]  # reshape copies only what is not contiguous
+    # contiguous() first: a flattened view of e.g. an expanded (stride-0) gradient or a column
+    # slice is not a dense byte range
+    parts = [t.detach().contiguous().view(-1).view(torch.uint8) for t in tensors]
     if flag is not None:
         device = parts[0].device if parts else torch.device("cpu")
         parts.append(_FLAGS[flag] if device.type == "cpu" else torch.full((1,), flag, dtype=torch.uint8, device=device))
@@ -149,18 +151,27 @@ def unpack(buffer: torch.Tensor, metas: Sequence[LeafMeta], rows: int) -> list[t
     out, offset = [], 0
     for meta in metas:
         size = meta.nbytes(rows)
-        out.append(buffer[offset : offset + size].view(meta.dtype).reshape(rows, *meta.tail_shape))
+        chunk = buffer[offset : offset + size]
+        if offset % meta.dtype.itemsize:  # after leaves of smaller items: copy to an aligned start
+            chunk = chunk.clone()
+        out.append(chunk.view(meta.dtype).reshape(rows, *meta.tail_shape))
         offset += size
     return out
 
 
 def as_message(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """What to send for ``tensors``: a lone tensor as it is (no copy: gloo and NCCL move raw
-    bytes, and the receiver knows its dtype and shape), several packed into one buffer."""
-    if len(tensors) == 1:
+    """What to send for ``tensors``: a lone tensor as it is (no copy; the receiver knows its
+    dtype and shape), several packed into one buffer. Complex tensors are always sent as bytes:
+    NCCL has no complex type."""
+    if len(tensors) == 1 and _as_is(tensors[0].dtype):
         tensor = tensors[0]
         return tensor if tensor.is_contiguous() else tensor.contiguous()
     return pack(tensors)
+
+
+def _as_is(dtype: torch.dtype) -> bool:
+    """Whether a lone tensor of ``dtype`` travels in its own dtype (else as bytes)."""
+    return not dtype.is_complex
 
 
 def short_messages_match() -> bool:
@@ -192,7 +203,7 @@ def _activation_buffer(metas: Sequence[LeafMeta], rows: int) -> BufferSpec:
 
 def _gradient_buffer(metas: Sequence[LeafMeta], rows: int) -> BufferSpec:
     """A lone gradient arrives in its own dtype and shape (no unpacking); several, as bytes."""
-    if len(metas) == 1:
+    if len(metas) == 1 and _as_is(metas[0].dtype):
         return BufferSpec((rows, *metas[0].tail_shape), metas[0].dtype)
     return BufferSpec((_payload_bytes(metas, rows),), torch.uint8)
 
@@ -417,6 +428,7 @@ class Transport:
     def recv_gradient(self, like: Sequence[torch.Tensor], my_rows: tuple[int, int], peers: Sequence[Peer], what: str) -> list[torch.Tensor]:
         """Gradients for the leaves ``like`` (this rank's outputs that require grad)."""
         metas = [_meta_of(t) for t in like]
+        typed = len(metas) == 1 and _as_is(metas[0].dtype)  # arrives in its own dtype and shape (_gradient_buffer)
         pieces = []
         posted = self._posted.pop(what, None)
         for peer in peers:
@@ -425,7 +437,7 @@ class Transport:
                 continue
             count = rows[1] - rows[0]
             buffer = self._take(posted, _gradient_buffer(metas, count), peer.rank, what)
-            pieces.append([buffer] if len(metas) == 1 else unpack(buffer, metas, count))
+            pieces.append([buffer] if typed else unpack(buffer, metas, count))
         return [parts[0] if len(pieces) == 1 else torch.cat(parts) for parts in zip(*pieces)]
 
     @staticmethod

@@ -227,9 +227,13 @@ class DappleStrategy(DDPStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         # gloo groups left to the interpreter's finalization can abort a finished run (shutdown.py)
-        destroy_groups_at_exit(lambda: self.failure is not None and self.failure.known_failed, self._release_groups)
+        destroy_groups_at_exit(self)
 
-    def _release_groups(self) -> None:
+    def exit_failed(self) -> bool:
+        """Whether this rank has seen a failure (then the exit handler leaves the groups alone)."""
+        return self.failure is not None and self.failure.known_failed
+
+    def release_groups(self) -> None:
         """Drop this strategy's references to process groups (so that destroying them at
         exit joins their threads; shutdown.py)."""
         self.runner = None
