@@ -3,6 +3,7 @@ which owners it releases, and when it leaves the groups alone."""
 from __future__ import annotations
 
 import gc
+import weakref
 
 from lightning_dapple.execute import shutdown
 
@@ -24,9 +25,11 @@ def test_live_owners_are_released_and_held_weakly() -> None:
     shutdown.destroy_groups_at_exit(dropped)
     shutdown.destroy_groups_at_exit(kept)
     shutdown.destroy_groups_at_exit(kept)  # registering again does not duplicate
+    probe = weakref.ref(dropped)
     del dropped
     gc.collect()
-    assert [ref() for ref in shutdown._owners] == [None, kept] or [ref() for ref in shutdown._owners] == [kept]
+    assert probe() is None  # the handler did not keep it alive
+    assert [ref() for ref in shutdown._owners if ref() is not None] == [kept]
     shutdown.destroy_groups()  # no process group here: releases all the same
     assert kept.released == 1
     assert shutdown._owners == []

@@ -182,10 +182,10 @@ def short_messages_match() -> bool:
     return dist.is_initialized() and dist.get_backend() == "gloo"
 
 
-@dataclass(frozen=True)
-class BufferSpec:
+class BufferSpec(NamedTuple):
     """A receive buffer: its shape and dtype, and whether it starts zeroed (an activation's
-    trailing flag byte must read "same layout" when a short message leaves it untouched)."""
+    trailing flag byte must read "same layout" when a short message leaves it untouched).
+    A named tuple, like ``LeafMeta``: one is built per receive."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
@@ -201,11 +201,23 @@ def _activation_buffer(metas: Sequence[LeafMeta], rows: int) -> BufferSpec:
     return BufferSpec((_payload_bytes(metas, rows) + 1,), torch.uint8, zeroed=True)
 
 
+def _typed_gradient(metas: Sequence[LeafMeta]) -> bool:
+    """Whether gradients of these leaves arrive in their own dtype and shape (one leaf that
+    travels as is, see ``as_message``) rather than as bytes to unpack."""
+    return len(metas) == 1 and _as_is(metas[0].dtype)
+
+
 def _gradient_buffer(metas: Sequence[LeafMeta], rows: int) -> BufferSpec:
-    """A lone gradient arrives in its own dtype and shape (no unpacking); several, as bytes."""
-    if len(metas) == 1 and _as_is(metas[0].dtype):
+    if _typed_gradient(metas):
         return BufferSpec((rows, *metas[0].tail_shape), metas[0].dtype)
     return BufferSpec((_payload_bytes(metas, rows),), torch.uint8)
+
+
+def _rows_of(tensors: Sequence[torch.Tensor], lo: int, hi: int) -> Sequence[torch.Tensor]:
+    """Rows ``[lo, hi)`` of each tensor; the tensors themselves when that is all of them."""
+    if not tensors or (lo == 0 and hi == tensors[0].shape[0]):
+        return tensors
+    return [tensor[lo:hi] for tensor in tensors]
 
 
 class Transport:
@@ -249,7 +261,7 @@ class Transport:
             if rows is None:
                 continue
             lo, hi = rows[0] - my_rows[0], rows[1] - my_rows[0]
-            data = leaves if hi - lo == my_rows[1] - my_rows[0] else [leaf[lo:hi] for leaf in leaves]
+            data = _rows_of(leaves, lo, hi)
             known = self._layout_sent.get(peer.rank)
             if known == (metas, spec):
                 if self.short and _payload_bytes(metas, hi - lo):
@@ -276,8 +288,7 @@ class Transport:
             if rows is None:
                 continue
             lo, hi = rows[0] - my_rows[0], rows[1] - my_rows[0]
-            whole = hi - lo == my_rows[1] - my_rows[0]
-            self._isend(as_message(grads if whole else [grad[lo:hi] for grad in grads]), peer.rank, what, key)
+            self._isend(as_message(_rows_of(grads, lo, hi)), peer.rank, what, key)
 
     @staticmethod
     def _header(metas: Sequence[LeafMeta], spec: Any, send_spec: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -428,7 +439,7 @@ class Transport:
     def recv_gradient(self, like: Sequence[torch.Tensor], my_rows: tuple[int, int], peers: Sequence[Peer], what: str) -> list[torch.Tensor]:
         """Gradients for the leaves ``like`` (this rank's outputs that require grad)."""
         metas = [_meta_of(t) for t in like]
-        typed = len(metas) == 1 and _as_is(metas[0].dtype)  # arrives in its own dtype and shape (_gradient_buffer)
+        typed = _typed_gradient(metas)
         pieces = []
         posted = self._posted.pop(what, None)
         for peer in peers:
