@@ -15,7 +15,7 @@ def test_buckets_fill_from_the_back_in_launch_order() -> None:
     sizes = [4, 1, 1, 3, 0, 2, 2]
     assert bucket_layers(sizes, 0, 7, bucket_bytes=4) == [(5, 7), (2, 5), (0, 2)]
     # a sub-range: only its own layers
-    assert bucket_layers(sizes, 1, 4, bucket_bytes=4) == [(1, 4)]
+    assert bucket_layers(sizes, 1, 4, bucket_bytes=4) == [(2, 4), (1, 2)]
     # a layer larger than the bucket stays whole and closes its bucket
     assert bucket_layers([10, 1, 1], 0, 3, bucket_bytes=2) == [(1, 3), (0, 1)]
 
