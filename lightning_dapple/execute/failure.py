@@ -20,11 +20,23 @@ in turn. A watchdog thread polls the key every ``poll_s``; when a peer has faile
 this rank stays blocked for ``grace_s`` (a peer that raised but did not exit), it prints
 the peer's message and ends the process, so no rank outlives a failure by more than
 ``grace_s`` plus a poll, and ``timeout_s`` bounds every wait regardless.
+
+A rank that dies without raising (SIGKILL, the OOM killer, a segfault) reports nothing.
+Its peers' waits on it fail at once ("connection closed"); the first to notice names it
+-- the peer a receive waited for, else the ranks whose heartbeat stopped -- prints one
+line and publishes that line as the failure, so every rank stops with the dead rank's
+name. Every watchdog adds one to its rank's heartbeat counter every ``heartbeat_s``; a
+rank blocked for long compares its peers' counters, and one silent for
+``unresponsive_s`` (a stopped or hung process, whose connections stay open) is reported
+the same way, well within ``timeout_s``. When the store itself is gone, its host is: rank
+0 under Lightning's launchers, the node-0 agent under torchrun. The first failure
+published wins (a ticket counter), so the root cause is what every rank prints.
 """
 from __future__ import annotations
 
 import atexit
 import os
+import re
 import sys
 import threading
 import time
@@ -34,6 +46,8 @@ from typing import Any, Sequence
 import torch.distributed as dist
 
 FAILURE_KEY = "lightning_dapple/failure"
+TICKET_KEY = "lightning_dapple/failure_ticket"
+HEARTBEAT_KEY = "lightning_dapple/heartbeat/{rank}"
 
 
 class PeerFailedError(RuntimeError):
@@ -54,17 +68,29 @@ class FailureChannel:
         poll_s: float = 0.25,
         store: Any = None,
         grace_s: float = 20.0,
+        world_size: int | None = None,
+        heartbeat_s: float = 1.0,
+        unresponsive_s: float | None = None,
     ) -> None:
         self.rank = rank
         self.timeout_s = timeout_s
         self.poll_s = poll_s
         self.grace_s = grace_s
+        self.heartbeat_s = heartbeat_s
+        # a live process beats from this thread even while its main thread computes, so a
+        # silence of a few heartbeats already means stopped; bounded by the wait timeout
+        self.unresponsive_s = unresponsive_s if unresponsive_s is not None else min(timeout_s, 30.0)
+        if world_size is None:
+            world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        self.world_size = world_size
         self._store = store if store is not None else _default_store()
         self._reported = False
         self._peer_message: str | None = None
         self._peer_seen_at = 0.0
         self._blocked_on: str | None = None
         self._blocked_since = 0.0
+        self._beats: dict[int, tuple[int, float]] = {}  # peer -> (last counter seen, when it last changed)
+        self._last_beat = 0.0
         self._closed = threading.Event()
         self._watchdog = threading.Thread(target=self._watch, name="dapple-watchdog", daemon=True)
         self._watchdog.start()
@@ -79,9 +105,13 @@ class FailureChannel:
         if self._reported or isinstance(exc, PeerFailedError):
             return
         self._reported = True
-        message = f"rank {self.rank} raised {type(exc).__name__}: {exc}"
+        self._publish(f"rank {self.rank} raised {type(exc).__name__}: {exc}")
+
+    def _publish(self, message: str) -> None:
+        """Make ``message`` the job's failure unless another rank published first."""
         try:
-            self._store.set(FAILURE_KEY, message)
+            if int(self._store.add(TICKET_KEY, 1)) == 1:
+                self._store.set(FAILURE_KEY, message)
         except Exception:  # the store may already be gone at shutdown; nothing else to do
             pass
 
@@ -137,34 +167,128 @@ class FailureChannel:
 
     def _raise_for(self, exc: BaseException, what: str) -> None:
         """A wait failed: a peer that raised reports before it exits (and its exit is what
-        woke us), so prefer its message; else say what timed out or broke."""
-        settle = time.monotonic() + min(5.0, self.timeout_s)
+        woke us), so prefer its message; else name the rank that died or say what timed out."""
+        settle = time.monotonic() + min(1.0, self.timeout_s)
         while self._read_report() is None and time.monotonic() < settle:
             time.sleep(0.05)
         self.check()
-        if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
+        text = str(exc).lower()
+        if "timed out" in text or "timeout" in text:
+            silent = self._silent_peers(self.unresponsive_s)
+            suspect = f"; rank(s) {silent} stopped beating" if silent else ""
             raise CommTimeoutError(
-                f"rank {self.rank}: no progress for {self.timeout_s:.0f} s while waiting for {what}; "
+                f"rank {self.rank}: no progress for {self.timeout_s:.0f} s while waiting for {what}{suspect}; "
                 "a peer may be stuck or dead. Raise DappleStrategy(timeout_s=...) if steps are this slow."
             ) from exc
-        raise CommTimeoutError(f"rank {self.rank}: {what} failed: {exc}") from exc
+        message = self._name_the_dead(what, exc)
+        self._peer_message = message  # known here even when the store is gone
+        self._peer_seen_at = time.monotonic()
+        self._say(f"{message} (seen on rank {self.rank})")
+        raise PeerFailedError(f"{message} (seen on rank {self.rank})") from exc
+
+    def _name_the_dead(self, what: str, exc: BaseException) -> str:
+        """The failure line for a connection that broke with no report published."""
+        try:
+            self._store.check([FAILURE_KEY])
+        except Exception:
+            return (
+                f"the job's store is unreachable, so its host died ({_store_host()}); "
+                f"rank {self.rank} was waiting for {what} ({exc})"
+            )
+        named = re.search(r"rank (\d+)", what)
+        if named is not None:
+            message = (
+                f"rank {named.group(1)} died without reporting an error (killed or crashed: its connection closed); "
+                f"rank {self.rank} was waiting for {what}"
+            )
+        else:
+            silent = self._silent_peers(3 * self.heartbeat_s)
+            who = f"rank(s) {silent}" if silent else "a peer"
+            message = f"{who} died without reporting an error (its heartbeat stopped); rank {self.rank}'s {what} failed: {exc}"
+        self._publish(message)
+        return self._read_report() or message
+
+    # -- heartbeats ---------------------------------------------------------------
+    def _beat(self) -> None:
+        now = time.monotonic()
+        if now - self._last_beat >= self.heartbeat_s:
+            self._last_beat = now
+            try:
+                self._store.add(HEARTBEAT_KEY.format(rank=self.rank), 1)
+            except Exception:  # store gone: peers learn it from their own store calls
+                pass
+
+    def _scan_beats(self) -> None:
+        """Record each peer's heartbeat counter and when it last changed."""
+        peers = [r for r in range(self.world_size) if r != self.rank]
+        if not peers:
+            return
+        keys = [HEARTBEAT_KEY.format(rank=r) for r in peers]
+        try:
+            # a peer that never beat yet has no key; counting from zero is the same silence
+            present = [key for key in keys if self._store.check([key])]
+            values = dict(zip(present, self._store.multi_get(present))) if present else {}
+        except Exception:
+            return
+        now = time.monotonic()
+        for peer, key in zip(peers, keys):
+            value = int(values.get(key, b"0") or 0)
+            seen = self._beats.get(peer)
+            if seen is None or seen[0] != value:
+                self._beats[peer] = (value, now)
+
+    def _silent_peers(self, window_s: float) -> list[int]:
+        """Peers whose heartbeat has not moved for ``window_s`` (watching that long if needed)."""
+        self._scan_beats()
+        deadline = time.monotonic() + window_s
+        while True:
+            now = time.monotonic()
+            silent = [peer for peer, (_, since) in sorted(self._beats.items()) if now - since >= window_s]
+            if silent or now >= deadline:
+                return silent
+            time.sleep(min(self.heartbeat_s / 2, max(deadline - now, 0.0)))
+            self._scan_beats()
+
+    def _say(self, line: str) -> None:
+        sys.stderr.write(f"lightning_dapple: {line}\n")
+        sys.stderr.flush()
 
     # -- the watchdog ---------------------------------------------------------------
     def _watch(self) -> None:
-        """Notice peers' reports; end this process if it stays blocked ``grace_s`` after one."""
+        """Beat; notice peers' reports and silent peers; end this process if it stays
+        blocked ``grace_s`` after a report, or a peer it waits on has stopped beating."""
         while not self._closed.wait(self.poll_s):
+            self._beat()
             message = self._read_report()
-            if message is None or self._reported:
+            if message is None:
+                self._watch_silence()
+                continue
+            if self._reported:
                 continue
             blocked = self._blocked_on
             since = max(self._blocked_since, self._peer_seen_at)
             if blocked is not None and time.monotonic() - since > self.grace_s:
-                sys.stderr.write(
-                    f"lightning_dapple: {message} (seen on rank {self.rank}, blocked {self.grace_s:.0f} s in {blocked}); "
-                    f"rank {self.rank} exits\n"
-                )
-                sys.stderr.flush()
+                self._say(f"{message} (seen on rank {self.rank}, blocked {self.grace_s:.0f} s in {blocked}); rank {self.rank} exits")
                 os._exit(1)
+
+    def _watch_silence(self) -> None:
+        """While blocked for long, compare heartbeats; report a peer silent ``unresponsive_s``."""
+        blocked = self._blocked_on
+        if blocked is None or time.monotonic() - self._blocked_since < 4 * self.heartbeat_s:
+            self._beats.clear()
+            return
+        self._scan_beats()
+        now = time.monotonic()
+        silent = [peer for peer, (_, since) in sorted(self._beats.items()) if now - since >= self.unresponsive_s]
+        if not silent or self._blocked_on is None:
+            return
+        message = (
+            f"rank(s) {silent} stopped responding: no heartbeat for {self.unresponsive_s:.0f} s (stopped, hung or killed); "
+            f"rank {self.rank} was waiting for {blocked}"
+        )
+        self._publish(message)
+        self._say(f"{message}; rank {self.rank} exits")
+        os._exit(1)
 
     def close(self) -> None:
         """Stop the watchdog and wait for it (the process group is going away)."""
@@ -176,3 +300,11 @@ class FailureChannel:
 
 def _default_store() -> Any:
     return dist.distributed_c10d._get_default_store()
+
+
+def _store_host() -> str:
+    """Who serves the default store: torchrun's agent on node 0, else global rank 0."""
+    where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+        return f"the torchrun agent at {where} is gone"
+    return f"rank 0, which serves it at {where}, is gone"

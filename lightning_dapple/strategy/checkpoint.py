@@ -176,17 +176,64 @@ def _index_keyed_to_named(strategy: "DappleStrategy", saved: dict[str, Any]) -> 
     }
 
 
+def _file_mode() -> int:
+    """The mode ``open()`` would give a new file: 0666 less the umask (0644 under the usual
+    022), as Lightning's own checkpoints get. ``mkstemp`` creates 0600, unreadable to the
+    group that may share the checkpoint directory."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return 0o666 & ~int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)  # no /proc: read the umask by setting it (and putting it back)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def _remove_stale_temporaries(target: Path) -> None:
+    """Temporary files of ``target`` left by a writer that was killed mid-write."""
+    for stale in target.parent.glob(f".{target.name}.*.tmp"):
+        try:
+            stale.unlink()
+        except OSError:
+            pass
+
+
+def _fsync_directory(directory: Path) -> None:
+    """Make the rename itself durable (a power loss right after it keeps the new name)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """``torch.save`` to a temporary file beside the target, fsync, then rename over it."""
+    """``torch.save`` to a temporary file beside the target, fsync, then rename over it.
+
+    A process killed at any point of the write leaves the target as it was (the previous
+    checkpoint, complete) plus at most a hidden ``.<name>.<random>.tmp`` file, which is not
+    a ``.ckpt`` file, so ``ckpt_path="last"`` never picks it; the next save of the same
+    target removes it. The file gets the mode a plain ``open()`` would give it.
+    """
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
         fs = get_filesystem(path)
-        if fs.protocol not in ("file", ("file", "local")) and "file" not in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
+        protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+        if "file" not in protocols and "local" not in protocols:
             return super().save_checkpoint(checkpoint, path, storage_options)
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_temporaries(target)
         handle, temp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
         try:
+            os.fchmod(handle, _file_mode())
             with os.fdopen(handle, "wb") as stream:
                 torch.save(checkpoint, stream)
                 stream.flush()
@@ -196,3 +243,4 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             if os.path.exists(temp):
                 os.unlink(temp)
             raise
+        _fsync_directory(target.parent)
