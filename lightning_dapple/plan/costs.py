@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from lightning_dapple.cluster import Cluster
+from lightning_dapple.plan.buckets import bucket_layers
 from lightning_dapple.plan.plan import Prediction, StagePlan
 from lightning_dapple.profile.model_profile import ModelProfile
 
@@ -39,7 +40,13 @@ class StageCost:
       computation of a layer requires the layer's input and output gradient");
     * ``layer_weight_ms`` / ``layer_allreduce_ms``: per layer of the stage, the W time of
       one slice and the AllReduce time of its gradients (bucketed ending phase,
-      ooo-backprop Algorithm 2).
+      ooo-backprop Algorithm 2);
+    * ``buckets``: the gradient buckets of ``plan.buckets.bucket_layers`` in launch order,
+      each as (backward time still to run after the bucket is ready, its AllReduce time).
+      A bucket's AllReduce starts when the last micro-batch's backward has passed its
+      layers, so only ``exposed_allreduce_ms`` outlasts the backward (DDP-style overlap,
+      DAPPLE 6.3 "DP Overlap"). Hand-made costs without buckets charge ``allreduce_ms``
+      after the backward, as one bucket.
     """
 
     forward_ms: float
@@ -57,10 +64,49 @@ class StageCost:
     wgrad_bytes: float = 0.0
     layer_weight_ms: tuple[float, ...] = ()
     layer_allreduce_ms: tuple[float, ...] = ()
+    buckets: tuple[tuple[float, float], ...] = ()
 
     @property
     def compute_ms(self) -> float:
         return self.forward_ms + self.backward_ms
+
+    @property
+    def allreduce_buckets(self) -> tuple[tuple[float, float], ...]:
+        """``buckets``, or the whole AllReduce as one bucket ready at the backward's end."""
+        if self.buckets:
+            return self.buckets
+        return ((0.0, self.allreduce_ms),) if self.allreduce_ms > 0 else ()
+
+    @property
+    def exposed_allreduce_ms(self) -> float:
+        """The AllReduce time after the last backward ends (``exposed_tail``)."""
+        return exposed_tail(self.allreduce_buckets)
+
+
+def exposed_tail(buckets: Sequence[tuple[float, float]]) -> float:
+    """How long gradient sync runs past the end of the backward.
+
+    ``buckets`` are (backward still to run when the bucket is ready, AllReduce time) in
+    launch order; they share one link, so each starts when it is ready and the previous
+    one is done (torch DDP's reducer; DAPPLE 6.3's "DP Overlap").
+    """
+    finish = float("-inf")
+    for remaining, duration in buckets:
+        finish = max(finish, -remaining) + duration
+    return max(finish, 0.0)
+
+
+def stage_buckets(profile: ModelProfile, cluster: Cluster, stage: StagePlan, per_device: float) -> tuple[tuple[float, float], ...]:
+    """The buckets of ``StageCost.buckets`` for ``stage`` with slices of ``per_device`` x the
+    profile batch (nothing to sync for an unreplicated stage)."""
+    if stage.replicas <= 1:
+        return ()
+    sizes = [layer.param_bytes for layer in profile.layers]
+    out = []
+    for lo, hi in bucket_layers(sizes, stage.start, stage.end):
+        remaining = sum(layer.backward_ms for layer in profile.layers[stage.start : lo]) * per_device
+        out.append((remaining, cluster.allreduce_ms(sum(sizes[lo:hi]), stage.devices)))
+    return tuple(out)
 
 
 def slice_size(micro_batch_size: int, replicas: int) -> int:
@@ -111,6 +157,7 @@ def stage_costs(
                 wgrad_bytes=sum(max(layer.output_bytes, layer.stash_bytes) for layer in layers if layer.param_bytes > 0) * per_device,
                 layer_weight_ms=tuple(layer.weight_grad_ms * per_device for layer in layers),
                 layer_allreduce_ms=layer_ar,
+                buckets=stage_buckets(profile, cluster, stage, per_device),
             )
         )
     return costs
@@ -136,6 +183,10 @@ def stage_memory_from_stash(cost: StageCost, peak_stash_bytes: float, cluster: C
 def pipeline_phases(costs: Sequence[StageCost]) -> list[tuple[float, float, float]]:
     """(F, B, AR) of every stage of DAPPLE's formula, communication stages included.
 
+    AR is the AllReduce tail the backward does not hide (``exposed_allreduce_ms``): DAPPLE's
+    formula 2 charges AR(P_s, g_s) after the stage's last backward, while the runtime (and
+    the simulator) start each gradient bucket as soon as its layers' last backward is done.
+
     4.1: "we consider inter-stage communication as an independent stage alongside the
     computation stages"; its AR is 0 and its F and B are the transfer times.
     The backward of a stage that recomputes includes its ``recompute_ms`` (charged for
@@ -143,7 +194,7 @@ def pipeline_phases(costs: Sequence[StageCost]) -> list[tuple[float, float, floa
     """
     phases: list[tuple[float, float, float]] = []
     for index, cost in enumerate(costs):
-        phases.append((cost.forward_ms, cost.backward_ms + cost.recompute_ms, cost.allreduce_ms))
+        phases.append((cost.forward_ms, cost.backward_ms + cost.recompute_ms, cost.exposed_allreduce_ms))
         if index + 1 < len(costs) and cost.send_ms > 0:
             phases.append((cost.send_ms, cost.send_ms, 0.0))
     return phases

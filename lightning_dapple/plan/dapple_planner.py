@@ -89,6 +89,7 @@ from lightning_dapple.plan.evaluate import (
     simulate_or_none,
     subcluster,
 )
+from lightning_dapple.plan.overlap import OverlapTables
 from lightning_dapple.plan.placement import PlacementState, placement_options
 from lightning_dapple.plan.plan import Plan, StagePlan
 from lightning_dapple.profile.model_profile import ModelProfile
@@ -129,6 +130,7 @@ class _Tables:
         self.stash = self._range_sums([layer.stash_bytes for layer in layers])
         self.work = self.forward + self.backward
         self.output = np.array([layer.output_bytes for layer in layers], dtype=float)
+        self.overlap = OverlapTables([layer.param_bytes for layer in layers], [layer.backward_ms for layer in layers])
 
     @staticmethod
     def _range_sums(values: Sequence[float]) -> np.ndarray:
@@ -416,14 +418,6 @@ class _Search:
             return np.where(kmax >= self.m, _INF, kmax)
         return np.where(kmax >= self.m, _INF, np.floor((kmax + 1) / 2))
 
-    def allreduce(self, params: np.ndarray, ranks: Sequence[int]) -> np.ndarray:
-        replicas = len(ranks)
-        if replicas <= 1:
-            return np.zeros_like(params)
-        coef = 2.0 * (replicas - 1) / replicas
-        bpm = self.cluster.bytes_per_ms(self.cluster.ring_bandwidth_gbps(ranks))
-        return np.where(params > 0, coef * params / bpm + self.lat, 0.0)
-
     def p2p_unit(self, senders: tuple[int, ...], receivers: tuple[int, ...]) -> tuple[float, float]:
         """``p2p_ms`` is ``bytes * unit + latency`` for any positive byte count (memoised
         across M; equal to ``p2p_ms`` up to rounding, and plans are re-priced exactly)."""
@@ -504,7 +498,7 @@ class _Search:
         ranks = tuple(range(g))
         s = self.scale(g)
         f, b = self.t.forward[0, n] * s, self.t.backward[0, n] * s
-        ar = float(self.allreduce(np.array([self.t.params[0, n]]), ranks)[0])
+        ar = float(self.exposed(ranks)[0, n])
         mem = self.t.params[0, n] * self.weight_factor + self.k_of(1) * (self.t.stash[0, n] * s)
         if mem > self.cap:
             return
@@ -601,7 +595,7 @@ class _Search:
         fn = t.forward[j, lo0 : hi0 + 1][None, :] * s_r
         bn = t.backward[j, lo0 : hi0 + 1][None, :] * s_r
         pn = t.params[j, lo0 : hi0 + 1][None, :]
-        an = self.allreduce_rows(pn, [p[1] for p in pairs])
+        an = np.stack([self.exposed(p[1])[j, lo0 : hi0 + 1] for p in pairs])
         tmax_n = self.t_max(pn * self.weight_factor, t.stash[j, lo0 : hi0 + 1][None, :] * s_r)
         fbn = fn + bn
         fb1 = 2.0 * c1
@@ -701,13 +695,11 @@ class _Search:
         )
         return succ.key, new
 
-    def allreduce_rows(self, params: np.ndarray, groups: Sequence[tuple[int, ...]]) -> np.ndarray:
-        """``allreduce_ms`` of ``params`` (one row, broadcast) for each rank group (rows)."""
-        rings = [self.ring(g) for g in groups]
-        coef = np.array([ring[0] for ring in rings])[:, None]
-        bpm = np.array([ring[1] for ring in rings])[:, None]
-        multi = np.array([len(g) > 1 for g in groups])[:, None]
-        return np.where(multi & (params > 0), coef * params / bpm + self.lat, 0.0)
+    def exposed(self, ranks: tuple[int, ...]) -> np.ndarray:
+        """Exposed AllReduce tail of every layer range [j, J) replicated on ``ranks``
+        (``OverlapTables.tail``; ``costs.exposed_tail`` for one stage)."""
+        coef, bpm = self.ring(ranks)
+        return self.t.overlap.tail(coef / bpm if len(ranks) > 1 else 0.0, self.lat, self.scale(len(ranks)))
 
     def complete_rows(self, cand, k, j, J, pairs, valid, c1, fn, bn, an, tmax_n, s_f, top) -> np.ndarray:  # noqa: PLR0913
         """Price prefix + new stage [j, J) + the rest as one stage (formula 2, incrementally);
@@ -717,7 +709,7 @@ class _Search:
         fr = t.forward[lo0 : hi0 + 1, n][None, :] * s_f
         br = t.backward[lo0 : hi0 + 1, n][None, :] * s_f
         pr = t.params[lo0 : hi0 + 1, n][None, :]
-        ar = self.allreduce_rows(pr, [p[2] for p in pairs])
+        ar = np.stack([self.exposed(p[2])[lo0 : hi0 + 1, n] for p in pairs])
         mem_r = pr * self.weight_factor + self.k_of(1) * (t.stash[lo0 : hi0 + 1, n][None, :] * s_f)
         valid = valid & (tmax_n >= 2) & (mem_r <= self.cap)
         if not valid.any():
@@ -910,20 +902,29 @@ class _QuickCost:
     field (recomputation time, ...) reads as 0, which is what a plan without
     recomputation has."""
 
-    __slots__ = ("forward_ms", "backward_ms", "allreduce_ms", "send_ms", "param_bytes", "stash_bytes")
+    __slots__ = ("forward_ms", "backward_ms", "exposed_allreduce_ms", "send_ms", "param_bytes", "stash_bytes")
 
     def __getattr__(self, name: str) -> float:
         if name.startswith("__"):
             raise AttributeError(name)
         return 0.0
 
-    def __init__(self, forward_ms: float, backward_ms: float, allreduce_ms: float, send_ms: float, param_bytes: float, stash_bytes: float) -> None:
+    def __init__(self, forward_ms: float, backward_ms: float, exposed_allreduce_ms: float, send_ms: float, param_bytes: float, stash_bytes: float) -> None:
         self.forward_ms = forward_ms
         self.backward_ms = backward_ms
-        self.allreduce_ms = allreduce_ms
+        self.exposed_allreduce_ms = exposed_allreduce_ms
         self.send_ms = send_ms
         self.param_bytes = param_bytes
         self.stash_bytes = stash_bytes
+
+
+def _exposed_ms(tables: _Tables, cluster: Cluster, stage: StagePlan, per_device: float) -> float:
+    """The stage's exposed AllReduce tail from the overlap tables."""
+    if stage.replicas <= 1:
+        return 0.0
+    coef = 2.0 * (stage.replicas - 1) / stage.replicas
+    a = coef / cluster.bytes_per_ms(cluster.ring_bandwidth_gbps(stage.devices))
+    return float(tables.overlap.tail(a, cluster.latency_ms, per_device)[stage.start, stage.end])
 
 
 def _quick_latency(tables: _Tables, cluster: Cluster, stages: Sequence[StagePlan], mbs: int, m: int, policy: str, schedule: str) -> tuple[float, bool]:
@@ -941,7 +942,7 @@ def _quick_latency(tables: _Tables, cluster: Cluster, stages: Sequence[StagePlan
             _QuickCost(
                 float(tables.forward[a, b]) * per_device,
                 float(tables.backward[a, b]) * per_device,
-                cluster.allreduce_ms(params, stage.devices),
+                _exposed_ms(tables, cluster, stage, per_device),
                 send,
                 params,
                 float(tables.stash[a, b]) * per_device,

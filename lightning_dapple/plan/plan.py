@@ -10,6 +10,7 @@ The JSON form is documented in docs/formats.md; a hand-written file needs only
 """
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import tempfile
@@ -243,8 +244,25 @@ class Plan:
         return atomic_write_text(Path(path), self.to_json() + "\n")
 
 
+PLAN_KEYS = ("global_batch_size", "micro_batches", "stages", "schedule", "policy", "predicted", "planner", "reason", "ooo", "first_k", "extra")
+STAGE_KEYS = ("layers", "devices", "warmup", "recompute")
+
+
+def check_keys(data: dict[str, Any], valid: Sequence[str], where: str) -> None:
+    """A key that is not one of ``valid`` is an error naming the nearest valid key: a
+    misspelled ``micro_batch`` would otherwise be dropped silently and the plan run with
+    the default."""
+    for key in data:
+        if key in valid:
+            continue
+        close = difflib.get_close_matches(str(key), valid, n=1, cutoff=0.5)
+        hint = f"did you mean {close[0]!r}?" if close else f"valid keys: {', '.join(valid)}"
+        raise DappleConfigError(f"{where}.{key}", "is not a known key", f"{hint} (see docs/formats.md)")
+
+
 def plan_from_dict(data: Any, source: str = "plan") -> Plan:
     require(isinstance(data, dict), source, "is not a JSON object", "see docs/formats.md for the plan format")
+    check_keys(data, PLAN_KEYS, source)
     for name in ("global_batch_size", "micro_batches", "stages"):
         require(name in data, f"{source}.{name}", "is missing", "a plan needs global_batch_size, micro_batches and stages")
     require(isinstance(data["stages"], list) and data["stages"], f"{source}.stages", "is not a non-empty list", "list the stages")
@@ -252,6 +270,7 @@ def plan_from_dict(data: Any, source: str = "plan") -> Plan:
     for index, entry in enumerate(data["stages"]):
         where = f"{source}.stages[{index}]"
         require(isinstance(entry, dict), where, "is not an object", "write each stage as {\"layers\": [start, end], \"devices\": [...]}")
+        check_keys(entry, STAGE_KEYS, where)
         for name in ("layers", "devices"):
             require(name in entry, f"{where}.{name}", "is missing", "every stage needs layers [start, end) and devices")
         layers = entry["layers"]

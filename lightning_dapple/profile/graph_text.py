@@ -17,7 +17,10 @@ linear order).
 What the format does not say, and what we therefore estimate (recorded in ``meta``):
 
 * ``stash_bytes`` (what a layer keeps from forward to backward, DAPPLE 5.3) is taken to be
-  the node's own activation size;
+  the node's own activation size, except for nodes that allocate nothing: an in-place
+  operator (``ReLU(inplace)``, ``Add(inplace)``) writes into its input's memory, and a
+  node that takes no time either way after another node (``View``, ``Size``) is a view of
+  it, so both stash 0 (``_stash_bytes``);
 * the model ``input_bytes`` is the activation size of the source nodes (no incoming edge);
 * a node listing several outputs (``activation_size=[a; b; c]``) is charged their sum,
   whichever consumer actually reads which output.
@@ -153,6 +156,19 @@ def _find_cycle_edge(remaining: set[str], preds: dict[str, list[str]], edge_line
     return src, dst, edge_line[(src, dst)]
 
 
+_INPLACE = re.compile(r"\binplace\b(?!\s*=\s*False)", re.IGNORECASE)
+
+
+def _stash_bytes(node: _Node, has_input: bool) -> float:
+    """Bytes a node adds to the stash: its activation, unless it allocates none (an
+    in-place operator, or a zero-time view of its input)."""
+    if _INPLACE.search(node.description):
+        return 0.0
+    if has_input and node.forward_ms == 0.0 and node.backward_ms == 0.0:
+        return 0.0
+    return node.activation_bytes
+
+
 def parse_graph_text(text: str, name: str = "graph", profile_batch_size: int | None = None) -> ModelProfile:
     """Parse PipeDream graph text into a chain-of-layers profile (PipeDream 3.2, DAPPLE 2 and 4.1).
 
@@ -279,7 +295,7 @@ def parse_graph_text(text: str, name: str = "graph", profile_batch_size: int | N
                 backward_ms=node.backward_ms,
                 output_bytes=crossing[index],
                 param_bytes=node.param_bytes,
-                stash_bytes=node.activation_bytes,
+                stash_bytes=_stash_bytes(node, bool(preds[node_id])),
             )
         )
 
@@ -293,7 +309,7 @@ def parse_graph_text(text: str, name: str = "graph", profile_batch_size: int | N
             "source": "pipedream-graph-text",
             "nodes": linear,
             "branching": any(len(succs[n]) > 1 or len(preds[n]) > 1 for n in linear),
-            "stash_bytes": "estimated from each node's activation_size",
+            "stash_bytes": "estimated from each node's activation_size (0 for in-place operators and views)",
             "input_bytes": "estimated from the activation_size of source nodes",
         },
     )

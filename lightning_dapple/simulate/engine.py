@@ -25,9 +25,11 @@ DAPPLE 5.2.2, so a stage is simulated once and its timeline copied to each of it
 * B takes ``backward_ms``; on a stage that splits backward (it has W actions: out-of-order
   backprop, ooo-backprop sec. 3; or ``split_backward`` on a schedule without any W) B takes
   ``backward_input_ms`` and W ``backward_weight_ms``;
-* ALLREDUCE starts when the stage's preceding actions are done (i.e. at the end of its last
-  compute action in the schedules of ``schedule/builders.py``) and takes ``allreduce_ms``
-  (DAPPLE 5.2.3);
+* ALLREDUCE syncs the stage's gradients in buckets (``StageCost.allreduce_buckets``, the
+  buckets of ``plan.buckets``): each starts when the stage's last compute action (the last
+  micro-batch's backward) has passed the bucket's layers and the previous bucket is done,
+  so the backward of earlier layers hides part of the sync (DAPPLE 5.2.3, 6.3 "DP
+  Overlap"); the stage ends when its last bucket does;
 * a W limited to some layers (the per-layer ending phase of out-of-order schedules,
   ooo-backprop Algorithm 2) takes those layers' ``layer_weight_ms``; an ALLREDUCE limited
   to some layers is an asynchronous bucket: it starts when the stage reaches it and the
@@ -305,10 +307,7 @@ def simulate(
                 link.transfer(st.clock, "AR", None)  # type: ignore[arg-type]
             return True
         if kind is Kind.ALLREDUCE:
-            start = st.clock
-            st.clock = start + cost.allreduce_ms
-            if cost.allreduce_ms > 0:
-                st.spans.append(Span(start, st.clock, "AR", None))
+            st.clock = _overlapped_allreduce(st, cost, bucket_links[s])
             return True
         assert mb is not None
         if kind in (Kind.RECV_ACT, Kind.F) and s > 0:
@@ -411,6 +410,31 @@ def simulate(
         stages=results,
         transfers=transfers,
     )
+
+
+def _overlapped_allreduce(st: _Stage, cost: StageCost, link: _Link) -> float:
+    """Run the stage's gradient buckets (``cost.allreduce_buckets``) on its link and return
+    when the last one ends (the stage's step waits for all of them).
+
+    A bucket is ready when the backward of its layers is done in the stage's last compute
+    action: that action's end minus the backward still to run after the bucket, but not
+    before the action starts. Buckets take the link one after another in launch order
+    (torch DDP's reducer). The whole sync is drawn as one "AR" span on the stage from the
+    first bucket's start to the last one's end, each bucket on the link ``AR<stage>``.
+    """
+    last = next((span for span in reversed(st.spans) if span.kind in ("B", "W")), None)
+    end = st.clock
+    for remaining, duration in cost.allreduce_buckets:
+        if duration <= 0:
+            continue
+        ready = end - remaining if last is None else max(last.start_ms, last.end_ms - remaining)
+        start = max(ready, link.free_at)
+        link.free_at = start + duration
+        link.spans.append(Span(start, link.free_at, "AR", None))
+    finish = max(end, link.free_at)
+    if finish > end:
+        st.spans.append(Span(end, finish, "AR", None))
+    return finish
 
 
 def _w_part_counts(actions: Sequence[Action]) -> dict[int, int]:
