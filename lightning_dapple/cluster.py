@@ -211,3 +211,43 @@ def _cluster_from_file(path: Path) -> Cluster:
             raise DappleConfigError(f"cluster {path.name}", f"is not valid JSON ({exc.msg} at line {exc.lineno})", "fix the JSON syntax") from None
     cluster = cluster_from_dict(data, source=f"cluster {path.name}")
     return cluster if cluster.name != "custom" else replace(cluster, name=path.stem)
+
+
+# --------------------------------------------------------------------------- this machine
+
+# Assumed link speeds of a detected machine (Gbit/s): these cannot be read from the
+# driver; NVLink-class inside a GPU server, a 100 Gbit/s network between servers, and
+# loopback-class figures for CPU processes. Pass cluster=... when they are known.
+GPU_LINKS = {"intra_bandwidth_gbps": 2400.0, "inter_bandwidth_gbps": 100.0}
+CPU_LINKS = {"intra_bandwidth_gbps": 40.0, "inter_bandwidth_gbps": 10.0}
+
+
+def _host_memory_gib() -> float:
+    import os
+
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / GIB
+
+
+def detect_cluster(machines: int, devices_per_machine: int, accelerator: str = "auto") -> Cluster:
+    """The cluster this process runs on: ``machines`` x ``devices_per_machine`` of this
+    machine's devices.
+
+    With CUDA (``accelerator`` "gpu"/"cuda", or "auto" when CUDA is available) the
+    device memory is the smallest total memory among the GPUs the run uses and the name
+    says which GPU it is; otherwise each CPU process gets an equal share of the host's
+    memory. Link speeds are assumptions (``GPU_LINKS``/``CPU_LINKS``): the planner
+    (DAPPLE 4) needs them, the driver does not report them.
+    """
+    import torch
+
+    require(machines >= 1 and devices_per_machine >= 1, "cluster", f"detected for {machines} x {devices_per_machine} devices", "use at least one device")
+    wants_gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+    if wants_gpu:
+        count = torch.cuda.device_count()
+        require(count >= 1, "trainer.accelerator", f"is {accelerator!r} but torch sees no CUDA device", "run on CPU (trainer.accelerator=cpu) or on a machine with GPUs")
+        used = range(min(count, devices_per_machine))
+        memory = min(torch.cuda.get_device_properties(index).total_memory for index in used) / GIB
+        name = torch.cuda.get_device_name(0)
+        return Cluster(machines, devices_per_machine, device_memory_gib=round(memory, 2), name=f"local-{name}", **GPU_LINKS)
+    memory = _host_memory_gib() / devices_per_machine
+    return Cluster(machines, devices_per_machine, device_memory_gib=round(max(memory, 0.5), 2), name="local-cpu", **CPU_LINKS)

@@ -111,3 +111,101 @@ class ExitCleanupProbe(Callback):
         shutdown.destroy_groups()
         with open(f"{self.directory}/exit_rank{trainer.global_rank}.json", "w") as stream:
             json.dump({"registered": registered, "before": before, "after": _thread_names()}, stream)
+
+
+class FloatMLPModule(MLPModule):
+    """The MLP in float32 (mixed precision keeps float32 master weights); ``poison``:
+    (global step, rank) at which this rank's gradients are overwritten with inf after the
+    backward, as an fp16 overflow on that stage would leave them."""
+
+    def __init__(self, poison: tuple[int, int] | None = None, sgd: bool = False) -> None:
+        super().__init__(lr=1e-2)
+        self.poison = poison
+        self.sgd = sgd
+
+    def on_after_backward(self) -> None:
+        if self.poison is not None and (self.global_step, self.global_rank) == tuple(self.poison):
+            for param in self.parameters():
+                if param.grad is not None:
+                    param.grad.fill_(float("inf"))
+
+    def configure_optimizers(self):
+        if self.sgd:
+            return torch.optim.SGD(self.parameters(), lr=self.lr)
+        return torch.optim.Adam(self.parameters(), lr=self.lr)
+
+
+class ScaleRecorder(Callback):
+    """Per rank, after every batch: the GradScaler's scale and how many optimizer steps
+    the first local parameter has taken (Adam's ``step`` counter); written to
+    ``<directory>/scale_rank<r>.json`` at the end."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self.rows: list[dict[str, float]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        optimizer = trainer.optimizers[0]
+        steps = [float(state["step"]) for state in optimizer.state.values() if "step" in state]
+        self.rows.append({"scale": float(scaler.get_scale()) if scaler is not None else 1.0, "adam_steps": max(steps, default=0.0)})
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        with open(f"{self.directory}/scale_rank{trainer.global_rank}.json", "w") as stream:
+            json.dump(self.rows, stream)
+
+
+class AliasedLayers(MLPModule):
+    """Keeps a second reference to its layers (``self.model.layers`` is ``self.layers``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = torch.nn.Module()
+        self.model.layers = self.layers
+
+
+class TwoArgumentForward(MLPModule):
+    """Lightning's transformer demo style: ``training_step`` calls ``self(inputs, target)``."""
+
+    def forward(self, x, target=None):
+        return super().forward(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self(x, y), y)
+
+
+class MoveRecorder(torch.nn.Module):
+    """Wraps a layer and records, per process, every ``to``/``cuda``/``cpu`` move applied
+    to it as (layer index, device type afterwards), in order (``MOVES``)."""
+
+    MOVES: list[tuple[int, str]] = []
+
+    def __init__(self, index: int, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.index = index
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x)
+
+    def _apply(self, fn, recurse=True):
+        result = super()._apply(fn, recurse)
+        device = next(self.inner.parameters()).device.type
+        MoveRecorder.MOVES.append((self.index, device))
+        return result
+
+
+class TrackedMLPModule(MLPModule):
+    """The MLP with every layer's device moves recorded; ``record_at_fit_start`` writes
+    them per rank to ``<directory>/moves_rank<r>.json`` once setup is done."""
+
+    def __init__(self, directory: str) -> None:
+        super().__init__()
+        self.layers = torch.nn.Sequential(*(MoveRecorder(i, layer) for i, layer in enumerate(self.layers)))
+        self.directory = directory
+
+    def on_fit_start(self) -> None:
+        placed = {i: next(layer.parameters()).device.type for i, layer in enumerate(self.layers) if any(True for _ in layer.parameters())}
+        with open(f"{self.directory}/moves_rank{self.global_rank}.json", "w") as stream:
+            json.dump({"moves": MoveRecorder.MOVES, "placed": placed, "freed": sorted(self.trainer.strategy._freed)}, stream)

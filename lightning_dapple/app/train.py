@@ -345,8 +345,7 @@ def prepare(cfg: DictConfig, run_dir: Path) -> Job:
             f"use trainer.devices={have} or fewer" if have else "run on CPU processes (trainer=cpu) or on a machine with GPUs",
         )
     world = devices * num_nodes
-    cluster = OmegaConf.to_container(cfg.cluster, resolve=True)
-    assert isinstance(cluster, dict)
+    cluster = _cluster(cfg, num_nodes, devices, accelerator)
     capacity = int(cluster["machines"]) * int(cluster["devices_per_machine"])
     if dapple:
         require(
@@ -384,14 +383,15 @@ def prepare(cfg: DictConfig, run_dir: Path) -> Job:
     extra: dict[str, Any] = {}
     ooo, recompute = bool(cfg.strategy.ooo), enum_value(cfg.strategy.recompute)
     if dapple:
-        for option, value, wanted in (("ooo", ooo, ooo), ("recompute", recompute, recompute is not None)):
+        # ooo is always handed over: false must reach the plan as much as true
+        for option, value, wanted in (("ooo", ooo, True), ("recompute", recompute, recompute is not None)):
             if not wanted:
                 continue
             if _strategy_supports(option):
                 extra[option] = value
             elif plan_dict is not None:  # an explicit plan carries both fields itself
                 if option == "ooo":
-                    plan_dict["ooo"] = True
+                    plan_dict["ooo"] = ooo
                 else:
                     require(recompute != "auto", "strategy.recompute", "is 'auto', which needs the planner", "use never, except_last or always with an explicit plan")
                     for stage in plan_dict.get("stages", []):
@@ -504,6 +504,18 @@ def prepare(cfg: DictConfig, run_dir: Path) -> Job:
             raise
         raise DappleConfigError("trainer", str(exc).splitlines()[0], "fix the trainer.* option it names") from None
     return Job(cfg, run_dir, strategy_name, model, datamodule, trainer, world, launcher, notes)
+
+
+def _cluster(cfg: DictConfig, num_nodes: int, devices: int, accelerator: str) -> dict[str, Any]:
+    """``cluster=auto`` (the default): this machine as the run uses it (the GPUs' name and
+    memory, else the host's memory per CPU process); otherwise the configured cluster."""
+    cluster = OmegaConf.to_container(cfg.cluster, resolve=True)
+    assert isinstance(cluster, dict)
+    if cluster.get("name") != "auto":
+        return cluster
+    from lightning_dapple.cluster import detect_cluster
+
+    return detect_cluster(num_nodes, devices, accelerator).to_dict()
 
 
 def _profile_for_plan(model: Any, datamodule: Any, layers_path: str, rows: int) -> dict[str, Any]:

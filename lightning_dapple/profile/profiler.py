@@ -174,9 +174,13 @@ def _layer_home(layer: nn.Module) -> torch.device | None:
     return None
 
 
-def _call(layer: nn.Module, index: int, x: Any) -> Any:
+def _call(layer: nn.Module, index: int, x: Any, autocast: torch.dtype | None = None) -> Any:
     try:
-        return layer(x)
+        if autocast is None:
+            return layer(x)
+        device = next((t.device.type for t in iter_tensors(x)), "cpu")
+        with torch.autocast(device, dtype=autocast):
+            return layer(x)
     except Exception as exc:  # a convention mismatch or a shape bug: say which layer
         raise DappleConfigError(
             f"layers[{index}] ({type(layer).__name__})",
@@ -185,7 +189,9 @@ def _call(layer: nn.Module, index: int, x: Any) -> Any:
         ) from exc
 
 
-def _cache_key(layers: list[nn.Module], sample_input: Any, device: torch.device, batch: int, repeats: int, warmup: int) -> str:
+def _cache_key(
+    layers: list[nn.Module], sample_input: Any, device: torch.device, batch: int, repeats: int, warmup: int, autocast: torch.dtype | None = None
+) -> str:
     description = {
         "version": _CACHE_VERSION,
         "layers": [
@@ -201,6 +207,7 @@ def _cache_key(layers: list[nn.Module], sample_input: Any, device: torch.device,
         "samples": batch,
         "repeats": repeats,
         "warmup": warmup,
+        **({"autocast": str(autocast)} if autocast is not None else {}),
     }
     return hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()
 
@@ -209,9 +216,10 @@ def _cache_key(layers: list[nn.Module], sample_input: Any, device: torch.device,
 
 
 def _measure_layer(
-    layer: nn.Module, index: int, label: str, x: Any, device: torch.device, repeats: int, warmup: int
+    layer: nn.Module, index: int, label: str, x: Any, device: torch.device, repeats: int, warmup: int, autocast: torch.dtype | None = None
 ) -> tuple[LayerProfile, Any]:
-    """Profile one layer (already on ``device``) on input ``x`` (already on ``device``)."""
+    """Profile one layer (already on ``device``) on input ``x`` (already on ``device``);
+    its forwards run under autocast to ``autocast`` when given (mixed precision)."""
     params = [p for p in layer.parameters() if p.requires_grad]
     param_bytes = sum(p.numel() * p.element_size() for p in layer.parameters())
     param_storages_ptrs = parameter_storages(list(layer.parameters()))
@@ -233,7 +241,7 @@ def _measure_layer(
     meter = StashMeter(param_storages_ptrs)
     xg, _ = grad_input()
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
-        out = _call(layer, index, xg)
+        out = _call(layer, index, xg, autocast)
     stash_bytes = meter.bytes
     output_bytes = tensor_bytes(out)
     differentiable = [t for t in iter_tensors(out) if t.requires_grad]
@@ -247,7 +255,7 @@ def _measure_layer(
     for step in range(warmup + repeats):
         xg, leaves = grad_input()
         with torch.enable_grad():
-            fwd_ms, out = _timed(device, lambda: _call(layer, index, xg))
+            fwd_ms, out = _timed(device, lambda: _call(layer, index, xg, autocast))
         outs = [t for t in iter_tensors(out) if t.requires_grad]
         full_ms = b_ms = w_ms = 0.0
         targets = leaves + params
@@ -256,7 +264,7 @@ def _measure_layer(
             del out, outs
             xg, leaves = grad_input()
             with torch.enable_grad():
-                out = _call(layer, index, xg)
+                out = _call(layer, index, xg, autocast)
             outs = [t for t in iter_tensors(out) if t.requires_grad]
             if leaves:
                 b_ms, _ = _timed(
@@ -272,7 +280,7 @@ def _measure_layer(
             backward_w.append(w_ms)
 
     with torch.no_grad():
-        next_input = map_tensors(_call(layer, index, x), lambda t: t.detach())
+        next_input = map_tensors(_call(layer, index, x, autocast), lambda t: t.detach())
     profile = LayerProfile(
         name=label,
         forward_ms=statistics.median(forward),
@@ -294,6 +302,7 @@ def profile_layers(
     warmup: int = 2,
     cache_dir: str | Path | None = None,
     name: str = "model",
+    autocast_dtype: torch.dtype | None = None,
 ) -> ModelProfile:
     """Time and size every layer on one micro-batch, as PipeDream's profiler does (PipeDream 3.2).
 
@@ -303,7 +312,11 @@ def profile_layers(
     runs and the median of ``repeats`` timed runs, and moved back. With ``cache_dir`` the
     result is stored as JSON keyed by a hash of the layers' reprs and parameter shapes,
     the input's structure, the device and the sample size; a later call with the same key
-    returns the stored profile without running any layer.
+    returns the stored profile without running any layer. ``autocast_dtype`` (bfloat16 or
+    float16) runs every forward under ``torch.autocast``, as mixed-precision training does.
+
+    Only one layer is on ``device`` at a time (each goes back where it was before the
+    next one moves), so a model larger than the device's memory can be profiled.
     """
     layer_list = _as_layer_list(layers)
     keys = [key for key, _ in layers.named_children()] if isinstance(layers, (nn.Sequential, nn.ModuleList)) else []
@@ -326,7 +339,7 @@ def profile_layers(
 
     cache_file: Path | None = None
     if cache_dir is not None:
-        key = _cache_key(layer_list, sample_input, dev, batch, repeats, warmup)
+        key = _cache_key(layer_list, sample_input, dev, batch, repeats, warmup, autocast_dtype)
         cache_file = Path(cache_dir) / f"profile-{key[:32]}.json"
         if cache_file.is_file():
             try:
@@ -354,7 +367,7 @@ def profile_layers(
             layer.to(dev)
             try:
                 x_dev = map_tensors(x, lambda t: t.to(dev))
-                profile, out = _measure_layer(layer, index, labels[index], x_dev, dev, repeats, warmup)
+                profile, out = _measure_layer(layer, index, labels[index], x_dev, dev, repeats, warmup, autocast_dtype)
             finally:
                 if home is not None:
                     layer.to(home)
@@ -378,6 +391,7 @@ def profile_layers(
             "warmup": warmup,
             "calling_convention": "layer(x), x = previous layer's output as one argument",
             "stash_bytes": "storages saved for backward (saved_tensors_hooks), parameters excluded",
+            **({"autocast": str(autocast_dtype)} if autocast_dtype is not None else {}),
         },
     )
     if cache_file is not None:

@@ -3,8 +3,14 @@
 Rank 0 profiles the whole layer list once (layer by layer, lightning_dapple.profile) on
 a slice of the first training batch, plans for the real world size and global batch
 (DAPPLE 4), and broadcasts the plan so every rank executes the same one. The cluster is
-the one given to the strategy, or derived from the Trainer (nodes x devices per node)
-with link speeds and memory typical of the accelerator.
+the one given to the strategy, or this machine as detected (``cluster.detect_cluster``:
+the Trainer's nodes x devices per node, the GPUs' name and memory, else the host's
+memory per CPU process). The plan records the cluster it was made for in
+``extra["cluster"]``, so the plan file names the memory it was fitted into.
+
+Profiling runs layer by layer (only one layer on the device at a time) on one
+micro-batch slice that stays where the module lives, under autocast when the Trainer
+trains in mixed precision, so the times are those of the precision that will run.
 """
 from __future__ import annotations
 
@@ -14,7 +20,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from lightning_dapple.cluster import Cluster, load_cluster
+from lightning_dapple.cluster import Cluster, detect_cluster, load_cluster
+from lightning_dapple.errors import DappleConfigError
 from lightning_dapple.execute.slicing import batch_size_of
 from lightning_dapple.plan.plan import Plan, plan_from_dict
 
@@ -26,17 +33,9 @@ if TYPE_CHECKING:
 
 
 def default_cluster(strategy: "DappleStrategy") -> Cluster:
-    """Trainer topology with per-accelerator defaults (Gbit/s, GiB)."""
-    nodes = max(1, strategy.num_nodes)
-    per_node = max(1, strategy.num_processes)
-    device = strategy.root_device
-    if device.type == "cuda":
-        memory = torch.cuda.get_device_properties(device).total_memory / 1024**3
-        return Cluster(nodes, per_node, intra_bandwidth_gbps=2400.0, inter_bandwidth_gbps=100.0, device_memory_gib=memory, name="local-gpu")
-    import os
-
-    pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 1024**3
-    return Cluster(nodes, per_node, intra_bandwidth_gbps=40.0, inter_bandwidth_gbps=10.0, device_memory_gib=max(pages / per_node, 0.5), name="local-cpu")
+    """This machine, as the Trainer uses it (nodes x processes per node)."""
+    accelerator = "gpu" if strategy.root_device.type == "cuda" else "cpu"
+    return detect_cluster(max(1, strategy.num_nodes), max(1, strategy.num_processes), accelerator)
 
 
 def auto_plan(strategy: "DappleStrategy", trainer: "Trainer", module: "LightningModule", container: "nn.Module", sample: Any) -> Plan:
@@ -49,16 +48,16 @@ def auto_plan(strategy: "DappleStrategy", trainer: "Trainer", module: "Lightning
     if strategy.global_rank == 0:
         try:
             data = _plan_on_rank_zero(strategy, module, container, sample, saved.parent)
-        except Exception as exc:  # shared with every rank so all stop with the same message
-            data = {"__error__": str(exc), "__type__": type(exc).__name__}
+        except DappleConfigError as exc:  # shared with every rank so all stop with the same message
+            data = {"__error__": [exc.field, exc.problem, exc.fix]}
+        except Exception as exc:
+            data = {"__error__": ["plan='auto'", f"planning failed on rank 0: {type(exc).__name__}: {exc}", "pass an explicit plan to bypass the planner"]}
     if dist.is_initialized() and dist.get_world_size() > 1:
         holder = [data]
         dist.broadcast_object_list(holder, src=0)
         data = holder[0]
     if "__error__" in data:
-        from lightning_dapple.errors import DappleConfigError
-
-        raise DappleConfigError("plan='auto'", f"planning failed on rank 0: {data['__error__']}", "see the message; pass an explicit plan to bypass the planner")
+        raise DappleConfigError(*data["__error__"])  # the planner's own what/problem/fix, once
     return plan_from_dict(data)
 
 
@@ -75,7 +74,12 @@ def _plan_on_rank_zero(strategy: "DappleStrategy", module: "LightningModule", co
     with LogRecorder().recording(module, 0.0):
         x = capture_input(module, lambda: module.training_step(piece, 0))
     profile = profile_layers(
-        container, x, device=strategy.root_device, cache_dir=strategy.profile_cache, name=type(module).__name__
+        container,
+        x,
+        device=strategy.root_device,
+        cache_dir=strategy.profile_cache,
+        name=type(module).__name__,
+        autocast_dtype=strategy.autocast_dtype(),
     )
     cluster = load_cluster(strategy.cluster_spec) if strategy.cluster_spec is not None else default_cluster(strategy)
     kwargs: dict[str, Any] = {}
@@ -90,8 +94,11 @@ def _plan_on_rank_zero(strategy: "DappleStrategy", module: "LightningModule", co
         from lightning_dapple.plan.recompute import apply_ooo_recompute
 
         plan = apply_ooo_recompute(plan, profile, cluster, ooo=strategy.ooo, recompute="auto")
+    from dataclasses import replace
+
     from lightning_dapple.plan.plan import atomic_write_text
 
+    plan = replace(plan, extra={**plan.extra, "cluster": cluster.to_dict()})
     atomic_write_text(directory / "dapple_profile.json", profile.to_json() + "\n")
     strategy._planning_inputs = (profile, cluster)
     return plan.to_dict()

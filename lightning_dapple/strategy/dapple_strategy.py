@@ -18,9 +18,10 @@ group set-up, cluster environments) and replaces what differs:
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Callable, ContextManager, Generator, Literal
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
@@ -30,6 +31,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
+from typing_extensions import override
 
 from lightning_dapple.errors import DappleConfigError, require
 from lightning_dapple.execute.clipping import clip_grad_norm_global
@@ -41,14 +43,18 @@ from lightning_dapple.execute.slicing import batch_size_of
 from lightning_dapple.plan.plan import Plan, load_plan, plan_from_dict
 from lightning_dapple.schedule.builders import schedule_for_plan
 from lightning_dapple.strategy import checkpoint as ckpt
+from lightning_dapple.strategy.precision import DappleMixedPrecision, agree_found_inf, as_dapple_precision
 from lightning_dapple.strategy.module_adapter import (
     FreedLayer,
     LogRecorder,
+    capture_call,
     capture_input,
     check_parameters_in_layers,
     find_layers,
     forward_replaced,
+    key_owners,
     loss_of,
+    module_home,
     replay_logs,
 )
 
@@ -60,20 +66,28 @@ PlanSpec = "str | Path | Plan | dict[str, Any]"
 class _TrainCallbacks:
     """Enter the user's training_step on the first and last stages (module_adapter)."""
 
-    def __init__(self, module: LightningModule, batch_idx: int, recorder: LogRecorder, step_name: str = "training_step") -> None:
+    def __init__(
+        self,
+        module: LightningModule,
+        batch_idx: int,
+        recorder: LogRecorder,
+        step_name: str = "training_step",
+        context: Callable[[], ContextManager] = nullcontext,
+    ) -> None:
         self.module = module
         self.batch_idx = batch_idx
         self.recorder = recorder
         self.step = getattr(module, step_name)
         self.batch_rows = 1
+        self.context = context  # autocast under mixed precision: the user's step runs inside it, as in Lightning
 
     def make_input(self, batch: Any) -> Any:
-        with self.recorder.recording(self.module, 0.0):
+        with self.recorder.recording(self.module, 0.0), self.context():
             return capture_input(self.module, lambda: self.step(batch, self.batch_idx))
 
     def compute_loss(self, batch: Any, forward: Callable[..., Any]) -> torch.Tensor:
         weight = batch_size_of(batch) / self.batch_rows
-        with forward_replaced(self.module, forward), self.recorder.recording(self.module, weight):
+        with forward_replaced(self.module, forward), self.recorder.recording(self.module, weight), self.context():
             return loss_of(self.step(batch, self.batch_idx))
 
 
@@ -111,6 +125,25 @@ def _combine_outputs(parts: list[Any]) -> Any:
     if parts and all(isinstance(p, (tuple, list)) for p in parts):
         return type(parts[0])(_combine_outputs(list(items)) for items in zip(*parts))
     return parts
+
+
+def _run_or_explain(call: Callable[[], Any], what: str, args: tuple, step_name: str, path: str) -> Any:
+    """Run one part of the forward check; a failure becomes one line naming what broke."""
+    try:
+        return call()
+    except Exception as exc:
+        problem = f"failed on the sample batch ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+        if len(args) > 1:
+            raise DappleConfigError(
+                what,
+                f"{problem}: {step_name} calls self(...) with {len(args)} positional arguments, and the pipeline hands "
+                f"them to layer 0 of '{path}' as one tuple",
+                f"call self(x) with layer 0's one input and use the other values in {step_name} "
+                "(e.g. loss = criterion(self(inputs), target)), or make layer 0 take the tuple",
+            ) from None
+        raise DappleConfigError(
+            what, problem, f"make forward(x) apply the layers of '{path}' in order, each taking what the previous one returned"
+        ) from None
 
 
 def _merge_logs(per_replica: list[Any]) -> dict[str, tuple[float, float, dict[str, Any]]]:
@@ -215,6 +248,25 @@ class DappleStrategy(DDPStrategy):
 
     # -- set-up ------------------------------------------------------------------
     @property
+    @override
+    def precision_plugin(self) -> Precision:
+        return self._precision_plugin if self._precision_plugin is not None else Precision()
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        # Lightning's MixedPrecision becomes its pipeline form (agreed fp16 step skipping)
+        self._precision_plugin = as_dapple_precision(plugin)
+
+    @override
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """Modules made in ``configure_model`` (or ``Trainer.init_module``) are made on the CPU:
+        the plan is not known yet, and the whole model may not fit one device. Each rank
+        moves only its own stage's layers to its device in ``setup``."""
+        with self.precision_plugin.tensor_init_context():
+            yield
+
+    @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """Every rank iterates the same global batches: one sampler replica for all."""
         return {"num_replicas": 1, "rank": 0}
@@ -255,17 +307,14 @@ class DappleStrategy(DDPStrategy):
             "is off; manual optimization is not supported by the pipeline",
             "use automatic optimization (the default)",
         )
-        if trainer.state.fn == TrainerFn.FITTING:
-            require(
-                trainer.accumulate_grad_batches == 1 or self._requested_micro_batches() == 1,
-                "Trainer(accumulate_grad_batches)",
-                f"is {trainer.accumulate_grad_batches} but the plan already accumulates over micro-batches",
-                "set accumulate_grad_batches=1 and raise DappleStrategy(micro_batches=...) or the global batch instead",
-            )
         self.precision_plugin.convert_module(module)
         if self.plan is None:
             self._prepare_pipeline(trainer, module)
+        # only now, with the other stages' layers freed, does anything move to the device
         self.model_to_device()
+        mixed = self._mixed()
+        if mixed is not None and mixed.scaler is not None:
+            mixed.scaler.scale(torch.ones((), device=self.root_device))  # the scale lives on this device
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -277,35 +326,55 @@ class DappleStrategy(DDPStrategy):
 
     def _check_precision(self) -> None:
         plugin = self.precision_plugin
-        supported = type(plugin) in (Precision, DoublePrecision) or isinstance(plugin, HalfPrecision)
+        supported = type(plugin) in (Precision, DoublePrecision, DappleMixedPrecision) or isinstance(plugin, HalfPrecision)
         require(
             supported,
             "Trainer(precision)",
             f"uses {type(plugin).__name__}, which the dapple strategy does not support",
-            "use precision='32-true', '64-true', 'bf16-true' or '16-true'",
+            "use precision='32-true', '64-true', 'bf16-true', '16-true', 'bf16-mixed' or '16-mixed'",
         )
 
-    def _requested_micro_batches(self) -> int:
-        if self.micro_batches is not None:
-            return self.micro_batches
-        if isinstance(self.plan_spec, Plan):
-            return self.plan_spec.micro_batches
-        if isinstance(self.plan_spec, dict):
-            return int(self.plan_spec.get("micro_batches", 2))
-        if isinstance(self.plan_spec, (str, Path)) and str(self.plan_spec) != "auto":
-            return load_plan(self.plan_spec).micro_batches
-        return 2
+    def _mixed(self) -> DappleMixedPrecision | None:
+        plugin = self.precision_plugin
+        return plugin if isinstance(plugin, DappleMixedPrecision) else None
+
+    def _forward_context(self) -> Callable[[], ContextManager] | None:
+        """What the executor enters around every stage forward and recomputation: autocast
+        under mixed precision (the same dtype in the replayed forward as in the first)."""
+        mixed = self._mixed()
+        return mixed.forward_context if mixed is not None else None
+
+    def autocast_dtype(self) -> torch.dtype | None:
+        """The dtype autocast computes in under mixed precision (None otherwise)."""
+        mixed = self._mixed()
+        if mixed is None:
+            return None
+        return torch.bfloat16 if mixed.precision == "bf16-mixed" else torch.float16
+
+    def _agree_found_inf(self, scaler: Any, optimizer: Any) -> bool:
+        """fp16: every rank of the plan skips or takes the step together (precision.py)."""
+        assert self.failure is not None
+        return agree_found_inf(scaler, optimizer, group=self.groups.plan if self.groups else None, wait=self.failure.wait)
 
     def _prepare_pipeline(self, trainer: Trainer, module: LightningModule) -> None:
+        """Check the module, resolve the plan and keep only this rank's stage.
+
+        Placement: everything here runs where the module already lives (normally the CPU):
+        the sample batch stays there, the forward check runs there and the profiler moves
+        one layer at a time to the device. The other stages' layers are freed (moved to the
+        meta device, structure kept) before ``setup`` moves anything to this rank's device,
+        so the whole model never has to fit on one device (DAPPLE 4: stages exist because
+        it need not).
+        """
         container = find_layers(module, self.layers_path)
         check_parameters_in_layers(module, container, self.layers_path)
-        sample = self._sample_batch(trainer)
+        sample = self._sample_batch(trainer, module)
         self._check_forward_is_layers(module, container, sample, trainer)
         plan = self._resolve_plan(trainer, module, container, sample)
         plan = plan.validate(num_layers=len(container), world_size=self.world_size).with_warmups()
         self.plan = plan
         self._save_plan(trainer)
-        self._key_owner = ckpt.key_owners(module, container, self.layers_path)
+        self._key_owner = key_owners(module, container)
         self._full_parameter_names = [name for name, _ in module.named_parameters()]
         stage = plan.stages[self.stage]
         for index in range(len(container)):
@@ -316,9 +385,20 @@ class DappleStrategy(DDPStrategy):
         self._close_runner()
         self.failure = FailureChannel(self.global_rank, timeout_s=self.timeout_s)
         self.groups = build_groups(plan)
+        mixed = self._mixed()
+        if mixed is not None:
+            mixed.agree = self._agree_found_inf
         local = [container[i] for i in range(stage.start, stage.end)]
         self.runner = StageRunner(
-            plan, schedule_for_plan(plan), self.global_rank, local, self.root_device, self.failure, self.groups, self.loss_reduction
+            plan,
+            schedule_for_plan(plan),
+            self.global_rank,
+            local,
+            self.root_device,
+            self.failure,
+            self.groups,
+            self.loss_reduction,
+            forward_context=self._forward_context(),
         )
 
     def _stage_of_layer(self, index: int) -> int:
@@ -328,7 +408,7 @@ class DappleStrategy(DDPStrategy):
                 return number
         raise IndexError(index)
 
-    def _sample_batch(self, trainer: Trainer) -> Any:
+    def _sample_batch(self, trainer: Trainer, module: LightningModule) -> Any:
         from lightning.pytorch.trainer.connectors.data_connector import _request_dataloader
 
         loop = {
@@ -344,11 +424,17 @@ class DappleStrategy(DDPStrategy):
             batch = next(iter(loader))
         except StopIteration:
             raise DappleConfigError("dataloader", "is empty", "give the Trainer a dataloader with at least one batch") from None
-        # as the loops do before a step: e.g. 64-true turns float inputs into float64
-        return self.precision_plugin.convert_input(self.batch_to_device(batch))
+        # Where the module lives (not yet this rank's device: nothing is there before the
+        # other stages are freed), through the user's transfer hooks, and converted as the
+        # loops do before a step (e.g. 64-true turns float inputs into float64).
+        return self.precision_plugin.convert_input(self.batch_to_device(batch, device=module_home(module)))
 
     def _check_forward_is_layers(self, module: LightningModule, container: nn.Module, batch: Any, trainer: Trainer) -> None:
-        """DAPPLE executes the layer list; a forward that does more would silently differ."""
+        """DAPPLE executes the layer list; a forward that does more would silently differ.
+
+        Runs on two sample rows where the module lives (normally the CPU, never the whole
+        model on this rank's device), without autograd, autocast or RNG side effects.
+        """
         step_name = "training_step" if trainer.state.fn == TrainerFn.FITTING else {
             TrainerFn.VALIDATING: "validation_step",
             TrainerFn.TESTING: "test_step",
@@ -359,16 +445,17 @@ class DappleStrategy(DDPStrategy):
         sample = take_rows(batch, 0, min(2, batch_size_of(batch)))
         recorder = LogRecorder()
         with recorder.recording(module, 0.0):
-            x = capture_input(module, lambda: getattr(module, step_name)(sample, 0))
+            args = capture_call(module, lambda: getattr(module, step_name)(sample, 0))
+        x = args[0] if len(args) == 1 else args
         state = torch.random.get_rng_state()
         was_training = module.training
         module.eval()
         try:
             with torch.no_grad():
-                expected = module(x)
+                expected = _run_or_explain(lambda: module(*args), f"{type(module).__name__}.forward", args, step_name, self.layers_path)
                 actual = x
-                for layer in container:
-                    actual = layer(actual)
+                for index, layer in enumerate(container):
+                    actual = _run_or_explain(lambda: layer(actual), f"{self.layers_path}[{index}] ({type(layer).__name__})", args, step_name, self.layers_path)
         finally:
             module.train(was_training)
             torch.random.set_rng_state(state)
@@ -470,23 +557,32 @@ class DappleStrategy(DDPStrategy):
         module = self.lightning_module
         batch, batch_idx = args[0], (args[1] if len(args) > 1 else kwargs.get("batch_idx", 0))
         recorder = LogRecorder()
-        callbacks = _TrainCallbacks(module, batch_idx, recorder)
+        mixed = self._mixed()
+        # Mixed precision: autocast around the forwards only (the executor's
+        # forward_context and the user's step), never around the backward.
+        context = mixed.forward_context if mixed is not None else nullcontext
+        callbacks = _TrainCallbacks(module, batch_idx, recorder, context=context)
         callbacks.batch_rows = batch_size_of(batch)
         scale = 1.0 / self.lightning_module.trainer.accumulate_grad_batches
+        params = self.runner.parameters
+        # Under Trainer(accumulate_grad_batches) the gradients of earlier batches are still
+        # in .grad; the runner starts from none, so they are put back after the step.
+        previous = [p.grad for p in params]
         try:
-            with self.precision_plugin.train_step_context():
-                loss, logs = self.runner.train_step(batch, callbacks, extras=recorder.summary)
+            with nullcontext() if mixed is not None else self.precision_plugin.train_step_context():
+                loss, logs = self.runner.train_step(
+                    batch, callbacks, extras=recorder.summary, loss_scale=mixed.loss_scale() if mixed is not None else 1.0
+                )
         except BaseException as exc:
             self.failure.report(exc)
             raise
-        params = self.runner.parameters
         if scale != 1.0:
             for p in params:
                 if p.grad is not None:
                     p.grad.mul_(scale)
         self._saved_grads = [p.grad for p in params]
-        for p in params:
-            p.grad = None
+        for p, grad in zip(params, previous):
+            p.grad = grad
         self.last_stats = self.runner.stats
         dtype = next((p.dtype for p in params), torch.float32)
         replay_logs(module, _merge_logs(logs), callbacks.batch_rows, dtype)
@@ -578,7 +674,8 @@ class DappleStrategy(DDPStrategy):
         """Give rank 0 the whole trained model back, as plain training would leave it.
 
         Every rank takes part in gathering the consolidated weights; rank 0 rebuilds the
-        layers it freed from their meta-device skeletons and loads them.
+        layers it freed from their meta-device skeletons on the CPU (the whole model need
+        not fit its device; ``teardown`` moves the module to the CPU anyway) and loads them.
         """
         if self.plan is None or self.plan.num_stages == 1:
             return
@@ -587,7 +684,7 @@ class DappleStrategy(DDPStrategy):
             return
         prefix = f"{self.layers_path}."
         for index, skeleton in sorted(self._freed.items()):
-            layer = skeleton.to_empty(device=self.root_device)
+            layer = skeleton.to_empty(device="cpu")
             head = f"{prefix}{index}."
             layer.load_state_dict({k[len(head):]: v for k, v in state.items() if k.startswith(head)})
             self._layer_container[index] = layer

@@ -103,15 +103,15 @@ def forward_replaced(module: nn.Module, forward: Callable[..., Any]) -> Iterator
             del module.forward
 
 
-def capture_input(module: nn.Module, step: Callable[[], Any]) -> Any:
-    """Run ``step`` until it calls ``self(x)``; return ``x`` (a tuple if several args)."""
+def capture_call(module: nn.Module, step: Callable[[], Any]) -> tuple:
+    """Run ``step`` until it calls ``self(...)``; return the positional arguments of that call."""
 
     def capturing(*args: Any, **kwargs: Any) -> Any:
         if kwargs:
             raise DappleConfigError(
                 "forward", "was called with keyword arguments", "call self(x) with one positional input (a tensor or a tuple/dict)"
             )
-        raise _InputCaptured(args[0] if len(args) == 1 else args)
+        raise _InputCaptured(args)
 
     with forward_replaced(module, capturing):
         try:
@@ -121,6 +121,34 @@ def capture_input(module: nn.Module, step: Callable[[], Any]) -> Any:
     raise DappleConfigError(
         "training_step", "returned without calling self(...)", "compute the model output with self(x) inside the step"
     )
+
+
+def capture_input(module: nn.Module, step: Callable[[], Any]) -> Any:
+    """Run ``step`` until it calls ``self(x)``; return ``x`` (a tuple if several args)."""
+    args = capture_call(module, step)
+    return args[0] if len(args) == 1 else args
+
+
+def key_owners(module: nn.Module, layers: nn.Module) -> dict[str, int | None]:
+    """Each state-dict key of the whole module -> index of the layer holding that tensor
+    (None: outside the layers).
+
+    Decided by tensor identity, not by key prefix, so a module that reaches its layers by
+    two paths (``self.model = ...; self.layers = self.model.layers``) has both keys owned
+    by the layer's stage.
+    """
+    holder: dict[int, int] = {}
+    for index, layer in enumerate(layers):
+        for tensor in (*layer.parameters(), *layer.buffers()):
+            holder.setdefault(id(tensor), index)
+    return {key: holder.get(id(value)) for key, value in module.state_dict(keep_vars=True).items()}
+
+
+def module_home(module: nn.Module) -> torch.device:
+    """Where the module's tensors are now (the CPU for a module with none)."""
+    for tensor in (*module.parameters(), *module.buffers()):
+        return tensor.device
+    return torch.device("cpu")
 
 
 def loss_of(output: Any) -> torch.Tensor:
