@@ -1,0 +1,179 @@
+"""A ``Trainer(strategy="dapple")`` job for the reliability tests, configured by the JSON
+file in argv[1]. Lightning's subprocess launcher re-runs this file for ranks 1..; under
+torchrun every rank runs it. What the tests break is chosen in the config:
+
+* ``kill``: {"rank", "step", "signal"} -- that rank sends itself SIGKILL/SIGSTOP in the
+  middle of that step (at its second micro-batch forward);
+* ``crash_save``: {"save", "point"} -- rank 0 kills the whole job (its process group) during
+  the n-th checkpoint write: "mid-write" (half the bytes written) or "before-rename";
+* ``bad``: {"step", "kind"} -- batch ``step`` has the wrong shape or dtype, a NaN target,
+  or the last batch is short.
+
+Rank 0 writes ``losses.json`` (loss per global step), ``pids/<rank>`` for every rank, and
+with ``final`` every rank joins writing ``final.ckpt`` after fit.
+"""
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from lightning.pytorch import Callback, Trainer, seed_everything  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+import lightning_dapple  # noqa: E402,F401
+import toy_models  # noqa: E402
+from lightning_toys import LossRecorder, MLPModule  # noqa: E402
+
+
+class JobModule(MLPModule):
+    """The tests' MLP, optionally with dropout after each hidden block and a StepLR."""
+
+    def __init__(self, dropout: float = 0.0, scheduler: bool = False) -> None:
+        super().__init__()
+        if dropout:
+            *blocks, head = list(self.layers)
+            self.layers = nn.Sequential(*(nn.Sequential(b, nn.Dropout(dropout)) for b in blocks), head)
+        self.scheduler = scheduler
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.Adam(self.parameters(), lr=self.lr)
+        if not self.scheduler:
+            return optimizer
+        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)}
+
+
+def batches(count: int, rows: int, bad: dict | None) -> list:
+    """The tests' MLP batches; ``bad`` spoils one."""
+    data = [tuple(t.double() for t in toy_models.mlp_batch(step, rows)) for step in range(count)]
+    if bad:
+        k, kind = bad["step"], bad["kind"]
+        x, y = data[k]
+        if kind == "shape":
+            data[k] = (torch.cat([x, x[:, :1]], dim=1), y)
+        elif kind == "dtype":
+            data[k] = ((x * 10).long(), y)
+        elif kind == "nan":
+            data[k] = (x, torch.full_like(y, float("nan")))
+        elif kind == "short":
+            data[k] = (x[:1], y[:1])
+    return data
+
+
+def loader(cfg: dict) -> DataLoader:
+    data = batches(cfg.get("batches", 3), cfg.get("rows", 12), cfg.get("bad"))
+    if cfg.get("resumable"):
+        from torch.utils.data import TensorDataset
+
+        from lightning_dapple.strategy.resume import ResumableDataLoader
+
+        xs, ys = zip(*data)
+        dataset = TensorDataset(torch.cat(xs), torch.cat(ys))
+        return ResumableDataLoader(dataset, batch_size=cfg.get("rows", 12), shuffle=True, seed=7)
+    return DataLoader(data, batch_size=None)
+
+
+class Sabotage(Callback):
+    """Records pids; arms the configured kill on the victim rank's first local layer."""
+
+    def __init__(self, cfg: dict) -> None:
+        self.cfg = cfg
+        self.calls = 0
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        pids = Path(self.cfg["out"]) / "pids"
+        pids.mkdir(exist_ok=True)
+        (pids / str(trainer.global_rank)).write_text(str(os.getpid()))
+        if self.cfg.get("topology"):
+            write_topology(trainer, Path(self.cfg["out"]) / "topology.json")
+        kill = self.cfg.get("kill")
+        if not kill or trainer.global_rank != kill["rank"]:
+            return
+        strategy = trainer.strategy
+        layer = pl_module.layers[strategy.plan.stages[strategy.stage].start]
+
+        def hook(module, args):
+            if trainer.global_step == kill["step"]:
+                self.calls += 1
+                if self.calls == 2:
+                    os.kill(os.getpid(), getattr(signal, "SIG" + kill["signal"]))
+
+        layer.register_forward_pre_hook(hook)
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        crash = self.cfg.get("crash_save")
+        if crash and trainer.global_rank == 0:
+            arm_crash(crash["save"], crash["point"])
+
+
+def write_topology(trainer, path: Path) -> None:
+    """Every rank joins; rank 0 writes the launch shape, rank -> node map and placement."""
+    from lightning_dapple.execute.topology import placement_lines, report_placement
+
+    topology = report_placement(trainer.strategy)
+    if trainer.global_rank == 0:
+        lines = placement_lines(trainer.strategy.plan, topology)
+        shape = topology.shape
+        path.write_text(json.dumps({"nodes": shape.nodes, "per_node": shape.per_node, "source": shape.source, "node_of_rank": list(topology.node_of_rank), "lines": lines}))
+
+
+def arm_crash(save_number: int, point: str) -> None:
+    """Kill every rank (the job's process group) at ``point`` of the n-th checkpoint write."""
+    from lightning_dapple.strategy import checkpoint
+
+    saves = {"count": 0}
+    real_save, real_replace = torch.save, os.replace
+
+    def die() -> None:
+        os.killpg(os.getpgid(0), signal.SIGKILL)
+
+    def save(obj, stream, *args, **kwargs):
+        saves["count"] += 1
+        if saves["count"] == save_number and point == "mid-write":
+            import io
+
+            buffer = io.BytesIO()
+            real_save(obj, buffer, *args, **kwargs)
+            stream.write(buffer.getvalue()[: buffer.tell() // 2])
+            stream.flush()
+            die()
+        return real_save(obj, stream, *args, **kwargs)
+
+    def replace(src, dst):
+        if saves["count"] == save_number and point == "before-rename":
+            die()
+        return real_replace(src, dst)
+
+    checkpoint.torch.save = save
+    checkpoint.os.replace = replace
+
+
+def main() -> None:
+    cfg = json.loads(Path(sys.argv[1]).read_text())
+    out = Path(cfg["out"])
+    torch.set_num_threads(1)
+    seed_everything(cfg.get("seed", 0), verbose=False)
+    from lightning_dapple.strategy import DappleStrategy
+
+    callbacks = [Sabotage(cfg), LossRecorder(str(out / "losses.json"))]
+    if cfg.get("ckpt"):
+        callbacks.append(ModelCheckpoint(dirpath=str(out / "ckpt"), every_n_train_steps=cfg["ckpt"]["every"], save_top_k=-1, save_last=cfg["ckpt"].get("last", False)))
+    trainer = Trainer(
+        strategy=DappleStrategy(plan=cfg["plan"], timeout_s=cfg.get("timeout_s", 60), **cfg.get("strategy", {})),
+        accelerator="cpu", devices=cfg["devices"], num_nodes=cfg.get("num_nodes", 1), precision="64-true",
+        max_steps=cfg["steps"], gradient_clip_val=0.5, logger=False, enable_checkpointing=bool(cfg.get("ckpt")),
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(out), callbacks=callbacks,
+    )
+    model = JobModule(cfg.get("dropout", 0.0), cfg.get("scheduler", False))
+    trainer.fit(model, loader(cfg), ckpt_path=cfg.get("resume"))
+    if cfg.get("final"):
+        trainer.save_checkpoint(str(out / "final.ckpt"))
+
+
+if __name__ == "__main__":
+    main()
