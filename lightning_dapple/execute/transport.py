@@ -14,11 +14,14 @@ nothing requires grad), the sender first sends a message that fills the whole re
 the flag byte set, then a fixed-size int64 header describing the new layout (followed by the
 structure when that changed too) and the data.
 
-In the steady state, what the sender sends depends on the backend:
-* under gloo, which accepts a message shorter than the receive posted for it and leaves the
-  rest of the buffer as it was, the sender sends the stage output itself (a lone tensor
-  goes as it is, several are packed), and the receiver's flag byte stays "same";
-* under NCCL, which needs equal sizes, every message carries its flag byte.
+In the steady state, what the sender sends depends on the wire policy (``wires``: chosen
+once per Transport from the backend and device, or forced with ``wire=``):
+* under gloo (the ``gloo`` and ``staged`` wires), which accepts a message shorter than the
+  receive posted for it and leaves the rest of the buffer as it was, the sender sends the
+  stage output itself (a lone tensor goes as it is, several are packed), and the
+  receiver's flag byte stays "same";
+* under NCCL (the ``nccl`` wire), which needs equal sizes, every message carries its flag
+  byte, and a transfer's messages go as one batch.
 
 Per-message overhead is what a pipeline of small stages pays most for (DAPPLE 5.2: the
 schedule only helps if the transfers between stages stay cheap), so the steady state is one
@@ -36,14 +39,16 @@ import os
 import pickle
 import warnings
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
+from lightning_dapple.errors import DappleConfigError, require
 from lightning_dapple.execute.failure import FailureChannel
 from lightning_dapple.execute.slicing import flatten, overlap, unflatten
+from lightning_dapple.execute.wires import Incoming, make_wire
 
 HEADER_INTS = 512
 _DTYPES = [
@@ -159,19 +164,19 @@ def unpack(buffer: torch.Tensor, metas: Sequence[LeafMeta], rows: int) -> list[t
     return out
 
 
-def as_message(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+def _as_is(dtype: torch.dtype) -> bool:
+    """Whether a lone tensor of ``dtype`` travels in its own dtype (else as bytes): complex
+    never does (NCCL has no complex type); the ``nccl`` wire also sends bool as bytes."""
+    return not dtype.is_complex
+
+
+def as_message(tensors: Sequence[torch.Tensor], typed: Callable[[torch.dtype], bool] = _as_is) -> torch.Tensor:
     """What to send for ``tensors``: a lone tensor as it is (no copy; the receiver knows its
-    dtype and shape), several packed into one buffer. Complex tensors are always sent as bytes:
-    NCCL has no complex type."""
-    if len(tensors) == 1 and _as_is(tensors[0].dtype):
+    dtype and shape) if its dtype travels ``typed``, else and several packed into one buffer."""
+    if len(tensors) == 1 and typed(tensors[0].dtype):
         tensor = tensors[0]
         return tensor if tensor.is_contiguous() else tensor.contiguous()
     return pack(tensors)
-
-
-def _as_is(dtype: torch.dtype) -> bool:
-    """Whether a lone tensor of ``dtype`` travels in its own dtype (else as bytes)."""
-    return not dtype.is_complex
 
 
 def short_messages_match() -> bool:
@@ -191,9 +196,16 @@ class BufferSpec(NamedTuple):
     dtype: torch.dtype
     zeroed: bool = False
 
-    def make(self, device: torch.device) -> torch.Tensor:
-        make = torch.zeros if self.zeroed else torch.empty
+    def make(self, device: torch.device, zero: bool = True) -> torch.Tensor:
+        """The buffer; zeroed only if it asks to be and the wire sends short messages (``zero``)."""
+        make = torch.zeros if (self.zeroed and zero) else torch.empty
         return make(self.shape, dtype=self.dtype, device=device)
+
+    def nbytes(self) -> int:
+        count = self.dtype.itemsize
+        for dim in self.shape:
+            count *= dim
+        return count
 
 
 def _activation_buffer(metas: Sequence[LeafMeta], rows: int) -> BufferSpec:
@@ -201,14 +213,14 @@ def _activation_buffer(metas: Sequence[LeafMeta], rows: int) -> BufferSpec:
     return BufferSpec((_payload_bytes(metas, rows) + 1,), torch.uint8, zeroed=True)
 
 
-def _typed_gradient(metas: Sequence[LeafMeta]) -> bool:
+def _typed_gradient(metas: Sequence[LeafMeta], typed: Callable[[torch.dtype], bool] = _as_is) -> bool:
     """Whether gradients of these leaves arrive in their own dtype and shape (one leaf that
     travels as is, see ``as_message``) rather than as bytes to unpack."""
-    return len(metas) == 1 and _as_is(metas[0].dtype)
+    return len(metas) == 1 and typed(metas[0].dtype)
 
 
-def _gradient_buffer(metas: Sequence[LeafMeta], rows: int) -> BufferSpec:
-    if _typed_gradient(metas):
+def _gradient_buffer(metas: Sequence[LeafMeta], rows: int, typed: bool) -> BufferSpec:
+    if typed:
         return BufferSpec((rows, *metas[0].tail_shape), metas[0].dtype)
     return BufferSpec((_payload_bytes(metas, rows),), torch.uint8)
 
@@ -221,23 +233,52 @@ def _rows_of(tensors: Sequence[torch.Tensor], lo: int, hi: int) -> Sequence[torc
 
 
 class Transport:
-    """Sends and receives boundary tensors of one rank, with bounded waits."""
+    """Sends and receives boundary tensors of one rank, with bounded waits.
 
-    def __init__(self, failure: FailureChannel, device: torch.device, short_messages: bool | None = None) -> None:
+    ``wire`` picks how messages travel (``lightning_dapple.execute.wires``): ``"auto"``
+    chooses from the backend and device (gloo with CPU tensors: ``gloo``; gloo with CUDA
+    tensors: ``staged`` through pinned host buffers; NCCL: ``nccl``, batched on
+    communication streams); a forced ``"nccl"`` or ``"staged"`` also runs over gloo with CPU
+    tensors, which is how the CPU tests cover those paths. Every rank must use the same
+    policy (``gloo`` and ``staged`` messages are alike, so those two can mix). With the
+    ``nccl`` wire the constructor is collective: every rank builds its Transport at the same
+    point (it creates the two process groups of the wire).
+    """
+
+    def __init__(
+        self, failure: FailureChannel, device: torch.device, short_messages: bool | None = None, wire: str = "auto"
+    ) -> None:
         self.failure = failure
         self.device = device
+        self.wire = make_wire(wire, device, failure)
         # whether a known layout's activation may travel without its flag byte (see
-        # ``short_messages_match``); None: decide from the backend
-        self.short = short_messages_match() if short_messages is None else short_messages
+        # ``short_messages_match``); None: what the wire allows
+        self.short = self.wire.short_messages if short_messages is None else short_messages
+        require(
+            self.wire.short_messages or not self.short,
+            "short_messages",
+            f"the {self.wire.name} wire needs every message to fill its receive",
+            "leave short_messages unset",
+        )
+        self._typed = self.wire.typed
+        # batched wires collect a transfer's messages here and issue them together
+        self._batch: list[tuple[torch.Tensor, int, str, Any]] | None = [] if self.wire.batched else None
         # per peer: the layout of the last activation sent to / received from it
         self._layout_sent: dict[int, tuple[tuple[LeafMeta, ...], Any]] = {}
         self._layout_received: dict[int, tuple[tuple[LeafMeta, ...], Any]] = {}
-        # sends not yet waited: (work, buffer, what, key); ``settle`` and ``flush`` wait them
-        self._pending_sends: list[tuple[Any, torch.Tensor, str, Any]] = []
-        # receives posted ahead of their action, by transfer name: (peer, work, buffer) each
-        self._posted: dict[str, list[tuple[int, Any, torch.Tensor]]] = {}
+        # sends not yet waited: (work or None, what to keep until then, what, key); ``settle``
+        # and ``flush`` wait them
+        self._pending_sends: list[tuple[Any, Any, str, Any]] = []
+        # receives posted ahead of their action, by transfer name
+        self._posted: dict[str, list[Incoming]] = {}
         self.bytes_sent = 0
         self.messages_sent = 0
+
+    @property
+    def posts_ahead(self) -> bool:
+        """Whether receives may be posted ahead on this wire (never under NCCL, which runs a
+        pair's operations in issue order: see ``receives_ahead_pay``)."""
+        return self.wire.posts_ahead
 
     # -- sending -------------------------------------------------------------
     def send_activation(
@@ -247,8 +288,6 @@ class Transport:
         leaves, spec = flatten(structure)
         for leaf in leaves:
             if leaf.dim() == 0 or leaf.shape[0] != my_rows[1] - my_rows[0]:
-                from lightning_dapple.errors import DappleConfigError
-
                 raise DappleConfigError(
                     "layer output",
                     f"has a tensor of shape {tuple(leaf.shape)} whose first dimension is not the batch "
@@ -256,39 +295,51 @@ class Transport:
                     "make every tensor passed between layers batch-first",
                 )
         metas = tuple(_meta_of(leaf) for leaf in leaves)
-        for peer in peers:
-            rows = overlap(my_rows, peer.rows)
-            if rows is None:
-                continue
-            lo, hi = rows[0] - my_rows[0], rows[1] - my_rows[0]
-            data = _rows_of(leaves, lo, hi)
-            known = self._layout_sent.get(peer.rank)
-            if known == (metas, spec):
-                if self.short and _payload_bytes(metas, hi - lo):
-                    self._isend(as_message(data), peer.rank, what, key)  # the receiver's flag byte stays "same"
-                else:
-                    self._isend(pack(data, FLAG_SAME_LAYOUT), peer.rank, what, key)
-                continue
-            if known is not None:  # the receiver expects the old layout's size: tell it to read a header
-                filler = torch.zeros(_payload_bytes(known[0], hi - lo) + 1, dtype=torch.uint8)
-                filler[-1] = FLAG_NEW_LAYOUT
-                self._isend(filler, peer.rank, f"layout change of {what}", key)
-            header, spec_bytes = self._header(metas, spec, send_spec=known is None or known[1] != spec)
-            self._layout_sent[peer.rank] = (metas, spec)
-            self._isend(header, peer.rank, f"header of {what}", key)
-            if spec_bytes is not None:
-                self._isend(spec_bytes, peer.rank, f"structure of {what}", key)
-            self._isend(pack(data), peer.rank, what, key)
+        try:
+            for peer in peers:
+                rows = overlap(my_rows, peer.rows)
+                if rows is not None:
+                    self._send_rows(leaves, metas, spec, rows[0] - my_rows[0], rows[1] - my_rows[0], peer.rank, what, key)
+        finally:
+            if self._batch:
+                self._issue("activation")
+
+    def _send_rows(
+        self, leaves: list[torch.Tensor], metas: tuple[LeafMeta, ...], spec: Any, lo: int, hi: int, peer: int, what: str, key: Any
+    ) -> None:
+        """The messages of one activation transfer to one peer (see the module docstring)."""
+        data = _rows_of(leaves, lo, hi)
+        known = self._layout_sent.get(peer)
+        if known == (metas, spec):
+            if self.short and _payload_bytes(metas, hi - lo):
+                self._isend(as_message(data, self._typed), peer, what, key)  # the receiver's flag byte stays "same"
+            else:
+                self._isend(pack(data, FLAG_SAME_LAYOUT), peer, what, key)
+            return
+        if known is not None:  # the receiver expects the old layout's size: tell it to read a header
+            filler = torch.zeros(_payload_bytes(known[0], hi - lo) + 1, dtype=torch.uint8)
+            filler[-1] = FLAG_NEW_LAYOUT
+            self._isend(filler, peer, f"layout change of {what}", key)
+        header, spec_bytes = self._header(metas, spec, send_spec=known is None or known[1] != spec)
+        self._layout_sent[peer] = (metas, spec)
+        self._isend(header, peer, f"header of {what}", key)
+        if spec_bytes is not None:
+            self._isend(spec_bytes, peer, f"structure of {what}", key)
+        self._isend(pack(data), peer, what, key)
 
     def send_gradient(
         self, grads: Sequence[torch.Tensor], my_rows: tuple[int, int], peers: Sequence[Peer], what: str, key: Any = None
     ) -> None:
-        for peer in peers:
-            rows = overlap(my_rows, peer.rows)
-            if rows is None:
-                continue
-            lo, hi = rows[0] - my_rows[0], rows[1] - my_rows[0]
-            self._isend(as_message(_rows_of(grads, lo, hi)), peer.rank, what, key)
+        try:
+            for peer in peers:
+                rows = overlap(my_rows, peer.rows)
+                if rows is None:
+                    continue
+                lo, hi = rows[0] - my_rows[0], rows[1] - my_rows[0]
+                self._isend(as_message(_rows_of(grads, lo, hi), self._typed), peer.rank, what, key)
+        finally:
+            if self._batch:
+                self._issue("gradient")
 
     @staticmethod
     def _header(metas: Sequence[LeafMeta], spec: Any, send_spec: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -305,10 +356,23 @@ class Transport:
         return header, spec_bytes
 
     def _isend(self, tensor: torch.Tensor, peer: int, what: str, key: Any = None) -> None:
-        tensor = tensor.to(self.device) if tensor.device != self.device else tensor
-        self._pending_sends.append((dist.isend(tensor, peer), tensor, what, key))
+        """Send one message now, or (batched wires) add it to the transfer's batch."""
+        if self._batch is not None:
+            self._batch.append((tensor, peer, what, key))
+            return
+        work, kept = self.wire.send_one(tensor, peer)
+        self._pending_sends.append((work, kept, what, key))
         self.bytes_sent += tensor.numel() * tensor.element_size()
         self.messages_sent += 1
+
+    def _issue(self, direction: str) -> None:
+        """Issue the batch of messages collected for one transfer."""
+        batch, self._batch = self._batch or [], []
+        sent = self.wire.send([(tensor, peer) for tensor, peer, _, _ in batch], direction)
+        for (work, kept), (tensor, _, what, key) in zip(sent, batch):
+            self._pending_sends.append((work, kept, what, key))
+            self.bytes_sent += tensor.numel() * tensor.element_size()
+        self.messages_sent += len(batch)
 
     def flush(self) -> None:
         """Wait for every send issued so far (their buffers may be freed afterwards)."""
@@ -326,25 +390,19 @@ class Transport:
             self._pending_sends = [item for item in self._pending_sends if item[3] not in keys]
             self._wait_sends(due)
 
-    def _wait_sends(self, pending: list[tuple[Any, torch.Tensor, str, Any]]) -> None:
+    def _wait_sends(self, pending: list[tuple[Any, Any, str, Any]]) -> None:
         if pending:
             what = pending[0][2] if len(pending) == 1 else f"{len(pending)} sends ({pending[0][2]} ... {pending[-1][2]})"
-            self.failure.wait_all([item[0] for item in pending], what)
+            self.failure.wait_all([item[0] for item in pending if item[0] is not None], what)
+            if self.wire.pooled:
+                self.wire.release([item[1] for item in pending])
 
     # -- receiving -----------------------------------------------------------
-    def _recv(self, tensor: torch.Tensor, peer: int, what: str) -> torch.Tensor:
-        self.failure.wait(dist.irecv(tensor, peer), f"{what} from rank {peer}")
-        return tensor
-
-    def _take(self, posted: list[tuple[int, Any, torch.Tensor]] | None, spec: "BufferSpec", peer: int, what: str) -> torch.Tensor:
-        """The next message from ``peer``, into a buffer made by ``spec``: the receive posted
-        ahead for it if there is one, else a receive posted now."""
-        if posted:
-            rank, work, buffer = posted.pop(0)
-            assert rank == peer and buffer.shape == spec.shape and buffer.dtype == spec.dtype, (rank, peer, buffer.shape, spec)
-            self.failure.wait(work, f"{what} from rank {peer}")
-            return buffer
-        return self._recv(spec.make(self.device), peer, what)
+    def _recv_now(self, spec: BufferSpec, peer: int, what: str, control: bool = False) -> torch.Tensor:
+        """One message of an activation transfer from ``peer``, received now (``control``:
+        a header or structure, read on the host)."""
+        incoming = self.wire.post([(peer, spec, False)], "activation", control)
+        return self.wire.wait(incoming, f"{what} from rank {peer}")[0][0]
 
     # -- receiving ahead -----------------------------------------------------
     # A receive posted before the rank needs it lets the data arrive while the rank computes
@@ -353,66 +411,89 @@ class Transport:
     # the layout of the last one from the same peer (a changed layout arrives as a message
     # of that size with the flag set, see the module docstring), a gradient's from the
     # outputs it belongs to. Callers post in the order of their action list and at most one
-    # transfer ahead, so receives from one peer are matched in order.
+    # transfer ahead, so receives from one peer are matched in order. Wires that match a
+    # pair's operations by order on one stream (NCCL) never post ahead: there posting is a
+    # no-op and the receive is posted when due.
     def post_activation(self, my_rows: tuple[int, int], peers: Sequence[Peer], what: str) -> bool:
-        """Post the receives of activation ``what`` now; False if a layout is still unknown."""
-        sizes = []
+        """Post the receives of activation ``what`` now; False if a layout is still unknown
+        (or the wire does not post ahead)."""
+        if not self.wire.posts_ahead:
+            return False
+        specs = self._activation_specs(my_rows, peers)
+        if specs is None:
+            return False
+        self._post(what, specs, "activation")
+        return True
+
+    def _activation_specs(self, my_rows: tuple[int, int], peers: Sequence[Peer]) -> list[tuple[int, BufferSpec, bool]] | None:
+        """The receives of an activation from ``peers``; None if a peer's layout is unknown."""
+        specs = []
         for peer in peers:
             rows = overlap(my_rows, peer.rows)
             if rows is None:
                 continue
             known = self._layout_received.get(peer.rank)
             if known is None:
-                return False
-            sizes.append((peer.rank, _activation_buffer(known[0], rows[1] - rows[0])))
-        self._post(what, sizes)
-        return True
+                return None
+            specs.append((peer.rank, _activation_buffer(known[0], rows[1] - rows[0]), True))
+        return specs
 
     def post_gradient(self, like: Sequence[torch.Tensor], my_rows: tuple[int, int], peers: Sequence[Peer], what: str) -> None:
-        """Post the receives of gradient ``what`` (for this rank's outputs ``like``) now."""
-        metas = [_meta_of(t) for t in like]
-        sizes = []
+        """Post the receives of gradient ``what`` (for this rank's outputs ``like``) now
+        (nothing on a wire that does not post ahead)."""
+        if self.wire.posts_ahead:
+            self._post(what, self._gradient_specs([_meta_of(t) for t in like], my_rows, peers)[0], "gradient")
+
+    def _gradient_specs(
+        self, metas: Sequence[LeafMeta], my_rows: tuple[int, int], peers: Sequence[Peer]
+    ) -> tuple[list[tuple[int, BufferSpec, bool]], list[int]]:
+        """The receives of a gradient from ``peers``, and the rows each brings."""
+        typed = _typed_gradient(metas, self._typed)
+        specs, counts = [], []
         for peer in peers:
             rows = overlap(my_rows, peer.rows)
             if rows is not None:
-                sizes.append((peer.rank, _gradient_buffer(metas, rows[1] - rows[0])))
-        self._post(what, sizes)
+                specs.append((peer.rank, _gradient_buffer(metas, rows[1] - rows[0], typed), False))
+                counts.append(rows[1] - rows[0])
+        return specs, counts
 
-    def _post(self, what: str, specs: list[tuple[int, "BufferSpec"]]) -> None:
+    def _post(self, what: str, specs: list[tuple[int, BufferSpec, bool]], direction: str) -> None:
         if what in self._posted:
             raise RuntimeError(f"receives of {what} were already posted")
-        posted = []
-        for rank, spec in specs:
-            buffer = spec.make(self.device)
-            posted.append((rank, dist.irecv(buffer, rank), buffer))
-        self._posted[what] = posted
+        self._posted[what] = self.wire.post(specs, direction)
 
     def is_posted(self, what: str) -> bool:
         return what in self._posted
 
     def recv_activation(self, my_rows: tuple[int, int], peers: Sequence[Peer], what: str) -> Any:
         """Receive and concatenate the rows ``my_rows`` of a boundary; grads enabled on
-        floating leaves that required grad on the sender."""
+        floating leaves that required grad on the sender.
+
+        The receives of every peer whose layout is known are posted together (one batch on
+        batched wires) and waited together; a peer whose flag byte says "new layout" (or
+        whose layout is unknown) then sends a header, maybe the structure, and the data."""
+        parts = []
+        for peer in peers:
+            rows = overlap(my_rows, peer.rows)
+            if rows is not None:
+                parts.append((peer.rank, rows[1] - rows[0], self._layout_received.get(peer.rank)))
+        posted = self._posted.pop(what, None)
+        if posted is None:
+            specs = [(rank, _activation_buffer(known[0], count), True) for rank, count, known in parts if known is not None]
+            posted = self.wire.post(specs, "activation") if specs else []
+        received = iter(self.wire.wait(posted, _from(what, posted)) if posted else ())
         pieces: list[list[torch.Tensor]] = []
         metas: Sequence[LeafMeta] = ()
         spec = None
-        posted = self._posted.pop(what, None)
-        for peer in peers:
-            rows = overlap(my_rows, peer.rows)
-            if rows is None:
-                continue
-            count = rows[1] - rows[0]
-            known = self._layout_received.get(peer.rank)
+        for rank, count, known in parts:
             buffer = None
             if known is not None:
-                message = self._take(posted, _activation_buffer(known[0], count), peer.rank, what)
-                if int(message[-1].item()) == FLAG_SAME_LAYOUT:
+                message, flag = next(received)
+                if flag == FLAG_SAME_LAYOUT:
                     buffer = message  # unpack reads the leaves' bytes and leaves the flag byte
             if buffer is None:
-                known = self._recv_layout(peer.rank, known, what)
-                buffer = self._recv(
-                    torch.empty(_payload_bytes(known[0], count), dtype=torch.uint8, device=self.device), peer.rank, what
-                )
+                known = self._recv_layout(rank, known, what)
+                buffer = self._recv_now(BufferSpec((_payload_bytes(known[0], count),), torch.uint8), rank, what)
             metas, spec = known
             pieces.append(unpack(buffer, metas, count))
         leaves = [parts[0] if len(pieces) == 1 else torch.cat(parts) for parts in zip(*pieces)]
@@ -423,10 +504,10 @@ class Transport:
 
     def _recv_layout(self, peer: int, known: tuple[tuple[LeafMeta, ...], Any] | None, what: str) -> tuple[tuple[LeafMeta, ...], Any]:
         """Receive a header (and the structure if it changed) and remember the layout."""
-        header = self._recv(torch.empty(HEADER_INTS, dtype=torch.int64, device=self.device), peer, f"header of {what}")
+        header = self._recv_now(BufferSpec((HEADER_INTS,), torch.int64), peer, f"header of {what}", control=True)
         metas, spec_len = self._parse_header(header.cpu())
         if spec_len:
-            raw = self._recv(torch.empty(spec_len, dtype=torch.uint8, device=self.device), peer, f"structure of {what}")
+            raw = self._recv_now(BufferSpec((spec_len,), torch.uint8), peer, f"structure of {what}", control=True)
             spec = _spec_from_bytes(raw.cpu().numpy().tobytes())
         elif known is not None:
             spec = known[1]
@@ -439,16 +520,13 @@ class Transport:
     def recv_gradient(self, like: Sequence[torch.Tensor], my_rows: tuple[int, int], peers: Sequence[Peer], what: str) -> list[torch.Tensor]:
         """Gradients for the leaves ``like`` (this rank's outputs that require grad)."""
         metas = [_meta_of(t) for t in like]
-        typed = _typed_gradient(metas)
-        pieces = []
+        typed = _typed_gradient(metas, self._typed)
+        specs, counts = self._gradient_specs(metas, my_rows, peers)
         posted = self._posted.pop(what, None)
-        for peer in peers:
-            rows = overlap(my_rows, peer.rows)
-            if rows is None:
-                continue
-            count = rows[1] - rows[0]
-            buffer = self._take(posted, _gradient_buffer(metas, count), peer.rank, what)
-            pieces.append([buffer] if typed else unpack(buffer, metas, count))
+        if posted is None:
+            posted = self.wire.post(specs, "gradient")
+        received = self.wire.wait(posted, _from(what, posted)) if posted else []
+        pieces = [[buffer] if typed else unpack(buffer, metas, count) for (buffer, _), count in zip(received, counts)]
         return [parts[0] if len(pieces) == 1 else torch.cat(parts) for parts in zip(*pieces)]
 
     @staticmethod
@@ -461,3 +539,10 @@ class Transport:
             metas.append(LeafMeta(dtype, requires_grad, tuple(ints[pos + 3 : pos + 3 + ndim])))
             pos += 3 + ndim
         return metas, spec_len
+
+
+def _from(what: str, incoming: Sequence[Incoming]) -> str:
+    """``what`` and the ranks it comes from, for wait messages."""
+    if len(incoming) == 1:
+        return f"{what} from rank {incoming[0].peer}"
+    return f"{what} from ranks {', '.join(str(item.peer) for item in incoming)}"
