@@ -11,65 +11,67 @@ by ``lightning_dapple.schedule`` (the same list the simulator times):
   replays them exactly;
 * B: backpropagate that micro-batch, accumulating parameter gradients (5.2.3: "each
   device produces and accumulates gradients for all micro-batches"). When the schedule
-  splits backward (out-of-order backprop, ooo-backprop sec. 3), B computes only the
-  gradient with respect to the stage input and the gradients W will start from (one
-  ``autograd.grad`` over the retained graph); the gradient goes upstream at once
+  splits backward (out-of-order backprop, ooo-backprop sec. 3), the stage's GEMM-shaped
+  modules leave their weight gradients to W (``execute/weight_grad.py``): B is still one
+  ordinary backward that frees the graph, and the input gradient goes upstream at once
   (gradient fast-forwarding, 5.2);
-* W: the deferred weight gradients of one micro-batch, layer by layer from the same graph
-  (``autograd.grad`` from where each layer's weight work starts -- the outputs of its
-  weight-consuming operations, see ``execute/recompute.py`` -- to its parameters, with the
-  gradients B kept there). A W limited to some layers runs only those (the ending phase of
-  reverse first-k, Algorithm 2); the graph goes when the micro-batch's last W is done;
+* W: the deferred weight gradients of one micro-batch from the (input, output gradient)
+  pairs B filed. A W limited to some layers runs only those (the ending phase of reverse
+  first-k, Algorithm 2);
 * recomputation (gpipe.txt 2.3, per stage ``never``/``always``/``except_last``): the F
   of a recomputed micro-batch keeps only the stage input; right before its B the stage
-  forward is replayed under the same seed (buffers restored), and B/W then use that one
-  graph (see ``execute/recompute.py`` for why this is not ``torch.utils.checkpoint``);
+  forward is replayed under the same seed (buffers restored), and B/W then use that
+  replay (see ``execute/replay.py`` for why this is not ``torch.utils.checkpoint``);
 * send/receive: split-concat transfers to adjacent stages (5.2.2). Sends are asynchronous;
   a receive, once its data is in, also waits for the earlier sends ``schedule.settle``
   names (those the peer has already posted receives for), the rest at the end of the step;
-* ALLREDUCE: sum the accumulated gradients among the stage's replicas, started as soon as
-  the stage's last backward is done and waited at the end of the step; an ALLREDUCE
-  limited to some layers is an asynchronous bucket of just their gradients.
+* gradient AllReduce among the stage's replicas: bucketed and started as soon as each
+  bucket's gradients are final, overlapping the rest of the backward
+  (``execute/grad_sync.py``); the ALLREDUCE actions of the list mark where the simulator
+  expects the last of them, and the step waits for all at its end.
 
 Losses are weighted by (slice rows / global batch rows) for mean-reduced losses, so the
 accumulated gradients are exactly those of one device on the whole global batch.
 
 Stashed bytes follow ``schedule.ooo.stash_walk`` (the planner's rule) with measured
 sizes: the saved tensors of the forward (``profile/stash.py``), the kept input of a
-recomputed micro-batch, the gradients a pending W keeps.
+recomputed micro-batch, the output gradients a pending W keeps. Saved-tensor hooks cost
+Python work on every saved tensor, so the sizes are measured in the first step of each
+batch size and reused by the steps after it (what a forward saves depends on the layout
+of its input, not on its values).
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, ContextManager, Protocol, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from lightning_dapple.errors import DappleConfigError
 from lightning_dapple.execute.failure import FailureChannel
-from lightning_dapple.execute.results import ResultChannel
+from lightning_dapple.execute.grad_sync import GradientSync
 from lightning_dapple.execute.groups import PlanGroups
-from lightning_dapple.execute.recompute import (
-    WeightWork,
+from lightning_dapple.execute.replay import (
     discard_saved,
     frozen_buffers,
-    output_edges,
     reseed,
     restore_rng,
     save_rng,
     tensor_bytes,
     tensor_leaves,
     weight_groups,
-    weight_work,
 )
+from lightning_dapple.execute.results import ResultChannel
 from lightning_dapple.execute.slicing import batch_size_of, flatten, slice_rows, take_rows
 from lightning_dapple.execute.transport import Peer, Transport, receives_ahead_pay
+from lightning_dapple.execute.weight_grad import WeightGradStore, deferrable_modules, install_deferred_weights
+from lightning_dapple.plan.buckets import BUCKET_BYTES, bucket_layers
 from lightning_dapple.plan.plan import Plan
 from lightning_dapple.profile.stash import StashMeter, parameter_storages
-from lightning_dapple.schedule.actions import Kind
+from lightning_dapple.schedule.actions import Action, Kind
 from lightning_dapple.schedule.builders import Schedule
 from lightning_dapple.schedule.settle import settle_points
 
@@ -115,13 +117,23 @@ class _MicroBatch:
     loss: torch.Tensor | None = None
     # last stage, recomputed: the detached stage outputs the loss was computed from
     y: list[torch.Tensor] | None = None
-    # split backward: per weight group, its W pieces and (after B) their gradients
-    edges: list[list[WeightWork]] | None = None
-    wgrads: list[list[list[torch.Tensor] | None]] | None = None
-    w_left: set[int] = field(default_factory=set)
-    w_todo: int = 0
-    input_grads: list[torch.Tensor] | None = None
+    w_todo: int = 0  # W actions still to come for this micro-batch
     sent: bool = False
+
+
+@dataclass(slots=True)
+class _Step:
+    """State of one training step on this rank (what the action handlers share)."""
+
+    batch: Any
+    rows: int
+    callbacks: StageCallbacks
+    loss_scale: float
+    measure: set[int] | None  # parameter storages to leave out while measuring stash; None: reuse sizes
+    sizes: dict[Any, int]  # (micro-batch, "F" | "R") -> stashed bytes, measured or reused
+    state: dict[int, _MicroBatch] = field(default_factory=dict)
+    losses: list[torch.Tensor] = field(default_factory=list)
+    held: dict[int, int] = field(default_factory=dict)
 
 
 class StageRunner:
@@ -139,6 +151,8 @@ class StageRunner:
         loss_reduction: str = "mean",
         post_ahead: bool | None = None,
         settle_sends: bool = True,
+        forward_context: Callable[[], ContextManager[Any]] | None = None,
+        bucket_bytes: int = BUCKET_BYTES,
     ) -> None:
         self.plan = plan
         self.schedule = schedule
@@ -156,56 +170,104 @@ class StageRunner:
         self.groups = groups
         self.replica_groups = groups.replicas
         self.loss_reduction = loss_reduction
+        self.forward_context = forward_context or contextlib.nullcontext
         self.is_first = self.stage == 0
         self.is_last = self.stage == plan.num_stages - 1
         self.stats = StageStats()
         self.parameters = [p for layer in self.layers for p in layer.parameters() if p.requires_grad]
-        # stash measurement: parameter storages to leave out while a forward is measured
-        # (None: not measuring), per-layer stashed bytes by input layout, the last total
-        self._measure: set[int] | None = None
-        self._layer_stash: dict[Any, list[int]] = {}
-        self._last_stash = 0
-        # out-of-order backprop and recomputation
-        compute = schedule.compute(self.stage) if self.stage < schedule.num_stages else []
+        self._steps = 0
+        self._base_seed = torch.initial_seed()
+        self._peer_cache: dict[tuple[int, int, int], list[Peer]] = {}
+        self._stash_sizes: dict[Any, dict[Any, int]] = {}  # per (batch rows, training): measured sizes
+        self._buffers = [buffer for layer in self.layers for buffer in layer.buffers()]
+        self._actions: list[Action] = list(schedule.actions[self.stage]) if self.stage < schedule.num_stages else []
+        compute = [a for a in self._actions if a.kind.is_compute]
+        self._plan_backward(schedule, compute)
+        self._plan_receives(schedule, settle_sends)
+        self.sync = self._build_sync(bucket_bytes)
+
+    # -- set-up: everything decided once per plan ----------------------------------
+    def _plan_backward(self, schedule: Schedule, compute: list[Action]) -> None:
+        """Split backward (out-of-order backprop) or not, and what each W covers."""
         any_w = any(a.kind is Kind.W for acts in schedule.actions for a in acts)
         self.split = any(a.kind is Kind.W for a in compute) or (schedule.split_backward and not any_w)
         self.recomputed = schedule.recomputed(self.stage) if self.stage < schedule.num_stages else frozenset()
-        self._w_groups = weight_groups(self.layers)
-        self._group_params = [self._unique_params(a, b) for a, b in self._w_groups]
-        self._group_ends = {b - 1: index for index, (a, b) in enumerate(self._w_groups)}
-        self._group_starts = {a: index for index, (a, b) in enumerate(self._w_groups)}
-        self._buffers = [buffer for layer in self.layers for buffer in layer.buffers()]
-        owner: dict[int, int] = {}
-        for index, layer in enumerate(self.layers):
-            for param in layer.parameters():
-                if param.requires_grad:
-                    owner.setdefault(id(param), index)
-        self._param_owner = owner
-        self._edge_sink: list[list[WeightWork]] | None = None
-        self._steps = 0
-        self._base_seed = torch.initial_seed()
-        # positions of this stage's receive actions (what ``_post_ahead`` looks for)
-        own = schedule.actions[self.stage] if self.stage < schedule.num_stages else []
-        self._receive_positions = [i for i, a in enumerate(own) if a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD)]
-        # per receive position: the earlier sends it waits for too (schedule/settle.py);
-        # settle_sends=False leaves every send to the end of the step (the benchmarks' ablation)
-        self._settle_at = (
-            settle_points(schedule.actions)[self.stage] if settle_sends and self.stage < schedule.num_stages else {}
-        )
-        self._peer_cache: dict[tuple[int, int, int], list[Peer]] = {}
+        self.store = WeightGradStore()
+        self._final_after: dict[int, list[nn.Parameter]] = {}  # see _build_sync
+        self._last_b = -1
+        self._hooked: list[nn.Parameter] = []
+        self._deferred: list[list[nn.Parameter]] = [[] for _ in self.layers]
+        if self.split:
+            install_deferred_weights(self.layers, self.store)
+            for index, layer in enumerate(self.layers):
+                self._deferred[index] = _unique(p for m in deferrable_modules(layer) for p in m.parameters(recurse=False) if p.requires_grad)
         self._w_count: dict[int, int] = {}
         for action in compute:
             if action.kind is Kind.W and action.microbatch is not None:
                 self._w_count[action.microbatch] = self._w_count.get(action.microbatch, 0) + 1
+        # a W limited to some layers covers whole weight groups (layers sharing a parameter)
+        groups = weight_groups(self.layers)
+        self._w_span: dict[tuple[int, int], tuple[int, int]] = {}
+        for action in compute:
+            if action.kind is Kind.W and action.layers is not None and action.layers not in self._w_span:
+                lo, hi = action.layers
+                meets = [g for g in groups if g[0] < hi and g[1] > lo]
+                self._w_span[action.layers] = (min([lo] + [g[0] for g in meets]), max([hi] + [g[1] for g in meets]))
 
-    def _unique_params(self, start: int, end: int) -> list[torch.nn.Parameter]:
-        out, seen = [], set()
-        for layer in self.layers[start:end]:
-            for param in layer.parameters():
-                if param.requires_grad and id(param) not in seen:
-                    seen.add(id(param))
-                    out.append(param)
-        return out
+    def _plan_receives(self, schedule: Schedule, settle_sends: bool) -> None:
+        # positions of this stage's receive actions (what ``_post_ahead`` looks for)
+        self._receive_positions = [i for i, a in enumerate(self._actions) if a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD)]
+        # per receive position: the earlier sends it waits for too (schedule/settle.py);
+        # settle_sends=False leaves every send to the end of the step (the benchmarks' ablation)
+        self._settle_at = settle_points(schedule.actions)[self.stage] if settle_sends and self.stage < schedule.num_stages else {}
+        self._next_receive = [len(self._receive_positions)] * (len(self._actions) + 1)
+        upcoming = len(self._receive_positions)
+        for position in range(len(self._actions) - 1, -1, -1):
+            while upcoming > 0 and self._receive_positions[upcoming - 1] > position:
+                upcoming -= 1
+            self._next_receive[position] = upcoming
+
+    def _build_sync(self, bucket_bytes: int) -> GradientSync | None:
+        """The stage's gradient buckets and when each parameter's gradient is final."""
+        group = self.replica_groups.get(self.stage)
+        if group is None or not self.parameters:
+            return None
+        owned: list[list[nn.Parameter]] = []
+        seen: set[int] = set()
+        for layer in self.layers:
+            owned.append([p for p in layer.parameters() if p.requires_grad and id(p) not in seen])
+            seen.update(id(p) for p in owned[-1])
+        sizes = [sum(p.numel() * p.element_size() for p in params) for params in owned]
+        buckets = [[p for layer in range(lo, hi) for p in owned[layer]] for lo, hi in bucket_layers(sizes, 0, len(owned), bucket_bytes)]
+        deferred = {id(p) for params in self._deferred for p in params}
+        hooked = [p for p in self.parameters if id(p) not in deferred]
+        self._final_after = self._final_positions()
+        self._last_b = max((i for i, a in enumerate(self._actions) if a.kind is Kind.B), default=-1)
+        self._hooked = hooked
+        return GradientSync(buckets, hooked, group, self.failure, self.stage)
+
+    def _final_positions(self) -> dict[int, list[nn.Parameter]]:
+        """Per action position: the deferred parameters whose last W work it does."""
+        last: dict[int, int] = {}  # layer -> position of its last deferred work
+        done: dict[int, set[int]] = {}  # micro-batch -> layers whose W ran
+        left = dict(self._w_count)
+        every = set(range(len(self.layers)))
+        for position, action in enumerate(self._actions):
+            mb = action.microbatch
+            if action.kind is Kind.B and mb is not None and left.get(mb, 0) == 0:
+                for layer in every:  # no W scheduled: the weight work runs right after B
+                    last[layer] = position
+            elif action.kind is Kind.W and mb is not None:
+                left[mb] -= 1
+                span = self._w_span.get(action.layers) if action.layers is not None and left[mb] > 0 else None
+                layers = set(range(*span)) if span is not None else every - done.get(mb, set())
+                done.setdefault(mb, set()).update(layers)
+                for layer in layers:
+                    last[layer] = position
+        final: dict[int, list[nn.Parameter]] = {}
+        for layer, position in last.items():
+            final.setdefault(position, []).extend(self._deferred[layer])
+        return final
 
     # -- helpers ---------------------------------------------------------------
     def _rows(self, stage: int, replica: int, batch_rows: int, microbatch: int) -> tuple[int, int]:
@@ -222,51 +284,17 @@ class StageRunner:
             self._peer_cache[key] = peers
         return peers
 
-    def run_layers(self, x: Any) -> Any:
-        """Apply the stage's layers.
-
-        While a forward is measured (``self._measure``), count what each layer stashes (the
-        layers only: the loss's own saves are not in any profile) into ``_last_stash``.
-        Saved-tensor hooks cost Python work on every saved tensor, which small stages feel
-        (DAPPLE 5.2: per-micro-batch overhead is the pipeline's enemy), so each layer is
-        measured once per input layout (shapes, dtypes, requires_grad) and the sizes are
-        reused afterwards: what a layer saves depends on its input's layout, not its values.
-        While a split-backward forward records, find where each weight group's W starts
-        (``execute.recompute.weight_work``)."""
-        exclude = self._measure
-        sink = self._edge_sink
-        if exclude is None and sink is None:
+    def run_layers(self, x: Any, meter: StashMeter | None = None) -> Any:
+        """Apply the stage's layers; with ``meter``, count what each layer stashes (the
+        layers only: the loss's own saves are not in any profile)."""
+        if meter is None:
             for layer in self.layers:
                 x = layer(x)
             return x
-        key = (self.layers[0].training, _layout_key(x)) if exclude is not None and self.layers else None
-        known = self._layer_stash.get(key) if key is not None else None
-        meter = StashMeter(exclude) if exclude is not None and known is None else None
-        hooks = torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack) if meter is not None else _null()
-        measured: list[int] = []
-        inputs: list[Any] = []
-        running = at_group_start = 0
-        with hooks:
-            for index, layer in enumerate(self.layers):
-                if sink is not None and index in self._group_starts:
-                    inputs = output_edges(x)
-                    at_group_start = running
-                before = 0
-                if meter is not None:
-                    meter.next_layer()
-                    before = meter.bytes
+        with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+            for layer in self.layers:
+                meter.next_layer()
                 x = layer(x)
-                if meter is not None:
-                    measured.append(meter.bytes - before)
-                running += measured[-1] if meter is not None else (known[index] if known is not None else 0)
-                if sink is not None and index in self._group_ends:
-                    group = self._group_ends[index]
-                    outputs = output_edges(x)
-                    limit = max(_grad_bytes(x), running - at_group_start)
-                    sink.append(weight_work(outputs, inputs, self._group_params[group], limit))
-        if meter is not None:
-            self._layer_stash[key] = measured
-        self._last_stash = running
         return x
 
     def check_batch(self, batch_rows: int) -> None:
@@ -283,141 +311,102 @@ class StageRunner:
         return hash((self._base_seed, self._steps, self.stage, self.replica, microbatch)) & 0x7FFF_FFFF_FFFF_FFFF
 
     # -- stash accounting (schedule.ooo.stash_walk with measured sizes) ----------
-    def _hold(self, mb: int, nbytes: int) -> None:
-        self._held[mb] = self._held.get(mb, 0) + nbytes
-        self.stats.peak_stash_bytes = max(self.stats.peak_stash_bytes, sum(self._held.values()))
-
-    def _drop(self, mb: int) -> None:
-        self._held.pop(mb, None)
+    def _hold(self, step: _Step, mb: int, nbytes: int) -> None:
+        step.held[mb] = step.held.get(mb, 0) + nbytes
+        self.stats.peak_stash_bytes = max(self.stats.peak_stash_bytes, sum(step.held.values()))
 
     # -- training ----------------------------------------------------------------
     def train_step(
-        self, batch: Any, callbacks: StageCallbacks, extras: Callable[[], Any] | None = None
+        self,
+        batch: Any,
+        callbacks: StageCallbacks,
+        extras: Callable[[], Any] | None = None,
+        loss_scale: float = 1.0,
     ) -> tuple[torch.Tensor, list[Any]]:
         """Run one optimizer step's forward/backward work; gradients are left in ``.grad``.
 
-        Returns the loss of the whole global batch (the same on every rank) and the list
-        of what ``extras()`` returned on each last-stage replica (on every rank).
+        The backward starts from the loss times ``loss_scale`` (fp16 loss scaling); the
+        returned loss of the whole global batch (the same on every rank) is unscaled, with
+        the list of what ``extras()`` returned on each last-stage replica (on every rank).
         """
         batch_rows = batch_size_of(batch)
         self.check_batch(batch_rows)
         for param in self.parameters:
             param.grad = None
         self.stats = StageStats()
-        self._held: dict[int, int] = {}
-        self._buckets: list[tuple[Any, torch.Tensor, list[torch.nn.Parameter]]] = []
-        exclude = parameter_storages(self.parameters)
-        state: dict[int, _MicroBatch] = {}
-        losses: list[torch.Tensor] = []  # last stage: each micro-batch's weighted loss, summed once at the end
-        allreduce: tuple[Any, torch.Tensor] | None = None
-        clock = time.perf_counter
-        actions = self.schedule.actions[self.stage]
-        receives = self._receive_positions
-        upcoming = 0  # index into ``receives`` of the first receive not yet executed
+        layout = (batch_rows, bool(self.layers) and self.layers[0].training)
+        known = self._stash_sizes.get(layout)
+        step = _Step(
+            batch, batch_rows, callbacks, float(loss_scale),
+            measure=parameter_storages(self.parameters) if known is None else None,
+            sizes=known if known is not None else {},
+        )
+        if self.sync is not None:
+            self.sync.start_step()
         self.results.post()
         rng = save_rng(self.device)  # every F reseeds; the caller's RNG stream is put back when the step ends
         self._base_seed = torch.initial_seed()  # before any reseed changes what initial_seed() answers
         try:
-            for position, action in enumerate(actions):
-                mb = action.microbatch
-                kind = action.kind
-                if self.post_ahead and kind in (Kind.F, Kind.B, Kind.W):
-                    while upcoming < len(receives) and receives[upcoming] < position:
-                        upcoming += 1
-                    if upcoming < len(receives):
-                        self._post_ahead(actions[receives[upcoming]], state, batch_rows)
-                if kind is Kind.RECV_ACT:
-                    assert mb is not None
-                    rows = self._rows(self.stage, self.replica, batch_rows, mb)
-                    inputs = self.transport.recv_activation(rows, self._peers(self.stage - 1, batch_rows, mb), f"activation {mb}")
-                    state[mb] = _MicroBatch(rows=rows, inputs=inputs)
-                    self.transport.settle(self._settle_at.get(position))
-                elif kind is Kind.F:
-                    assert mb is not None
-                    start = clock()
-                    item = state.get(mb)
-                    if item is None:
-                        item = state[mb] = _MicroBatch(rows=self._rows(self.stage, self.replica, batch_rows, mb))
-                    recompute = mb in self.recomputed
-                    self._measure = None if recompute else exclude
-                    self._last_stash = 0
-                    if self.split and not recompute:
-                        item.edges = []
-                        self._edge_sink = item.edges
-                    try:
-                        reseed(self._seed(mb), self.device)
-                        self._forward(item, take_rows(batch, *item.rows), callbacks, batch_rows, recompute)
-                    finally:
-                        self._measure = None
-                        self._edge_sink = None
-                    if self.is_last and item.loss is not None:
-                        losses.append(item.loss.detach())
-                    stashed = tensor_bytes(item.inputs) if recompute else self._last_stash
-                    self.stats.stash_bytes[mb] = stashed
-                    self._hold(mb, stashed)
-                    self.stats.peak_in_flight = max(self.stats.peak_in_flight, len(self._held))
-                    self.stats.timeline.append((start, clock(), "F", mb))
-                elif kind is Kind.SEND_ACT:
-                    assert mb is not None
-                    item = state[mb]
-                    self.transport.send_activation(
-                        item.outputs, item.rows, self._peers(self.stage + 1, batch_rows, mb), f"activation {mb}", (kind, mb)
-                    )
-                elif kind is Kind.RECV_GRAD:
-                    assert mb is not None
-                    item = state[mb]
-                    like = [leaf for leaf in flatten(item.outputs)[0] if leaf.requires_grad]
-                    grads = self.transport.recv_gradient(like, item.rows, self._peers(self.stage + 1, batch_rows, mb), f"gradient {mb}")
-                    item.outputs = (like, grads)
-                    self.transport.settle(self._settle_at.get(position))
-                elif kind is Kind.B:
-                    assert mb is not None
-                    start = clock()
-                    item = state[mb]
-                    self._backward(mb, item, exclude)
-                    self.stats.timeline.append((start, clock(), "B", mb))
-                    if self.is_first:
-                        item.sent = True
-                    self._release(state, mb)
-                elif kind is Kind.SEND_GRAD:
-                    assert mb is not None
-                    item = state[mb]
-                    grads = item.input_grads
-                    if grads is None:
-                        grads = [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in self._grad_inputs(item)]
-                    self.transport.send_gradient(grads, item.rows, self._peers(self.stage - 1, batch_rows, mb), f"gradient {mb}", (kind, mb))
-                    item.input_grads = None
-                    item.sent = True
-                    self._release(state, mb)
-                elif kind is Kind.W:
-                    assert mb is not None
-                    start = clock()
-                    item = state[mb]
-                    item.w_todo -= 1
-                    self._weight_work(item, action.layers if item.w_todo > 0 else None)
-                    self.stats.timeline.append((start, clock(), "W", mb))
-                    if item.w_todo <= 0:
-                        self._drop(mb)
-                        self._release(state, mb)
-                elif kind is Kind.ALLREDUCE and action.layers is not None:
-                    self._start_bucket(action.layers)
-                elif kind is Kind.ALLREDUCE:
-                    allreduce = self._start_allreduce()
-                else:
-                    raise NotImplementedError(f"action {action} is not supported by this executor")
+            self._run_actions(step)
             self.transport.flush()
-            if allreduce is not None:
-                self._finish_allreduce(*allreduce)
-            self._finish_buckets()
+            if self.sync is not None:
+                self.sync.finish()
         finally:
             restore_rng(rng)
+            self.store.clear()
             self._steps += 1
+        if known is None:
+            self._stash_sizes[layout] = step.sizes
+        losses = step.losses
         loss_sum = torch.stack(losses).to(torch.float64).sum().cpu() if losses else torch.zeros((), dtype=torch.float64)
         loss, shared = self.results.share(loss_sum, extras() if (extras is not None and self.is_last) else None)
         assert loss is not None
         return loss, shared
 
-    def _post_ahead(self, action: Any, state: dict[int, "_MicroBatch"], batch_rows: int) -> None:
+    def _run_actions(self, step: _Step) -> None:
+        actions = self._actions
+        receives = self._receive_positions
+        final_after = self._final_after
+        for position, action in enumerate(actions):
+            kind = action.kind
+            if self.post_ahead and kind.is_compute:
+                upcoming = self._next_receive[position]
+                if upcoming < len(receives):
+                    self._post_ahead(actions[receives[upcoming]], step)
+            mb = action.microbatch
+            if kind is Kind.F:
+                self._do_forward(step, mb)
+            elif kind is Kind.B:
+                self._do_backward(step, mb, position)
+            elif kind is Kind.W:
+                self._do_weight(step, mb, action.layers)
+            elif kind is Kind.RECV_ACT:
+                rows = self._rows(self.stage, self.replica, step.rows, mb)
+                inputs = self.transport.recv_activation(rows, self._peers(self.stage - 1, step.rows, mb), f"activation {mb}")
+                step.state[mb] = _MicroBatch(rows=rows, inputs=inputs)
+                self.transport.settle(self._settle_at.get(position))
+            elif kind is Kind.SEND_ACT:
+                item = step.state[mb]
+                self.transport.send_activation(item.outputs, item.rows, self._peers(self.stage + 1, step.rows, mb), f"activation {mb}", (kind, mb))
+            elif kind is Kind.RECV_GRAD:
+                item = step.state[mb]
+                like = [leaf for leaf in flatten(item.outputs)[0] if leaf.requires_grad]
+                grads = self.transport.recv_gradient(like, item.rows, self._peers(self.stage + 1, step.rows, mb), f"gradient {mb}")
+                item.outputs = (like, grads)
+                self.transport.settle(self._settle_at.get(position))
+            elif kind is Kind.SEND_GRAD:
+                item = step.state[mb]
+                grads = [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in self._grad_inputs(item)]
+                self.transport.send_gradient(grads, item.rows, self._peers(self.stage - 1, step.rows, mb), f"gradient {mb}", (kind, mb))
+                item.inputs = None
+                item.sent = True
+                self._release(step, mb)
+            elif kind is not Kind.ALLREDUCE:  # AllReduce buckets start when their gradients are final (grad_sync)
+                raise NotImplementedError(f"action {action} is not supported by this executor")
+            if self.sync is not None and position in final_after:
+                self.sync.ready_all(final_after[position])
+
+    def _post_ahead(self, action: Action, step: _Step) -> None:
         """Post the receives of the next receive action before this compute runs, so its
         data arrives meanwhile (one transfer ahead, in action order: see transport)."""
         mb = action.microbatch
@@ -425,22 +414,48 @@ class StageRunner:
         if self.transport.is_posted(what):
             return
         if action.kind is Kind.RECV_ACT:
-            rows = self._rows(self.stage, self.replica, batch_rows, mb)
-            self.transport.post_activation(rows, self._peers(self.stage - 1, batch_rows, mb), what)
+            rows = self._rows(self.stage, self.replica, step.rows, mb)
+            self.transport.post_activation(rows, self._peers(self.stage - 1, step.rows, mb), what)
             return
-        item = state.get(mb)
+        item = step.state.get(mb)
         if item is None or item.outputs is None:
             return  # its forward has not run yet: sizes unknown
         like = [leaf for leaf in flatten(item.outputs)[0] if leaf.requires_grad]
-        self.transport.post_gradient(like, item.rows, self._peers(self.stage + 1, batch_rows, mb), what)
+        self.transport.post_gradient(like, item.rows, self._peers(self.stage + 1, step.rows, mb), what)
 
-    def _release(self, state: dict[int, "_MicroBatch"], mb: int) -> None:
-        item = state.get(mb)
+    def _release(self, step: _Step, mb: int) -> None:
+        item = step.state.get(mb)
         if item is not None and item.sent and item.w_todo <= 0 and item.outputs is None:
-            state.pop(mb)
+            step.state.pop(mb)
 
     # -- forward -----------------------------------------------------------------
-    def _forward(self, item: _MicroBatch, batch_slice: Any, callbacks: StageCallbacks, batch_rows: int, recompute: bool) -> None:
+    def _do_forward(self, step: _Step, mb: int) -> None:
+        start = time.perf_counter()
+        item = step.state.get(mb)
+        if item is None:
+            item = step.state[mb] = _MicroBatch(rows=self._rows(self.stage, self.replica, step.rows, mb))
+        recompute = mb in self.recomputed
+        meter = StashMeter(step.measure) if step.measure is not None and not recompute else None
+        self.store.recording = mb if self.split and not recompute else None
+        try:
+            reseed(self._seed(mb), self.device)
+            with self.forward_context():
+                self._forward(item, take_rows(step.batch, *item.rows), step, recompute, meter)
+        finally:
+            self.store.recording = None
+        if recompute:
+            stashed = step.sizes.setdefault((mb, "F"), tensor_bytes(item.inputs))
+        elif meter is not None:
+            stashed = step.sizes[(mb, "F")] = meter.bytes
+        else:
+            stashed = step.sizes.get((mb, "F"), 0)
+        self.stats.stash_bytes[mb] = stashed
+        self._hold(step, mb, stashed)
+        self.stats.peak_in_flight = max(self.stats.peak_in_flight, len(step.held))
+        self.stats.timeline.append((start, time.perf_counter(), "F", mb))
+
+    def _forward(self, item: _MicroBatch, batch_slice: Any, step: _Step, recompute: bool, meter: StashMeter | None) -> None:
+        callbacks = step.callbacks
         if not self.is_last:
             x = callbacks.make_input(batch_slice) if self.is_first else item.inputs
             if recompute:
@@ -448,14 +463,14 @@ class StageRunner:
                 with discard_saved():
                     item.outputs = _detached(self.run_layers(x))
             else:
-                item.outputs = self.run_layers(x)
+                item.outputs = self.run_layers(x, meter)
             return
         received = item.inputs
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             x = (args[0] if len(args) == 1 else args) if self.is_first else received
             if not recompute:
-                return self.run_layers(x)
+                return self.run_layers(x, meter)
             item.inputs = x
             with discard_saved():
                 y = _detached(self.run_layers(x))
@@ -463,33 +478,33 @@ class StageRunner:
             return y
 
         loss = callbacks.compute_loss(batch_slice, forward)
-        weight = (item.rows[1] - item.rows[0]) / batch_rows if self.loss_reduction == "mean" else 1.0
-        item.loss = loss * weight
+        weight = (item.rows[1] - item.rows[0]) / step.rows if self.loss_reduction == "mean" else 1.0
+        loss = loss * weight
+        step.losses.append(loss.detach())
+        item.loss = loss * step.loss_scale if step.loss_scale != 1.0 else loss
 
-    def _recompute(self, mb: int, item: _MicroBatch, exclude: set[int]) -> Any:
+    def _recompute(self, step: _Step, mb: int, item: _MicroBatch) -> Any:
         """Replay the stage forward of ``mb`` with autograd (same seed, buffers kept) and
         hold what it stashes; returns the stage output with its graph."""
-        self._measure = exclude
-        self._last_stash = 0
-        if self.split:
-            item.edges = []
-            self._edge_sink = item.edges
+        meter = StashMeter(step.measure) if step.measure is not None else None
+        self.store.recording = mb if self.split else None
         try:
             reseed(self._seed(mb), self.device)  # the step restores the caller's RNG state
-            with frozen_buffers(self._buffers):
-                outputs = self.run_layers(item.inputs)
+            with frozen_buffers(self._buffers), self.forward_context():
+                outputs = self.run_layers(item.inputs, meter)
         finally:
-            self._measure = None
-            self._edge_sink = None
+            self.store.recording = None
+        if meter is not None:
+            step.sizes[(mb, "R")] = meter.bytes
         self.stats.recomputed += 1
-        self._hold(mb, self._last_stash)
+        self._hold(step, mb, step.sizes.get((mb, "R"), 0))
         return outputs
 
     def _grad_inputs(self, item: _MicroBatch) -> list[torch.Tensor]:
         return [leaf for leaf in flatten(item.inputs)[0] if leaf.requires_grad]
 
     # -- backward ------------------------------------------------------------------
-    def _roots(self, mb: int, item: _MicroBatch, exclude: set[int]) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    def _roots(self, step: _Step, mb: int, item: _MicroBatch) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         """What B starts from: the loss (last stage) or the stage outputs with the
         gradients received for them; for a recomputed micro-batch, the replayed outputs."""
         if mb not in self.recomputed:
@@ -505,7 +520,7 @@ class StageRunner:
             like: list[torch.Tensor] = item.y
         else:
             like, grads = item.outputs
-        replayed = [leaf for leaf in tensor_leaves(self._recompute(mb, item, exclude)) if leaf.requires_grad]
+        replayed = [leaf for leaf in tensor_leaves(self._recompute(step, mb, item)) if leaf.requires_grad]
         if len(replayed) != len(like):
             raise RuntimeError(
                 f"stage {self.stage}: the recomputed forward of micro-batch {mb} has {len(replayed)} outputs that require grad, "
@@ -513,152 +528,43 @@ class StageRunner:
             )
         return replayed, list(grads)
 
-    def _backward(self, mb: int, item: _MicroBatch, exclude: set[int]) -> None:
-        roots, root_grads = self._roots(mb, item, exclude)
+    def _do_backward(self, step: _Step, mb: int, position: int) -> None:
+        start = time.perf_counter()
+        item = step.state[mb]
+        roots, root_grads = self._roots(step, mb, item)
         item.loss = None
         item.y = None
-        if not self.split:
-            if roots:
-                torch.autograd.backward(roots, root_grads)
-            item.outputs = None
-            self._drop(mb)
-            return
-        self._backward_input(mb, item, roots, root_grads)
+        final = self.sync is not None and position == self._last_b
+        if final:
+            self.sync.live = True  # the last backward: autograd reports finished gradients
+        if roots:
+            torch.autograd.backward(roots, root_grads)
+        if final:
+            self.sync.live = False
+            self.sync.ready_all(self._hooked)  # also those that got no gradient in this B
         item.outputs = None
-
-    def _backward_input(self, mb: int, item: _MicroBatch, roots: list[torch.Tensor], root_grads: list[torch.Tensor] | None) -> None:
-        """B of out-of-order backprop: the gradients of the stage input and those W starts
-        from (each weight group's frontier, ``execute.recompute.weight_work``), in one pass
-        over a graph that is kept for W."""
-        from torch.autograd.graph import get_gradient_edge
-
-        groups = item.edges or []
-        known: dict[tuple[int, int], torch.Tensor] = {}
-        if root_grads is not None:
-            for root, grad in zip(roots, root_grads):
-                edge = get_gradient_edge(root)
-                known[(id(edge.node), edge.output_nr)] = grad
-        inputs = self._grad_inputs(item) if not self.is_first else []
-        targets: list[Any] = [get_gradient_edge(leaf) for leaf in inputs]
-        wanted: dict[tuple[int, int], int] = {}
-        for pieces in groups:
-            for piece in pieces:
-                for edge in piece.edges:
-                    key = (id(edge.node), edge.output_nr)
-                    if key not in known and key not in wanted:
-                        wanted[key] = len(targets)
-                        targets.append(edge)
-        results: Sequence[torch.Tensor | None] = ()
-        if roots and targets:
-            results = torch.autograd.grad(roots, targets, root_grads, retain_graph=bool(groups), allow_unused=True)
-        if inputs:
-            item.input_grads = [
-                results[i] if results and results[i] is not None else torch.zeros_like(x) for i, x in enumerate(inputs)
-            ]
-        kept: list[list[list[torch.Tensor] | None]] = []
-        kept_work: list[list[WeightWork]] = []
-        held = 0
-        seen: set[int] = set()
-        for pieces in groups:
-            group_work, group_grads = [], []
-            for piece in pieces:
-                pairs = []
-                for edge in piece.edges:
-                    key = (id(edge.node), edge.output_nr)
-                    grad = known.get(key)
-                    if grad is None and key in wanted:
-                        grad = results[wanted[key]] if results else None
-                    if grad is not None:
-                        pairs.append((edge, grad))
-                        if id(grad) not in seen:
-                            seen.add(id(grad))
-                            held += grad.numel() * grad.element_size()
-                group_work.append(WeightWork([edge for edge, _ in pairs], piece.params))
-                group_grads.append([grad for _, grad in pairs] if pairs else None)
-            kept_work.append(group_work)
-            kept.append(group_grads)
-        item.edges = kept_work
-        item.wgrads = kept
-        item.w_left = set(range(len(self._w_groups))) if groups else set()
-        item.w_todo = self._w_count.get(mb, 0)
+        item.w_todo = self._w_count.get(mb, 0) if self.split else 0
         if item.w_todo > 0:
-            self._hold(mb, held)
-        else:  # no W scheduled for it: do the weight work now
-            self._weight_work(item, None)
-            self._drop(mb)
+            self._hold(step, mb, self.store.held_bytes(mb))
+        else:
+            self.store.run(mb)  # split but no W scheduled for it: the weight work runs now
+            step.held.pop(mb, None)
+        self.stats.timeline.append((start, time.perf_counter(), "B", mb))
+        if self.is_first:
+            item.sent = True
+        self._release(step, mb)
 
-    def _weight_work(self, item: _MicroBatch, layers: tuple[int, int] | None) -> None:
-        """W: weight gradients of the groups still owed (those meeting ``layers``), from
-        the last layer back, each freeing its part of the graph."""
-        if item.edges is None or item.wgrads is None:
-            item.w_left = set()
-            return
-        order = sorted(item.w_left, reverse=True)
-        if layers is not None:
-            order = [g for g in order if self._w_groups[g][0] < layers[1] and self._w_groups[g][1] > layers[0]]
-        for group in order:
-            item.w_left.discard(group)
-            pieces, grads_of = item.edges[group], item.wgrads[group]
-            item.edges[group] = []
-            item.wgrads[group] = []
-            for piece, grads in zip(pieces, grads_of):
-                if not grads or not piece.params:
-                    continue
-                # the graph stays until the group's pieces are dropped (pieces may share nodes)
-                results = torch.autograd.grad(piece.edges, piece.params, grads, retain_graph=True, allow_unused=True)
-                for param, grad in zip(piece.params, results):
-                    if grad is None:
-                        continue
-                    if param.grad is None:  # like AccumulateGrad: keep it when its layout is the parameter's
-                        param.grad = grad if grad.stride() == param.stride() else grad.clone(memory_format=torch.contiguous_format)
-                    else:
-                        param.grad += grad
-            del pieces, grads_of
-        if not item.w_left:
-            item.edges = None
-            item.wgrads = None
-
-    # -- gradient AllReduce --------------------------------------------------------
-    def _start_bucket(self, layers: tuple[int, int]) -> None:
-        """Asynchronous AllReduce of the gradients of ``layers`` (their W is complete)."""
-        group = self.replica_groups.get(self.stage)
-        if group is None:
-            return
-        params, seen = [], set()
-        for param in self.parameters:
-            if id(param) not in seen and layers[0] <= self._param_owner[id(param)] < layers[1]:
-                seen.add(id(param))
-                params.append(param)
-        if not params:
-            return
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
-        self._buckets.append((dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True), flat, params))
-
-    def _finish_buckets(self) -> None:
-        buckets, self._buckets = self._buckets, []
-        for work, flat, params in buckets:
-            self.failure.wait(work, f"gradient AllReduce bucket of stage {self.stage}")
-            offset = 0
-            for param in params:
-                count = param.numel()
-                param.grad = flat[offset : offset + count].view_as(param).clone()
-                offset += count
-
-    def _start_allreduce(self) -> tuple[Any, torch.Tensor] | None:
-        group = self.replica_groups.get(self.stage)
-        if group is None or not self.parameters:
-            return None
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.parameters]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        return dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True), flat
-
-    def _finish_allreduce(self, work: Any, flat: torch.Tensor) -> None:
-        self.failure.wait(work, f"gradient AllReduce of stage {self.stage}")
-        offset = 0
-        for param in self.parameters:
-            count = param.numel()
-            param.grad = flat[offset : offset + count].view_as(param).clone()
-            offset += count
+    def _do_weight(self, step: _Step, mb: int, layers: tuple[int, int] | None) -> None:
+        """W: the deferred weight gradients of ``mb`` (those of ``layers`` unless this is its
+        last W, which does all that is left)."""
+        start = time.perf_counter()
+        item = step.state[mb]
+        item.w_todo -= 1
+        self.store.run(mb, self._w_span.get(layers) if layers is not None and item.w_todo > 0 else None)
+        self.stats.timeline.append((start, time.perf_counter(), "W", mb))
+        if item.w_todo <= 0:
+            step.held.pop(mb, None)
+            self._release(step, mb)
 
     def finish(self) -> None:
         """Wait for every send still pending (the last results hand-off), so that no send
@@ -678,7 +584,7 @@ class StageRunner:
         self.check_batch(batch_rows)
         results: list[Any] = []
         self.results.post()
-        with torch.no_grad():
+        with torch.no_grad(), self.forward_context():
             for mb in range(self.plan.micro_batches):
                 rows = self._rows(self.stage, self.replica, batch_rows, mb)
                 batch_slice = take_rows(batch, *rows)
@@ -704,23 +610,13 @@ class StageRunner:
         return [gathered[replica][mb] for mb in range(self.plan.micro_batches) for replica in range(replicas)]
 
 
-def _layout_key(value: Any) -> tuple:
-    """What decides the tensors a forward saves: the layout of its input, not its values."""
-    leaves = [value] if type(value) is torch.Tensor else tensor_leaves(value)
-    return (torch.is_grad_enabled(), *((tuple(t.shape), t.dtype, t.requires_grad, t.device) for t in leaves))
-
-
-def _grad_bytes(value: Any) -> int:
-    """Bytes of the tensors of ``value`` that require grad (their gradients' size)."""
-    return sum(t.numel() * t.element_size() for t in tensor_leaves(value) if t.requires_grad)
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
+def _unique(params: Any) -> list[nn.Parameter]:
+    out, seen = [], set()
+    for param in params:
+        if id(param) not in seen:
+            seen.add(id(param))
+            out.append(param)
+    return out
 
 
 def _detached(value: Any) -> Any:

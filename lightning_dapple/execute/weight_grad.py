@@ -1,0 +1,202 @@
+"""The B/W split of out-of-order backprop without a second autograd pass.
+
+ooo-backprop (sec. 3) splits a layer's backward into the output-gradient work (our B: the
+gradient of the stage input, which the previous stage waits for) and the weight-gradient
+work (our W, needed only by the optimizer). The GEMM-shaped operations carry almost all
+of a layer's weight-gradient cost, and for them the split is exact and cheap: the weight
+gradient of ``y = x W^T + b`` is ``dy^T x`` (and ``sum(dy)``), of a convolution it is the
+convolution-backward with only the weight output asked for. So, during the forward of a
+micro-batch whose backward is split, every ``nn.Linear`` and ``nn.Conv{1,2,3}d`` of the
+stage runs through a small autograd function whose backward computes the input gradient
+only and files ``(x, dy)`` under (micro-batch, layer) in a ``WeightGradStore``; W later
+takes those pairs and computes the weight gradients. B is one ordinary
+``torch.autograd.backward`` that frees the graph as it goes, exactly like an unsplit
+backward; every other parameter (norms, embeddings, attention in-projections) gets its
+gradient during B as usual. This is how Zero Bubble's weight-gradient store works; it
+keeps nothing of the graph alive between B and W, only the pairs W needs.
+
+Mixed precision: under autocast the function casts its inputs to the autocast dtype itself
+(as autocast does for ``F.linear``), computes with autocast off, and returns weight
+gradients in the parameter's dtype, which is what autograd gives through autocast's casts.
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["WeightGradStore", "install_deferred_weights", "deferrable_modules"]
+
+_CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+class WeightGradStore:
+    """Pending weight-gradient work of each micro-batch, per stage-local layer.
+
+    ``recording`` is the micro-batch whose forward runs with deferral (``None``: modules run
+    their ordinary forward, e.g. evaluation, a forward whose backward is not split, or the
+    forward of a micro-batch that is recomputed later).
+    """
+
+    def __init__(self) -> None:
+        self.recording: int | None = None
+        self._pending: dict[int, list[tuple[int, Callable[[], None], int]]] = {}
+
+    def defer(self, microbatch: int, layer: int, work: Callable[[], None], nbytes: int) -> None:
+        self._pending.setdefault(microbatch, []).append((layer, work, nbytes))
+
+    def held_bytes(self, microbatch: int) -> int:
+        """Bytes of the output gradients kept for the W of ``microbatch`` (the inputs W
+        needs were already stashed by its forward)."""
+        return sum(nbytes for _, _, nbytes in self._pending.get(microbatch, ()))
+
+    def run(self, microbatch: int, layers: tuple[int, int] | None = None) -> None:
+        """The weight gradients of ``microbatch``, last layer first; only those of
+        ``layers`` (stage-local, half-open) when given."""
+        pending = self._pending.get(microbatch)
+        if not pending:
+            return
+        keep = []
+        with torch.no_grad():  # the saved inputs require grad; the weight gradients must not
+            for entry in reversed(pending):
+                layer, work, _ = entry
+                if layers is None or layers[0] <= layer < layers[1]:
+                    work()
+                else:
+                    keep.append(entry)
+        if keep:
+            keep.reverse()
+            self._pending[microbatch] = keep
+        else:
+            del self._pending[microbatch]
+
+    def clear(self) -> None:
+        self._pending.clear()
+        self.recording = None
+
+
+def _accumulate(param: nn.Parameter, grad: torch.Tensor) -> None:
+    """Add ``grad`` to ``param.grad`` as AccumulateGrad would."""
+    grad = grad.to(param.dtype)
+    if param.grad is None:
+        param.grad = grad if grad.stride() == param.stride() else grad.contiguous()
+    else:
+        param.grad += grad
+
+
+def _autocast_operands(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The operands as autocast would give them to the GEMM (unchanged when it is off)."""
+    device = x.device.type
+    if not torch.is_autocast_enabled(device):
+        return x, weight, bias
+    dtype = torch.get_autocast_dtype(device)
+    return x.to(dtype), weight.to(dtype), (bias.to(dtype) if bias is not None else None)
+
+
+class _DeferredLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, slot: tuple) -> torch.Tensor:
+        x, weight, bias = _autocast_operands(x, weight, bias)
+        with torch.autocast(x.device.type, enabled=False):
+            out = F.linear(x, weight, bias)
+        ctx.save_for_backward(x, weight)
+        ctx.slot = slot
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
+        x, weight = ctx.saved_tensors
+        store, microbatch, layer, module = ctx.slot
+        grad_in = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
+
+        def work() -> None:
+            flat_dy = grad_out.reshape(-1, grad_out.shape[-1])
+            _accumulate(module.weight, flat_dy.t().mm(x.reshape(-1, x.shape[-1])))
+            if module.bias is not None and module.bias.requires_grad:
+                _accumulate(module.bias, flat_dy.sum(0))
+
+        store.defer(microbatch, layer, work, grad_out.numel() * grad_out.element_size())
+        return grad_in, None, None, None
+
+
+class _DeferredConv(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, slot: tuple) -> torch.Tensor:
+        x, weight, bias = _autocast_operands(x, weight, bias)
+        module = slot[3]
+        with torch.autocast(x.device.type, enabled=False):
+            out = module._conv_forward(x, weight, bias)
+        ctx.save_for_backward(x, weight)
+        ctx.slot = slot
+        ctx.has_bias = bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
+        x, weight = ctx.saved_tensors
+        store, microbatch, layer, module = ctx.slot
+        args = (module.stride, _padding(module), module.dilation, False, [0] * len(module.stride), module.groups)
+        bias_sizes = [weight.shape[0]] if ctx.has_bias else None
+        grad_in = None
+        if ctx.needs_input_grad[0]:
+            grad_in = torch.ops.aten.convolution_backward(grad_out, x, weight, bias_sizes, *args, [True, False, False])[0]
+
+        def work() -> None:
+            _, grad_w, grad_b = torch.ops.aten.convolution_backward(grad_out, x, weight, bias_sizes, *args, [False, True, ctx.has_bias])
+            _accumulate(module.weight, grad_w)
+            if ctx.has_bias and module.bias.requires_grad:
+                _accumulate(module.bias, grad_b)
+
+        store.defer(microbatch, layer, work, grad_out.numel() * grad_out.element_size())
+        return grad_in, None, None, None
+
+
+def _padding(module: nn.Module) -> Any:
+    padding = module.padding
+    if isinstance(padding, str):  # 'same' / 'valid': the module pads explicitly below
+        raise ValueError("string padding is not deferrable")
+    return padding
+
+
+def deferrable_modules(layer: nn.Module) -> list[nn.Module]:
+    """The modules of ``layer`` whose weight gradient W can compute alone: plain
+    ``nn.Linear`` and zero-padded ``nn.Conv*d`` (not subclasses with their own forward)
+    with a trainable weight."""
+    found = []
+    for module in layer.modules():
+        kind = type(module)
+        plain_linear = isinstance(module, nn.Linear) and kind.forward is nn.Linear.forward
+        plain_conv = (
+            isinstance(module, _CONV)
+            and kind.forward in (c.forward for c in _CONV)
+            and module.padding_mode == "zeros"
+            and not isinstance(module.padding, str)
+        )
+        if (plain_linear or plain_conv) and module.weight.requires_grad:
+            found.append(module)
+    return found
+
+
+def _deferred_forward(module: nn.Module, store: WeightGradStore, layer: int, original: Callable[..., Any], x: torch.Tensor) -> Any:
+    microbatch = store.recording
+    if microbatch is None or not torch.is_grad_enabled():
+        return original(x)
+    function = _DeferredLinear if isinstance(module, nn.Linear) else _DeferredConv
+    return function.apply(x, module.weight, module.bias, (store, microbatch, layer, module))
+
+
+def install_deferred_weights(layers: Sequence[nn.Module], store: WeightGradStore) -> int:
+    """Route the deferrable modules of ``layers`` through ``store`` while it records;
+    returns how many were routed. Installed once per runner (setup, not per step)."""
+    count = 0
+    for index, layer in enumerate(layers):
+        for module in deferrable_modules(layer):
+            original = type(module).forward.__get__(module)
+            module.forward = partial(_deferred_forward, module, store, index, original)
+            count += 1
+    return count
