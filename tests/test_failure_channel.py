@@ -103,9 +103,9 @@ def test_killed_peer_is_named_at_once(tmp_path) -> None:
 
     out = tmp_path / "rank0.json"
     results = run_ranks(dying_peer, 2, "killed", str(out), timeout_s=45)
-    assert "exit code -9" in results["__errors__"][1]
+    assert 1 not in results  # it never reported
     got = json.loads(out.read_text())
-    assert got["error"].startswith("PeerFailedError: rank 1 died without reporting an error"), got
+    assert got["error"].startswith("PeerFailedError: rank(s) [1] died without reporting an error"), got
     assert got["after_s"] < 5
 
 

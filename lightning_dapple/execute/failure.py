@@ -37,6 +37,8 @@ from __future__ import annotations
 import atexit
 import os
 import re
+import signal
+import socket
 import sys
 import threading
 import time
@@ -48,6 +50,7 @@ import torch.distributed as dist
 FAILURE_KEY = "lightning_dapple/failure"
 TICKET_KEY = "lightning_dapple/failure_ticket"
 HEARTBEAT_KEY = "lightning_dapple/heartbeat/{rank}"
+WHERE_KEY = "lightning_dapple/where/{rank}"
 
 
 class PeerFailedError(RuntimeError):
@@ -78,8 +81,9 @@ class FailureChannel:
         self.grace_s = grace_s
         self.heartbeat_s = heartbeat_s
         # a live process beats from this thread even while its main thread computes, so a
-        # silence of a few heartbeats already means stopped; bounded by the wait timeout
-        self.unresponsive_s = unresponsive_s if unresponsive_s is not None else min(timeout_s, 30.0)
+        # silence of a few heartbeats already means stopped; declared within 3/4 of the
+        # wait timeout (watching starts after half this silence of our own wait)
+        self.unresponsive_s = unresponsive_s if unresponsive_s is not None else min(timeout_s / 2, 30.0)
         if world_size is None:
             world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         self.world_size = world_size
@@ -91,6 +95,7 @@ class FailureChannel:
         self._blocked_since = 0.0
         self._beats: dict[int, tuple[int, float]] = {}  # peer -> (last counter seen, when it last changed)
         self._last_beat = 0.0
+        self._announced = False
         self._closed = threading.Event()
         self._watchdog = threading.Thread(target=self._watch, name="dapple-watchdog", daemon=True)
         self._watchdog.start()
@@ -168,13 +173,13 @@ class FailureChannel:
     def _raise_for(self, exc: BaseException, what: str) -> None:
         """A wait failed: a peer that raised reports before it exits (and its exit is what
         woke us), so prefer its message; else name the rank that died or say what timed out."""
-        settle = time.monotonic() + min(1.0, self.timeout_s)
+        settle = time.monotonic() + min(0.2, self.timeout_s)  # a raising peer reports before it exits
         while self._read_report() is None and time.monotonic() < settle:
             time.sleep(0.05)
         self.check()
         text = str(exc).lower()
         if "timed out" in text or "timeout" in text:
-            silent = self._silent_peers(self.unresponsive_s)
+            silent = self._silent_peers(self.unresponsive_s, wait=False)
             suspect = f"; rank(s) {silent} stopped beating" if silent else ""
             raise CommTimeoutError(
                 f"rank {self.rank}: no progress for {self.timeout_s:.0f} s while waiting for {what}{suspect}; "
@@ -195,28 +200,32 @@ class FailureChannel:
                 f"the job's store is unreachable, so its host died ({_store_host()}); "
                 f"rank {self.rank} was waiting for {what} ({exc})"
             )
-        named = re.search(r"rank (\d+)", what)
-        if named is not None:
-            message = (
-                f"rank {named.group(1)} died without reporting an error (killed or crashed: its connection closed); "
-                f"rank {self.rank} was waiting for {what}"
-            )
-        else:
-            silent = self._silent_peers(3 * self.heartbeat_s)
-            who = f"rank(s) {silent}" if silent else "a peer"
-            message = f"{who} died without reporting an error (its heartbeat stopped); rank {self.rank}'s {what} failed: {exc}"
+        dead = self._dead_peers()
+        if not dead:  # nothing certain: the receive's peer is the one whose connection closed
+            named = re.search(r"rank (\d+)", what)
+            dead = [int(named.group(1))] if named is not None else []
+        who = f"rank(s) {dead}" if dead else "a peer"
+        message = (
+            f"{who} died without reporting an error (killed or crashed); rank {self.rank} was waiting for {what}"
+        )
         self._publish(message)
         return self._read_report() or message
 
     # -- heartbeats ---------------------------------------------------------------
     def _beat(self) -> None:
+        if not self._announced:  # where this rank runs, so that a peer on its host can end it
+            self._announced = True
+            try:
+                self._store.set(WHERE_KEY.format(rank=self.rank), f"{socket.gethostname()} {os.getpid()}")
+            except Exception:
+                pass
         now = time.monotonic()
         if now - self._last_beat >= self.heartbeat_s:
             self._last_beat = now
             try:
                 self._store.add(HEARTBEAT_KEY.format(rank=self.rank), 1)
             except Exception:  # store gone: peers learn it from their own store calls
-                pass
+                self.heartbeat_s = float("inf")  # and no beat more (each failure logs a warning)
 
     def _scan_beats(self) -> None:
         """Record each peer's heartbeat counter and when it last changed."""
@@ -237,10 +246,10 @@ class FailureChannel:
             if seen is None or seen[0] != value:
                 self._beats[peer] = (value, now)
 
-    def _silent_peers(self, window_s: float) -> list[int]:
-        """Peers whose heartbeat has not moved for ``window_s`` (watching that long if needed)."""
+    def _silent_peers(self, window_s: float, wait: bool = True) -> list[int]:
+        """Peers whose heartbeat has not moved for ``window_s`` (watching that long if ``wait``)."""
         self._scan_beats()
-        deadline = time.monotonic() + window_s
+        deadline = time.monotonic() + (window_s if wait else 0.0)
         while True:
             now = time.monotonic()
             silent = [peer for peer, (_, since) in sorted(self._beats.items()) if now - since >= window_s]
@@ -248,6 +257,34 @@ class FailureChannel:
                 return silent
             time.sleep(min(self.heartbeat_s / 2, max(deadline - now, 0.0)))
             self._scan_beats()
+
+    def _dead_peers(self) -> list[int]:
+        """Peers known dead: on this host, by their process; elsewhere, by a heartbeat that
+        stays still for three beats (waited for only when some peer is elsewhere)."""
+        host = socket.gethostname()
+        dead, remote = [], False
+        for rank in range(self.world_size):
+            if rank == self.rank:
+                continue
+            where = self._where(rank)
+            if where is not None and where[0] == host:
+                if not _pid_alive(int(where[1])):
+                    dead.append(rank)
+            else:
+                remote = True
+        if remote:
+            dead = sorted(set(dead) | set(self._silent_peers(3 * self.heartbeat_s)))
+        return dead
+
+    def _where(self, rank: int) -> list[str] | None:
+        """(host, pid) a rank announced, if it did."""
+        key = WHERE_KEY.format(rank=rank)
+        try:
+            if not self._store.check([key]):  # a get of a missing key waits for it
+                return None
+            return self._store.get(key).decode().split()
+        except Exception:
+            return None
 
     def _say(self, line: str) -> None:
         sys.stderr.write(f"lightning_dapple: {line}\n")
@@ -274,7 +311,7 @@ class FailureChannel:
     def _watch_silence(self) -> None:
         """While blocked for long, compare heartbeats; report a peer silent ``unresponsive_s``."""
         blocked = self._blocked_on
-        if blocked is None or time.monotonic() - self._blocked_since < 4 * self.heartbeat_s:
+        if blocked is None or time.monotonic() - self._blocked_since < max(4 * self.heartbeat_s, self.unresponsive_s / 2):
             self._beats.clear()
             return
         self._scan_beats()
@@ -288,7 +325,20 @@ class FailureChannel:
         )
         self._publish(message)
         self._say(f"{message}; rank {self.rank} exits")
+        self._end_local(silent)
         os._exit(1)
+
+    def _end_local(self, ranks: list[int]) -> None:
+        """SIGKILL the silent ranks that run on this host (a stopped process would outlive
+        the job: no launcher reaps a rank whose parent has gone)."""
+        host = socket.gethostname()
+        for rank in ranks:
+            where = self._where(rank)
+            if where is not None and where[0] == host:
+                try:
+                    os.kill(int(where[1]), signal.SIGKILL)
+                except (OSError, ValueError):  # gone already
+                    pass
 
     def close(self) -> None:
         """Stop the watchdog and wait for it (the process group is going away)."""
@@ -300,6 +350,21 @@ class FailureChannel:
 
 def _default_store() -> Any:
     return dist.distributed_c10d._get_default_store()
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether a process of this host runs (a zombie has died, only not been reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stream:
+            return stream.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
 
 
 def _store_host() -> str:

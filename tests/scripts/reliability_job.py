@@ -16,6 +16,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -88,7 +89,7 @@ class Sabotage(Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         pids = Path(self.cfg["out"]) / "pids"
         pids.mkdir(exist_ok=True)
-        (pids / str(trainer.global_rank)).write_text(str(os.getpid()))
+        (pids / str(trainer.global_rank)).write_text(f"{os.getpid()} {os.environ.get('MASTER_PORT', '')}")
         if self.cfg.get("topology"):
             write_topology(trainer, Path(self.cfg["out"]) / "topology.json")
         kill = self.cfg.get("kill")
@@ -101,6 +102,7 @@ class Sabotage(Callback):
             if trainer.global_step == kill["step"]:
                 self.calls += 1
                 if self.calls == 2:
+                    (Path(self.cfg["out"]) / "killed_at").write_text(repr(time.time()))
                     os.kill(os.getpid(), getattr(signal, "SIG" + kill["signal"]))
 
         layer.register_forward_pre_hook(hook)
