@@ -198,17 +198,16 @@ def test_search_effort_by_instance_size() -> None:
 
 
 def _slowest(profile: ModelProfile, cuts: list[int], replicas: list[int], mbs: int, cluster: Cluster) -> float:
-    """PipeDream 3.2's objective for a flat cluster, written out directly."""
+    """PipeDream's objective on a flat cluster as its optimizer computes it (PipeDream 3.1):
+    a stage on r workers takes (compute + 4 (r-1) |w| / (B r)) / r; activations are free."""
     whole = mbs / profile.micro_batch_size
     bpm = cluster.bytes_per_ms(cluster.inter_bandwidth_gbps)
     worst = 0.0
     for s, r in enumerate(replicas):
         layers = profile.layers[cuts[s] : cuts[s + 1]]
         compute = sum((l.forward_ms + l.backward_ms) * whole for l in layers)
-        sync = 4.0 * (r - 1) / r * sum(l.param_bytes for l in layers) / bpm if r > 1 else 0.0
-        worst = max(worst, max(compute, sync) / r)
-        if s + 1 < len(replicas):
-            worst = max(worst, 2.0 * profile.layers[cuts[s + 1] - 1].output_bytes * whole / bpm)
+        sync = 4.0 * (r - 1) * sum(l.param_bytes for l in layers) / (bpm * r)
+        worst = max(worst, (compute + sync) / r)
     return worst
 
 

@@ -309,6 +309,8 @@ def parse_graph_text(text: str, name: str = "graph", profile_batch_size: int | N
             "source": "pipedream-graph-text",
             "nodes": linear,
             "branching": any(len(succs[n]) > 1 or len(preds[n]) > 1 for n in linear),
+            "edges": [[position[src], position[dst]] for src, dst in edge_line],
+            "activation_bytes": [nodes[n].activation_bytes for n in linear],
             "stash_bytes": "estimated from each node's activation_size (0 for in-place operators and views)",
             "input_bytes": "estimated from the activation_size of source nodes",
         },
