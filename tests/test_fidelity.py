@@ -273,7 +273,7 @@ def test_pacing_bound_is_the_measured_steady_period(random_rows: list[Any]) -> N
     stages and links u..w) is the period the simulated pivot actually runs at, wherever the
     steady phase is long enough to measure (M >= 16)."""
     measured = [(row.name, row.period_ms / row.pace.period_ms) for row in random_rows if row.period_ms is not None and row.stages > 1]
-    assert len(measured) >= 20
+    assert len(measured) >= 15  # 18 pipelines with M >= 16 among the 240 (DP wins more often with overlapped AllReduce)
     assert all(abs(ratio - 1) <= 0.02 for _, ratio in measured), measured
 
 

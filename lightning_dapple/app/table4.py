@@ -2,6 +2,7 @@
 
     python -m lightning_dapple.app.table4               # published V100 profiles (shared/)
     python -m lightning_dapple.app.table4 --estimate    # FLOP/byte estimates of our models
+    python -m lightning_dapple.app.table4 --all         # all six models, ours vs the paper per cell
 
 For each recipe (VGG-19 GBS 2048, GNMT-16 GBS 1024, BERT-48 GBS 64) and cluster
 (paper-a: 2x8 NVLink + 25 Gbit/s; paper-b: 16x1, 25 Gbit/s; paper-c: 16x1, 10 Gbit/s)
@@ -17,7 +18,10 @@ import re
 import time
 from typing import Any, Callable
 
-__all__ = ["PAPER_TABLE4", "main", "plan_recipe", "table4_markdown", "weight_layer_split"]
+__all__ = [
+    "PAPER_TABLE4", "TABLE4_MODELS", "category", "full_table_markdown", "main", "paper_choice", "plan_recipe",
+    "table4_markdown", "table4_row", "table4_rows", "weight_layer_split",
+]
 
 # DAPPLE Table 4 (plan, split position) for the three recipes.
 PAPER_TABLE4: dict[tuple[str, str], tuple[str, str]] = {
@@ -105,12 +109,135 @@ def table4_markdown(rows: list[dict[str, Any]], source: str) -> str:
     return "\n".join(lines)
 
 
+# --------------------------------------------------------------------------- all six models
+
+# DAPPLE Table 4, all six models on the published profiles: (label, profile under
+# shared/profiles, profile batch size if not in the name, global batch, paper's plan per config)
+TABLE4_MODELS: tuple[tuple[str, str, int | None, int, tuple[str, str, str]], ...] = (
+    ("ResNet-50", "pipedream/resnet50.graph.txt", 64, 2048, ("DP", "DP", "DP")),
+    ("VGG-19", "dapple/vgg-19-pbs-32.txt", None, 2048, ("DP", "DP", "15:1")),
+    ("GNMT-16", "dapple/gnmt-16-pbs-64.txt", None, 1024, ("8:8", "8:8", "straight")),
+    ("BERT-48", "dapple/bert-48-pbs-2.txt", None, 64, ("8:8", "straight", "straight")),
+    ("XLNet-36", "dapple/xlnet-36-pbs-1.txt", None, 128, ("8:8", "8:8", "straight")),
+    ("AmoebaNet-36", "dapple/amoeba-36-pbs-1.txt", None, 128, ("8:8", "11:5", "11:5")),
+)
+CONFIGS = ("paper-a", "paper-b", "paper-c")
+
+
+def category(kind: str) -> str:
+    """Table 4's categories: 'DP', 'straight', 'P:Q' (two stages); anything else 'other'."""
+    if kind in ("DP", "straight", "single"):
+        return kind
+    return "P:Q" if kind.count(":") == 1 else "other"
+
+
+def paper_choice(profile: Any, cluster: Any, global_batch: int, paper_plan: str) -> Any:
+    """The best plan of the paper's shape under our cost model (a ``Scored``), or None.
+
+    DP and straight are the planner's own DP and straight candidates; a P:Q plan is the
+    best two-stage plan with P then Q devices over every cut and every M.
+    """
+    from lightning_dapple.plan.dapple_planner import data_parallel_candidates, straight_candidates
+    from lightning_dapple.plan.evaluate import candidate_micro_batches, default_min_slice, score_stages
+    from lightning_dapple.plan.plan import StagePlan
+
+    if paper_plan == "DP":
+        fitting = [item for item in data_parallel_candidates(profile, cluster, global_batch) if item.fits(cluster)]
+        return fitting[0] if fitting else None
+    if paper_plan == "straight":
+        found = straight_candidates(profile, cluster, global_batch)
+        return found[0] if found else None
+    p, q = (int(v) for v in paper_plan.split(":"))
+    floor = default_min_slice(profile, None)
+    micro, floor = candidate_micro_batches(global_batch, floor, None)
+    best = None
+    for m in micro:
+        if max(p, q) > (global_batch // m) // floor:
+            continue
+        for cut in range(1, profile.num_layers):
+            stages = (StagePlan((0, cut), tuple(range(p))), StagePlan((cut, profile.num_layers), tuple(range(p, p + q))))
+            item = score_stages(profile, cluster, stages, global_batch, m)
+            if item.fits(cluster) and (best is None or item.latency_ms < best.latency_ms):
+                best = item
+    return best
+
+
+def table4_row(label: str, path: str, pbs: int | None, global_batch: int, config: str, paper_plan: str) -> dict[str, Any]:
+    """Our plan for one cell of Table 4 and, where its category differs, the paper's."""
+    from lightning_dapple.app.recipe_profile import shared_profiles_dir
+    from lightning_dapple.cluster import load_cluster
+    from lightning_dapple.plan.dapple_planner import plan_dapple
+    from lightning_dapple.plan.plan import Plan
+    from lightning_dapple.profile.model_profile import load_profile
+    from lightning_dapple.simulate import simulate_plan
+
+    root = shared_profiles_dir()
+    require_profiles(root, path)
+    profile = load_profile(root / path, profile_batch_size=pbs)
+    cluster = load_cluster(config)
+    started = time.perf_counter()
+    plan = plan_dapple(profile, cluster, global_batch)
+    row: dict[str, Any] = {
+        "model": label, "config": config, "paper": paper_plan, "ours": _kind(plan),
+        "split": ":".join(str(s.end - s.start) for s in plan.stages), "micro_batches": plan.micro_batches,
+        "ours_ms": plan.predicted.simulated_latency_ms or plan.predicted.latency_ms, "planning_s": time.perf_counter() - started,
+    }
+    row["match"] = category(plan.kind()) == category(paper_plan)
+    if not row["match"]:
+        other = paper_choice(profile, cluster, global_batch, paper_plan)
+        if other is not None:
+            bare = Plan(global_batch, other.micro_batches, other.stages)
+            row["paper_ms"] = simulate_plan(bare, profile, cluster).latency_ms
+            row["paper_split"] = ":".join(str(s.end - s.start) for s in other.stages)
+    return row
+
+
+def require_profiles(root: Any, path: str) -> None:
+    from lightning_dapple.errors import require
+
+    require(root is not None and (root / path).is_file(), "shared profiles", f"{path} is not found",
+            "set $DAPPLE_SHARED_PROFILES to the folder holding dapple/ and pipedream/")
+
+
+def table4_rows() -> list[dict[str, Any]]:
+    """All 18 cells of Table 4 (six models x configs A, B, C)."""
+    return [
+        table4_row(label, path, pbs, gbs, config, paper[index])
+        for label, path, pbs, gbs, paper in TABLE4_MODELS
+        for index, config in enumerate(CONFIGS)
+    ]
+
+
+def full_table_markdown(rows: list[dict[str, Any]]) -> str:
+    """Ours vs the paper per cell; where the category differs, the simulated step time of
+    the best plan of the paper's shape beside ours."""
+    lines = [
+        "| Model (GBS) | Config | Paper | Ours (layers per stage, M) | Same category | Ours, simulated | Paper's shape, simulated |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    gbs = {label: g for label, _, _, g, _ in TABLE4_MODELS}
+    for row in rows:
+        paper_ms = row.get("paper_ms")
+        theirs = "-" if row["match"] else ("none valid" if paper_ms is None else f"{paper_ms:.0f} ms ({row['paper_split']})")
+        lines.append(
+            f"| {row['model']} ({gbs[row['model']]}) | {row['config']} | {row['paper']} | {row['ours']} ({row['split']}, M={row['micro_batches']}) | "
+            f"{'yes' if row['match'] else 'no'} | {row['ours_ms']:.0f} ms | {theirs} |"
+        )
+    lines.append("")
+    lines.append(f"{sum(row['match'] for row in rows)} of {len(rows)} cells in the paper's category.")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--estimate", action="store_true", help="plan from FLOP/byte estimates of our models instead of the published profiles")
     parser.add_argument("--recipes", nargs="+", default=["vgg", "gnmt", "bert"])
     parser.add_argument("--clusters", nargs="+", default=["paper-a", "paper-b", "paper-c"])
+    parser.add_argument("--all", action="store_true", help="all six models of Table 4 on the published profiles, with the paper's choice where ours differs")
     args = parser.parse_args(argv)
+    if args.all:
+        print(full_table_markdown(table4_rows()))
+        return
     rows = [plan_recipe(recipe, cluster, estimate=args.estimate) for recipe in args.recipes for cluster in args.clusters]
     source = "FLOP/byte estimates of lightning_dapple.models, V100 peak rates" if args.estimate else "published V100 profiles, shared/profiles/dapple"
     print(table4_markdown(rows, source))
