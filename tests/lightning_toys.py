@@ -176,8 +176,9 @@ class TwoArgumentForward(MLPModule):
 
 
 class MoveRecorder(torch.nn.Module):
-    """Wraps a layer and records, per process, every ``to``/``cuda``/``cpu`` move applied
-    to it as (layer index, device type afterwards), in order (``MOVES``)."""
+    """Wraps a layer and records, per process, every ``Module.to(device)`` applied to it
+    (directly or through a parent) as (layer index, device type asked for), in order
+    (``MOVES``); dtype-only conversions are not moves."""
 
     MOVES: list[tuple[int, str]] = []
 
@@ -190,9 +191,11 @@ class MoveRecorder(torch.nn.Module):
         return self.inner(x)
 
     def _apply(self, fn, recurse=True):
+        # Module.to's conversion closure holds the requested device (None for a dtype change)
+        cells = dict(zip(fn.__code__.co_freevars, (cell.cell_contents for cell in fn.__closure__ or ())))
         result = super()._apply(fn, recurse)
-        device = next(self.inner.parameters()).device.type
-        MoveRecorder.MOVES.append((self.index, device))
+        if cells.get("device") is not None:
+            MoveRecorder.MOVES.append((self.index, torch.device(cells["device"]).type))
         return result
 
 
@@ -209,3 +212,11 @@ class TrackedMLPModule(MLPModule):
         placed = {i: next(layer.parameters()).device.type for i, layer in enumerate(self.layers) if any(True for _ in layer.parameters())}
         with open(f"{self.directory}/moves_rank{self.global_rank}.json", "w") as stream:
             json.dump({"moves": MoveRecorder.MOVES, "placed": placed, "freed": sorted(self.trainer.strategy._freed)}, stream)
+
+
+def quiet_trainer(root: str, **kwargs) -> "Trainer":
+    """A Trainer without logger, checkpoints, progress bar or summary, writing under ``root``."""
+    from lightning.pytorch import Trainer
+
+    flags = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(root))
+    return Trainer(**{**flags, **kwargs})

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from lightning.pytorch import Trainer
+
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 import lightning_dapple  # noqa: F401  (registers the strategies)
 from lightning_dapple.strategy import DappleStrategy
 from lightning_dapple.strategy.precision import DappleMixedPrecision, agree_found_inf
-from lightning_toys import FloatMLPModule, ScaleRecorder, mlp_loader
+from lightning_toys import quiet_trainer, FloatMLPModule, ScaleRecorder, mlp_loader
 
 
 def _plan(micro_batches: int, cuts: tuple[int, ...] = ()) -> dict:
@@ -30,16 +30,12 @@ def _fit(tmp_path: Path, precision: str, strategy=None, steps: int = 3, devices:
     torch.manual_seed(0)
     model = model if model is not None else FloatMLPModule()
     flags = {"plugins": [MixedPrecision("16-mixed", "cpu")]} if precision == "16-mixed" else {"precision": precision}
-    trainer = Trainer(
+    trainer = quiet_trainer(
         strategy=strategy if strategy is not None else "auto",
         accelerator="cpu",
         devices=devices,
         max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=str(tmp_path),
+        root=tmp_path,
         callbacks=list(callbacks),
         **flags,
         **kwargs,

@@ -89,7 +89,8 @@ def test_recipes_compose_with_the_papers_sizes() -> None:
         assert model.pop("name") == name
         assert {k: model[k] for k in PAPER_KWARGS[name]} == PAPER_KWARGS[name]
         assert cfg.data.batch_size == batch
-        assert (cfg.trainer.devices * cfg.trainer.num_nodes, cfg.cluster.name) == (16, "paper-a")
+        # this machine's GPUs (cluster=auto), one node unless told: not the paper's 2 x 8 V100
+        assert (cfg.trainer.devices, cfg.trainer.num_nodes, cfg.cluster.name) == (8, 1, "auto")
     for name in ("bert", "gnmt", "vgg"):
         cfg = compose_recipe(f"{name}_tiny")
         model = dict(cfg.model)
@@ -98,7 +99,7 @@ def test_recipes_compose_with_the_papers_sizes() -> None:
         data = dict(cfg.data)
         assert {k: data[k] for k in TINY_DATA_KWARGS[data.pop("name")]} == TINY_DATA_KWARGS[cfg.data.name]
         assert cfg.data.batch_size == 32 and cfg.trainer.devices == 4 and cfg.strategy.plan == "auto"
-        assert cfg.cluster.devices_per_machine == 4  # local-cpu follows trainer.devices
+        assert cfg.cluster.name == "auto" and cfg.cluster.devices_per_machine == 4  # follows trainer.devices
     from lightning_dapple.app.train import _kwargs
     from lightning_dapple.data import DATAMODULES
     from lightning_dapple.models import MODELS
@@ -216,6 +217,10 @@ def test_tiny_recipe_trains_and_matches_one_device(recipe: str, tmp_path: Path, 
     measured = json.loads((run_dir / "timeline_measured.json").read_text())
     assert len(measured["ranks"]) == 4 and all(r["spans"] for r in measured["ranks"].values())
     assert "stage" in (run_dir / "dapple_plan.txt").read_text()
+    # cluster=auto: planned for this machine, 4 CPU processes sharing its memory, and the plan says so
+    from lightning_dapple.cluster import detect_cluster
+
+    assert plan["extra"]["cluster"] == detect_cluster(1, 4, "cpu").to_dict()
 
     # The same recipe on one device, plain Lightning: the same loss curve (dropout 0).
     single = tmp_path / "single"
@@ -234,7 +239,7 @@ def test_tiny_recipe_trains_and_matches_one_device(recipe: str, tmp_path: Path, 
 def test_sweep_runs_four_plans_and_summarises(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     result = _app(
-        ["-m", "recipe=vgg_tiny", "strategy.schedule=dapple,gpipe", "strategy.micro_batches=4,8",
+        ["-m", "recipe=vgg_tiny", "strategy.schedule=dapple,gpipe", "strategy.micro_batches=4,8", "strategy.ooo=false",
          "trainer.max_steps=10", "trainer.enable_progress_bar=false", f"hydra.sweep.dir={sweep}"],
         timeout=420,
     )
@@ -249,6 +254,7 @@ def test_sweep_runs_four_plans_and_summarises(tmp_path: Path) -> None:
         assert (run_dir / "metrics.csv").is_file() and (run_dir / "config.yaml").is_file()
         assert row["status"] == "ok" and float(row["median_step_ms"]) > 0 and int(row["peak_stash_bytes"]) > 0
         assert (plan["schedule"], plan["micro_batches"]) == (row["schedule"], int(row["micro_batches"]))
+        assert plan["ooo"] is False  # strategy.ooo=false reaches the strategy and its plan
         seen.add((plan["schedule"], plan["micro_batches"]))
     assert seen == {("dapple", 4), ("dapple", 8), ("gpipe", 4), ("gpipe", 8)}
     # schedules and micro-batch counts change the timing, never the gradients

@@ -17,7 +17,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
 import torch.distributed as dist
 
 from lightning_dapple.cluster import Cluster, detect_cluster, load_cluster

@@ -28,6 +28,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import DoublePrecision, Precision
 from lightning.pytorch.plugins.precision.half import HalfPrecision
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
@@ -44,6 +45,7 @@ from lightning_dapple.plan.plan import Plan, load_plan, plan_from_dict
 from lightning_dapple.schedule.builders import schedule_for_plan
 from lightning_dapple.strategy import checkpoint as ckpt
 from lightning_dapple.strategy.precision import DappleMixedPrecision, agree_found_inf, as_dapple_precision
+from lightning_dapple.strategy.reporting import SILENT, OneLineLauncher, install_excepthook
 from lightning_dapple.strategy.module_adapter import (
     FreedLayer,
     LogRecorder,
@@ -276,10 +278,19 @@ class DappleStrategy(DDPStrategy):
         assert self.plan is not None
         return self.plan.stage_of_rank(self.global_rank)
 
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if isinstance(self._launcher, _MultiProcessingLauncher):  # a rank's failure arrives as one line
+            self._launcher = OneLineLauncher(self, start_method=self._start_method)
+        install_excepthook(None)
+
     def setup_environment(self) -> None:
         super().setup_environment()
         # gloo groups left to the interpreter's finalization can abort a finished run (shutdown.py)
         destroy_groups_at_exit(self)
+        # an uncaught error prints one line, once (reporting.py; DAPPLE_DEBUG=1: tracebacks)
+        install_excepthook(self.global_rank if self._start_method == "popen" else SILENT)
 
     def exit_failed(self) -> bool:
         """Whether this rank has seen a failure (then the exit handler leaves the groups alone)."""

@@ -1,0 +1,41 @@
+"""A failed run says what failed on one line, once, whichever launcher started the ranks;
+DAPPLE_DEBUG=1 brings the tracebacks back."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).parent / "scripts" / "fail_with_dapple.py"
+LINE = "lightning_dapple: error: rank 1: RuntimeError: deliberate failure at step 1"
+
+
+def _run(tmp_path: Path, start_method: str, debug: bool) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "DAPPLE_DEBUG")}
+    env["PYTHONWARNINGS"] = "ignore"
+    if debug:
+        env["DAPPLE_DEBUG"] = "1"
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), str(tmp_path), start_method, "1"], capture_output=True, text=True, timeout=200, cwd=tmp_path, env=env
+    )
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("start_method", ["popen", "spawn"])
+def test_a_rank_failure_prints_one_line_once(tmp_path: Path, start_method: str) -> None:
+    result = _run(tmp_path, start_method, debug=False)
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if "error" in line.lower() or "Traceback" in line]
+    assert len(errors) == 1 and errors[0].startswith(LINE), result.stderr[-3000:]
+    assert "DAPPLE_DEBUG=1" in errors[0]
+
+
+@pytest.mark.timeout(300)
+def test_debug_flag_shows_the_traceback(tmp_path: Path) -> None:
+    result = _run(tmp_path, "popen", debug=True)
+    assert result.returncode != 0
+    assert "Traceback" in result.stderr and "deliberate failure at step 1" in result.stderr
+    assert "lightning_dapple: error:" not in result.stderr
