@@ -11,6 +11,16 @@ group set-up, cluster environments) and replaces what differs:
   forward and backward, split-concat transfers, and the per-stage gradient AllReduce
   (5.2.3). ``backward`` then only restores the gradients it computed (Lightning zeroes
   gradients between the step and the backward call) and runs the backward hooks;
+* placement: setup's checks, the sample batch and the auto plan's profile run where
+  the module was built (normally the CPU; the profiler moves one layer at a time to the
+  device), the other stages' layers are freed to the meta device, and only then does
+  this rank's stage move to its device, so the whole model never has to fit one device;
+* precision: the "true" precisions convert the module as Lightning does; "bf16-mixed"
+  and "16-mixed" use Lightning's MixedPrecision as ``DappleMixedPrecision``
+  (``precision.py``: autocast around every stage forward and recomputation, fp32 master
+  weights, an fp16 GradScaler whose skip decision is agreed by every rank);
+* ``Trainer(accumulate_grad_batches=N)`` adds N pipelined steps' gradients, as plain
+  Lightning adds N batches';
 * gradient clipping by norm uses the global norm over all stages;
 * checkpoints are consolidated: one file, the module's original state-dict keys,
   optimizer state keyed by parameter name, written atomically (see ``checkpoint.py``).
@@ -168,8 +178,9 @@ class DappleStrategy(DDPStrategy):
             each stage's layers and devices.
         micro_batches, schedule, policy: override the plan's M, schedule ("dapple" or
             "gpipe") and K_i policy ("PA", "PB").
-        cluster: a cluster preset/file/Cluster for auto planning; default derived from
-            the Trainer's nodes x devices.
+        cluster: a cluster preset/file/Cluster for auto planning; default: this machine
+            as detected (``cluster.detect_cluster``: the Trainer's nodes x devices, the
+            GPUs' name and memory, or the host's memory per CPU process).
         layers: attribute path of the module's layer sequence.
         loss_reduction: "mean" (the loss is a mean over samples) or "sum".
         timeout_s: bound on every wait for a peer; a failure on one rank stops all ranks.
