@@ -53,28 +53,29 @@ STEPS = 10
 REPEATS = (1, 5, 7, 8)  # the previous step's layout (8: with fewer rows); 9 goes back to step 4's
 
 
-def _activations(rank: int, transport: Any) -> dict[str, Any]:
-    """Senders send every step; receivers post ahead where they can and check every leaf."""
+def _activations(rank: int, transport: Any, senders: tuple[int, ...] = SENDERS, receivers: tuple[int, ...] = RECEIVERS) -> dict[str, Any]:
+    """Senders send every step; receivers post ahead where they can and check every leaf.
+    Tensors live on the transport's device (a GPU in tests/test_cuda_transport.py)."""
+    from torch.utils import _pytree as pytree
+
     from lightning_dapple.execute.slicing import flatten
     from lightning_dapple.execute.transport import Peer
 
+    device = transport.device
     out: dict[str, Any] = {"checked": 0, "bytes": [], "posted": []}
     for step in range(STEPS):
         total = ROWS.get(step, 13)
-        if rank in SENDERS:
-            mine = _rows(total, SENDERS, rank)
-            whole = _structure(step, total)
-            part = {k: v[mine[0] : mine[1]] for k, v in whole.items()} if isinstance(whole, dict) else (
-                tuple(v[mine[0] : mine[1]] for v in whole) if isinstance(whole, tuple) else whole[mine[0] : mine[1]]
-            )
-            peers = [Peer(r, _rows(total, RECEIVERS, r)) for r in RECEIVERS]
+        if rank in senders:
+            mine = _rows(total, senders, rank)
+            part = pytree.tree_map(lambda t: t[mine[0] : mine[1]].detach().to(device).requires_grad_(t.requires_grad), _structure(step, total))
+            peers = [Peer(r, _rows(total, receivers, r)) for r in receivers]
             before = transport.bytes_sent
             transport.send_activation(part, mine, peers, f"step {step}", key=step)
             transport.settle({step})
             out["bytes"].append(transport.bytes_sent - before)
             continue
-        mine = _rows(total, RECEIVERS, rank)
-        peers = [Peer(r, _rows(total, SENDERS, r)) for r in SENDERS]
+        mine = _rows(total, receivers, rank)
+        peers = [Peer(r, _rows(total, senders, r)) for r in senders]
         out["posted"].append(transport.post_activation(mine, peers, f"step {step}") and transport.is_posted(f"step {step}"))
         got = transport.recv_activation(mine, peers, f"step {step}")
         got_leaves, got_spec = flatten(got)
@@ -82,9 +83,9 @@ def _activations(rank: int, transport: Any) -> dict[str, Any]:
         assert got_spec == want_spec, (step, got_spec, want_spec)
         for g, w in zip(got_leaves, want_leaves):
             w = w[mine[0] : mine[1]]
-            assert g.dtype == w.dtype and g.shape == w.shape, (step, g.dtype, g.shape, w.dtype, w.shape)
+            assert g.dtype == w.dtype and g.shape == w.shape and g.device == device, (step, g.dtype, g.shape, w.dtype, w.shape)
             assert g.requires_grad == w.requires_grad, step
-            assert torch.equal(g.detach(), w.detach()), step
+            assert torch.equal(g.detach().cpu(), w.detach()), step
         out["checked"] += 1
     transport.flush()
     return out
@@ -99,50 +100,55 @@ GRADIENTS = [
 ]
 
 
-def _gradients(rank: int, transport: Any) -> dict[str, Any]:
+def _gradients(rank: int, transport: Any, senders: tuple[int, ...] = SENDERS, receivers: tuple[int, ...] = RECEIVERS) -> dict[str, Any]:
     """Receivers (width 3) send gradients back to the senders (width 2), who check them."""
     from lightning_dapple.execute.transport import Peer
 
+    device = transport.device
     out: dict[str, Any] = {"checked": 0, "allocated": []}
     stager = getattr(transport.wire, "stager", None)
     for index, dtypes in enumerate(GRADIENTS):
         gen = torch.Generator().manual_seed(200 + index)
         full = [torch.randn(13, 4 + i, generator=gen, dtype=torch.float64).to(d) for i, d in enumerate(dtypes)]
-        if rank in RECEIVERS:
-            mine = _rows(13, RECEIVERS, rank)
-            peers = [Peer(r, _rows(13, SENDERS, r)) for r in SENDERS]
-            transport.send_gradient([g[mine[0] : mine[1]] for g in full], mine, peers, f"gradient {index}")
+        if rank in receivers:
+            mine = _rows(13, receivers, rank)
+            peers = [Peer(r, _rows(13, senders, r)) for r in senders]
+            transport.send_gradient([g[mine[0] : mine[1]].to(device) for g in full], mine, peers, f"gradient {index}")
             transport.flush()
             out["allocated"].append(stager.pool.allocated if stager is not None else 0)
             continue
-        mine = _rows(13, SENDERS, rank)
-        like = [torch.zeros(mine[1] - mine[0], 4 + i, dtype=d, requires_grad=True) for i, d in enumerate(dtypes)]
-        peers = [Peer(r, _rows(13, RECEIVERS, r)) for r in RECEIVERS]
+        mine = _rows(13, senders, rank)
+        like = [torch.zeros(mine[1] - mine[0], 4 + i, dtype=d, device=device, requires_grad=True) for i, d in enumerate(dtypes)]
+        peers = [Peer(r, _rows(13, receivers, r)) for r in receivers]
         if index % 2:
             transport.post_gradient(like, mine, peers, f"gradient {index}")
         got = transport.recv_gradient(like, mine, peers, f"gradient {index}")
         for g, w in zip(got, full):
             w = w[mine[0] : mine[1]]
-            assert g.dtype == w.dtype and g.shape == w.shape, (index, g.dtype, g.shape)
-            assert torch.equal(g, w), index
+            assert g.dtype == w.dtype and g.shape == w.shape and g.device == device, (index, g.dtype, g.shape)
+            assert torch.equal(g.cpu(), w), index
         out["checked"] += 1
         out["allocated"].append(stager.pool.allocated if stager is not None else 0)
     return out
 
 
-def worker(rank: int, world: int) -> dict[str, Any]:
+def worker(
+    rank: int, world: int, wires: tuple[str, ...] = WIRES, device: str = "cpu", senders: tuple[int, ...] = SENDERS, receivers: tuple[int, ...] = RECEIVERS
+) -> dict[str, Any]:
     from lightning_dapple.execute.failure import FailureChannel
     from lightning_dapple.execute.transport import Transport
 
     failure = FailureChannel(rank, timeout_s=60)
     out: dict[str, Any] = {}
-    for wire in WIRES:  # every rank builds every wire in the same order (nccl's is collective)
-        transport = Transport(failure, torch.device("cpu"), wire=wire)
+    for wire in wires:  # every rank builds every wire in the same order (nccl's is collective)
+        transport = Transport(failure, torch.device(device), wire=wire)
         result = {"name": transport.wire.name, "short": transport.short, "ahead": transport.posts_ahead}
-        result.update(_activations(rank, transport))
-        gradients = _gradients(rank, transport)
+        result.update(_activations(rank, transport, senders, receivers))
+        gradients = _gradients(rank, transport, senders, receivers)
         result["gradients"] = gradients["checked"]
         result["allocated"] = gradients["allocated"]
+        stager = getattr(transport.wire, "stager", None)
+        result["pinned"] = stager is not None and stager.pool.pin
         out[wire] = result
     return out
 
@@ -176,3 +182,122 @@ def test_every_wire_round_trips_activations_and_gradients_over_a_split_boundary(
         allocated = results[rank]["staged"]["allocated"]
         assert all(b > a for a, b in zip(allocated[:3], allocated[1:4])), (rank, allocated)
         assert allocated[4] == allocated[3], (rank, allocated)
+
+
+PLAN = {
+    "global_batch_size": 12,
+    "micro_batches": 3,
+    "stages": [{"layers": [0, 3], "devices": [0, 1]}, {"layers": [3, 5], "devices": [2]}],
+}
+TRAIN_WIRES = ("auto", "gloo", "staged", "nccl")
+
+
+def train_worker(rank: int, world: int, device: str = "cpu", wires: tuple[str, ...] = TRAIN_WIRES) -> dict[str, Any]:
+    """The toy transformer (its boundary: a dict of a float tensor and a bool mask) on a
+    2:1 plan, three Adam steps per wire; the parameters after them, and the single-process
+    reference's difference from them."""
+    import equivalence_worker as ew
+
+    from lightning_dapple.execute.failure import FailureChannel
+    from lightning_dapple.execute.groups import build_groups
+    from lightning_dapple.execute.runner import StageRunner
+    from lightning_dapple.execute.transport import Transport
+    from lightning_dapple.plan.plan import plan_from_dict
+    from lightning_dapple.schedule import schedule_for_plan
+
+    failure = FailureChannel(rank, timeout_s=60)
+    plan = plan_from_dict({**PLAN, "schedule": "dapple"})
+    groups = build_groups(plan)
+    reference = ew.reference_run("transformer")[0]
+    stage = plan.stages[plan.stage_of_rank(rank)]
+    out: dict[str, Any] = {}
+    for wire in wires:
+        model = ew.make_model("transformer")
+        local = [model[i].to(device) for i in range(stage.start, stage.end)]
+        runner = StageRunner(plan, schedule_for_plan(plan), rank, local, torch.device(device), failure, groups, post_ahead=True)
+        if wire != "auto":
+            runner.transport = Transport(failure, torch.device(device), wire=wire)
+        opt = torch.optim.Adam(runner.parameters, lr=ew.LR)
+        for step in range(ew.STEPS):
+            batch = tuple(t.to(device) for t in ew.make_batch("transformer", step))
+            runner.train_step(batch, ew.Callbacks("transformer"))
+            ew.clip_grad_norm_global(runner.parameters, ew.CLIP, stage.replicas, failure, group=groups.plan)
+            opt.step()
+        runner.finish()
+        params = {(stage.start + i, k): v.cpu() for i, layer in enumerate(local) for k, v in layer.state_dict().items()}
+        diff = max(float((v - reference[index][k]).abs().max()) for (index, k), v in params.items())
+        # plain lists: tensors in the result queue would outlive their sender's shared memory
+        out[wire] = {"name": runner.transport.wire.name, "params": {k: v.tolist() for k, v in params.items()}, "reference_diff": diff}
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_training_over_every_wire_gives_the_default_wires_parameters() -> None:
+    """A 2:1 pipeline (split-concat at its boundary) trained over each forced wire ends with
+    exactly the parameters of the default wire, and those of single-process training."""
+    results = run_ranks(train_worker, 3, timeout_s=240)
+    assert "__errors__" not in results, results.get("__errors__")
+    for rank in range(3):
+        got = results[rank]
+        assert got["auto"]["name"] == "gloo"
+        assert got["auto"]["reference_diff"] < 1e-10, (rank, got["auto"]["reference_diff"])
+        for wire in TRAIN_WIRES[1:]:
+            assert got[wire]["name"] == wire
+            for key, value in got["auto"]["params"].items():
+                assert got[wire]["params"][key] == value, (rank, wire, key)
+
+
+def test_the_wire_follows_backend_and_device_and_refuses_what_cannot_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_dapple.errors import DappleConfigError
+    from lightning_dapple.execute import wires
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    # no process group counts as gloo (what run_ranks and the CPU tests use)
+    assert wires.choose_wire("auto", cpu) == "gloo"
+    assert wires.choose_wire("auto", cuda) == "staged"  # several ranks on one GPU
+    assert wires.choose_wire("nccl", cpu) == "nccl" and wires.choose_wire("staged", cpu) == "staged"
+    for wire, device, says in [("gloo", cuda, "cannot send cuda"), ("nccl", cuda, "needs the NCCL backend"), ("tcp", cpu, "one of")]:
+        with pytest.raises(DappleConfigError, match=says):
+            wires.choose_wire(wire, device)
+    monkeypatch.setattr(wires, "backend_for", lambda device: "nccl")
+    assert wires.choose_wire("auto", cuda) == "nccl" and wires.choose_wire("nccl", cuda) == "nccl"
+    for wire, device in [("staged", cuda), ("gloo", cpu), ("nccl", cpu)]:
+        with pytest.raises(DappleConfigError):
+            wires.choose_wire(wire, device)
+
+
+def test_nccl_sends_bool_and_complex_lone_tensors_as_bytes() -> None:
+    """NCCL has no bool or complex type: such a lone tensor goes packed (uint8) on that wire;
+    gloo sends bool as it is. A lone gradient's receive buffer follows the same rule."""
+    from lightning_dapple.execute.transport import _meta_of, _typed_gradient, as_message, unpack
+    from lightning_dapple.execute.wires import NcclWire, Wire
+
+    flags = torch.tensor([[True, False], [False, True], [True, True]])
+    half = torch.randn(3, 2).to(torch.bfloat16)
+    assert as_message([flags], Wire.typed) is flags
+    message = as_message([flags], NcclWire.typed)
+    assert message.dtype == torch.uint8 and torch.equal(unpack(message, [_meta_of(flags)], 3)[0], flags)
+    assert as_message([half], NcclWire.typed) is half  # NCCL has bf16
+    assert as_message([torch.zeros(3, 1, dtype=torch.complex64)], Wire.typed).dtype == torch.uint8
+    assert not _typed_gradient([_meta_of(flags)], NcclWire.typed) and _typed_gradient([_meta_of(half)], NcclWire.typed)
+
+
+def test_host_buffers_are_reused_and_flag_bytes_come_back_zeroed() -> None:
+    """The staging pool lends one buffer per key at a time and reuses it; a flagged
+    (activation) buffer's last byte is zero again when it is lent (a short message leaves it
+    as it was, and the receiver must read "same layout" then)."""
+    from lightning_dapple.execute.staging import Stager
+
+    stager = Stager(torch.device("cpu"))
+    key = ("recv", 1, 9, True)
+    first = stager.pool.take(key, 9, zeroed=True)
+    first.fill_(7)
+    stager.pool.give(key, first)
+    again = stager.pool.take(key, 9, zeroed=True)
+    assert again.data_ptr() == first.data_ptr() and int(again[-1]) == 0 and stager.pool.allocated == 1
+    other = stager.pool.take(key, 9, zeroed=True)  # the first is still lent: a second buffer
+    assert other.data_ptr() != again.data_ptr() and stager.pool.allocated == 2
+    values = torch.arange(6, dtype=torch.float32).reshape(3, 2)
+    (host,) = stager.to_host([(values, ("send", 2, 24))])
+    back = stager.to_device(host, (3, 2), torch.float32, ("send", 2, 24))
+    assert torch.equal(back, values) and stager.pool.take(("send", 2, 24), 24).data_ptr() == host.data_ptr()

@@ -19,6 +19,10 @@ Instead the results travel point to point under their own tag:
   tag (gloo) it posts that receive when the step starts (``post``), so the head has already
   arrived when the rank finishes its last backward; backends that match by order alone
   (NCCL) post it at the end, after every schedule receive from the same peer.
+
+The messages are a few bytes, so under gloo they travel in host memory whatever the
+stage's device (gloo cannot send CUDA tensors; several ranks sharing one GPU run gloo),
+and on the device under NCCL, which only moves device memory.
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_dapple.execute.failure import FailureChannel
+from lightning_dapple.execute.wires import backend_for
 from lightning_dapple.plan.plan import Plan
 
 RESULT_TAG = 7  # the schedule's transfers use tag 0; results never match them under gloo
@@ -40,7 +45,8 @@ class ResultChannel:
     def __init__(self, plan: Plan, rank: int, device: torch.device, failure: FailureChannel, by_tag: bool | None = None) -> None:
         last = plan.stages[-1]
         self.rank = rank
-        self.device = device
+        gloo = backend_for(device) in (None, "gloo")
+        self.device = torch.device("cpu") if gloo else device  # where the messages live (see above)
         self.failure = failure
         self.source = last.devices[0]
         self.last_replicas = list(last.devices)
@@ -48,7 +54,7 @@ class ResultChannel:
         self.receivers = sorted(d for stage in plan.stages for d in stage.devices if d != self.source)
         self.single = plan.world_size == 1
         # whether early-posted receives are matched by tag (gloo) rather than by order (NCCL)
-        self.by_tag = (dist.get_backend() == "gloo") if by_tag is None else by_tag
+        self.by_tag = gloo if by_tag is None else by_tag
         self._posted: tuple[Any, torch.Tensor] | None = None
         self._sends: list[Any] = []
         self._keep: list[torch.Tensor] = []
