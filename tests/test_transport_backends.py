@@ -301,3 +301,16 @@ def test_host_buffers_are_reused_and_flag_bytes_come_back_zeroed() -> None:
     (host,) = stager.to_host([(values, ("send", 2, 24))])
     back = stager.to_device(host, (3, 2), torch.float32, ("send", 2, 24))
     assert torch.equal(back, values) and stager.pool.take(("send", 2, 24), 24).data_ptr() == host.data_ptr()
+
+
+def test_a_coalesced_batch_is_waited_once_through_its_first_message() -> None:
+    """Where a backend coalesces a batch into fewer works (NCCL), the works go with the
+    first message and are waited once; under gloo each message keeps its own work."""
+    from lightning_dapple.execute.wires import _per_message, flat_works
+
+    one, two = object(), object()
+    assert _per_message([one, two], ["a", "b"]) == [(one, "a"), (two, "b")]
+    coalesced = _per_message([one], ["a", "b", "c"])
+    assert coalesced == [([one], "a"), (None, "b"), (None, "c")]
+    assert flat_works([work for work, _ in coalesced]) == [one]
+    assert flat_works([[one, two], one, None, two]) == [one, two]

@@ -48,7 +48,7 @@ from torch.utils import _pytree as pytree
 from lightning_dapple.errors import DappleConfigError, require
 from lightning_dapple.execute.failure import FailureChannel
 from lightning_dapple.execute.slicing import flatten, overlap, unflatten
-from lightning_dapple.execute.wires import Incoming, make_wire
+from lightning_dapple.execute.wires import Incoming, flat_works, make_wire
 
 HEADER_INTS = 512
 _DTYPES = [
@@ -393,7 +393,8 @@ class Transport:
     def _wait_sends(self, pending: list[tuple[Any, Any, str, Any]]) -> None:
         if pending:
             what = pending[0][2] if len(pending) == 1 else f"{len(pending)} sends ({pending[0][2]} ... {pending[-1][2]})"
-            self.failure.wait_all([item[0] for item in pending if item[0] is not None], what)
+            works = [item[0] for item in pending if item[0] is not None]
+            self.failure.wait_all(flat_works(works) if self.wire.batched else works, what)
             if self.wire.pooled:
                 self.wire.release([item[1] for item in pending])
 

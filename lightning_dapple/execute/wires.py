@@ -132,7 +132,12 @@ class Wire:
         """The received tensors, ready for the compute stream, and each flag byte (0 where
         the receive has none)."""
         self.failure.wait_all([item.work for item in incoming], what)
-        return [(item.buffer, int(item.buffer[-1]) if item.flagged and item.buffer.numel() else 0) for item in incoming]
+        return _with_flags(incoming)
+
+
+def _with_flags(incoming: Sequence[Incoming]) -> list[tuple[torch.Tensor, int]]:
+    """Received host buffers and their flag bytes (their last, where they have one)."""
+    return [(item.buffer, int(item.buffer[-1]) if item.flagged and item.buffer.numel() else 0) for item in incoming]
 
 
 class StagedWire(Wire):
@@ -269,7 +274,8 @@ class NcclWire(Wire):
 
     def wait(self, incoming: Sequence[Incoming], what: str) -> list[tuple[torch.Tensor, int]]:
         if not self.cuda:
-            return super().wait(incoming, what)
+            self.failure.wait_all(flat_works(item.work for item in incoming), what)
+            return _with_flags(incoming)
         compute = torch.cuda.current_stream(self.device)
         events = {id(item.extra[0]): item.extra[0] for item in incoming}
         for event in events.values():
@@ -286,11 +292,11 @@ class NcclWire(Wire):
 
 
 def _per_message(works: list[Any], kept: list[Any]) -> list[tuple[Any, Any]]:
-    """Pair a batch's works with its messages. Without CUDA the ``nccl`` wire runs only over
-    gloo (``choose_wire``), whose batches do not coalesce: one work per message."""
-    if len(works) != len(kept):
-        raise RuntimeError(f"a batch of {len(kept)} messages returned {len(works)} works; expected one each under gloo")
-    return list(zip(works, kept))
+    """Pair a batch's works with its messages: one each where the backend does not coalesce
+    the batch (gloo); else the whole list goes with the first message (see ``flat_works``)."""
+    if len(works) == len(kept):
+        return list(zip(works, kept))
+    return [(works if index == 0 else None, item) for index, item in enumerate(kept)]
 
 
 def flat_works(works: Any) -> list[Any]:
