@@ -31,7 +31,8 @@ gloo calls of a loaded step each operation costs far more than alone
 
 A gradient transfer is one message: its receiver already knows the shapes (it sent the
 activations) and only leaves that require grad travel back. A lone gradient is sent as it
-is and received straight into a tensor of its dtype and shape.
+is and received straight into a tensor of its dtype and shape, unless the wire has no such
+type (complex never travels typed, bool not under NCCL): then it goes as bytes.
 """
 from __future__ import annotations
 
@@ -172,7 +173,8 @@ def _as_is(dtype: torch.dtype) -> bool:
 
 def as_message(tensors: Sequence[torch.Tensor], typed: Callable[[torch.dtype], bool] = _as_is) -> torch.Tensor:
     """What to send for ``tensors``: a lone tensor as it is (no copy; the receiver knows its
-    dtype and shape) if its dtype travels ``typed``, else and several packed into one buffer."""
+    dtype and shape) if its dtype travels ``typed``; otherwise, and several tensors, packed
+    into one byte buffer."""
     if len(tensors) == 1 and typed(tensors[0].dtype):
         tensor = tensors[0]
         return tensor if tensor.is_contiguous() else tensor.contiguous()

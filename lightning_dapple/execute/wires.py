@@ -224,6 +224,8 @@ class NcclWire(Wire):
         return not dtype.is_complex and dtype is not torch.bool
 
     def send(self, messages: Sequence[tuple[torch.Tensor, int]], direction: str) -> list[tuple[Any, Any]]:
+        if not messages:  # batch_isend_irecv refuses an empty batch
+            return []
         tensors = [t if t.device == self.device else t.to(self.device) for t, _ in messages]
         group = self.groups[direction]
         ops = [dist.P2POp(dist.isend, t, peer, group=group) for t, (_, peer) in zip(tensors, messages)]
@@ -239,6 +241,8 @@ class NcclWire(Wire):
         return [(None, t) for t in tensors]
 
     def post(self, specs: Sequence[tuple[int, Any, bool]], direction: str, control: bool = False) -> list[Incoming]:
+        if not specs:
+            return []
         group = self.groups[direction]
         if not self.cuda:
             buffers = [spec.make(self.device, self.zero_flags) for _, spec, _ in specs]
