@@ -3,6 +3,10 @@
 The README's quick start runs the Hydra app instead (``dapple-train recipe=bert_tiny``);
 this script shows the same strategy in your own Lightning code: generated data, an
 automatic plan (plan="auto"), the plan JSON in the log dir.
+
+    python examples/quickstart.py                                   # 4 CPU processes
+    python examples/quickstart.py --devices 2 --precision bf16-mixed
+    python examples/quickstart.py --accelerator gpu --devices 2 --precision bf16-mixed
 """
 from __future__ import annotations
 
@@ -57,14 +61,17 @@ if __name__ == "__main__":
     parser.add_argument("--devices", type=int, default=4)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--plan", default="auto", help="'auto' or a plan JSON path")
+    parser.add_argument("--accelerator", default="cpu", help="cpu or gpu (one GPU per process)")
+    parser.add_argument("--precision", default="32-true", help="e.g. bf16-mixed, 16-mixed (GPU), 32-true")
     args = parser.parse_args()
     torch.set_num_threads(1)
     from lightning_dapple.strategy import DappleStrategy
 
     trainer = Trainer(
         strategy=DappleStrategy(plan=args.plan),
-        accelerator="cpu",
+        accelerator=args.accelerator,
         devices=args.devices,
+        precision=args.precision,
         max_steps=args.steps,
         default_root_dir="outputs/quickstart",
         enable_checkpointing=False,
