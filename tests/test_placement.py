@@ -124,3 +124,13 @@ def test_each_rank_moves_only_its_stage_after_freeing_the_rest(tmp_path: Path) -
     state = {k.replace(".inner", ""): v for k, v in model.state_dict().items()}
     assert max(float((state[k] - reference[k]).abs().max()) for k in reference) < 1e-10
     assert not any(isinstance(layer, FreedLayer) for layer in model.layers)
+
+
+def test_modules_made_in_configure_model_are_made_on_the_cpu(monkeypatch) -> None:
+    """Lightning builds ``configure_model``'s layers under the strategy's tensor_init_context,
+    which puts them on the rank's device by default: the whole model, before any plan."""
+    strategy = DappleStrategy(plan=ONE_STAGE)
+    monkeypatch.setattr(DappleStrategy, "root_device", property(lambda self: torch.device("meta")))
+    with strategy.tensor_init_context():
+        layer = torch.nn.Linear(3, 3)
+    assert layer.weight.device.type == "cpu"
