@@ -69,15 +69,18 @@ def _activations(rank: int, transport: Any, senders: tuple[int, ...] = SENDERS, 
             mine = _rows(total, senders, rank)
             part = pytree.tree_map(lambda t: t[mine[0] : mine[1]].detach().to(device).requires_grad_(t.requires_grad), _structure(step, total))
             peers = [Peer(r, _rows(total, receivers, r)) for r in receivers]
-            before = transport.bytes_sent
+            before, batches = transport.bytes_sent, _BATCHES[0]
             transport.send_activation(part, mine, peers, f"step {step}", key=step)
             transport.settle({step})
             out["bytes"].append(transport.bytes_sent - before)
+            out.setdefault("batches", []).append(_BATCHES[0] - batches)
             continue
         mine = _rows(total, receivers, rank)
         peers = [Peer(r, _rows(total, senders, r)) for r in senders]
         out["posted"].append(transport.post_activation(mine, peers, f"step {step}") and transport.is_posted(f"step {step}"))
+        batches = _BATCHES[0]
         got = transport.recv_activation(mine, peers, f"step {step}")
+        out.setdefault("batches", []).append(_BATCHES[0] - batches)
         got_leaves, got_spec = flatten(got)
         want_leaves, want_spec = flatten(_structure(step, total))
         assert got_spec == want_spec, (step, got_spec, want_spec)
@@ -132,6 +135,21 @@ def _gradients(rank: int, transport: Any, senders: tuple[int, ...] = SENDERS, re
     return out
 
 
+_BATCHES = [0]  # batch_isend_irecv calls in this rank's process
+
+
+def _count_batches() -> None:
+    import torch.distributed as dist
+
+    batch = dist.batch_isend_irecv
+
+    def counted(ops: Any) -> Any:
+        _BATCHES[0] += 1
+        return batch(ops)
+
+    dist.batch_isend_irecv = counted  # this worker process only
+
+
 def worker(
     rank: int, world: int, wires: tuple[str, ...] = WIRES, device: str = "cpu", senders: tuple[int, ...] = SENDERS, receivers: tuple[int, ...] = RECEIVERS
 ) -> dict[str, Any]:
@@ -139,6 +157,7 @@ def worker(
     from lightning_dapple.execute.transport import Transport
 
     failure = FailureChannel(rank, timeout_s=60)
+    _count_batches()
     out: dict[str, Any] = {}
     for wire in wires:  # every rank builds every wire in the same order (nccl's is collective)
         transport = Transport(failure, torch.device(device), wire=wire)
@@ -176,6 +195,13 @@ def test_every_wire_round_trips_activations_and_gradients_over_a_split_boundary(
             receivers = 2  # each sender overlaps two of the three receivers
             assert nccl == gloo + receivers, (step, rank, gloo, nccl)
             assert results[rank]["staged"]["bytes"][step] == gloo
+            # NCCL: both receivers' messages in one batch; a layout change too (filler,
+            # header, structure and data for each receiver)
+            assert results[rank]["nccl"]["batches"][step] == 1 and results[rank]["nccl"]["batches"][step + 1] == 1
+        # the middle receiver's pieces from both senders: one batch (one per message after
+        # a layout change: filler, header, ..., in order)
+        assert results[3]["nccl"]["batches"][step] == 1, results[3]["nccl"]["batches"]
+    assert all(b == 0 for b in results[3]["gloo"]["batches"] + results[0]["staged"]["batches"])
     # host buffers are built per (peer, size) by the first transfer of each size and reused:
     # every gradient transfer of a new size added some, the repeat of the first added none
     for rank in range(5):
