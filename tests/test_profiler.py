@@ -223,3 +223,16 @@ def test_cli_bad_layers_attribute(tmp_path, capsys) -> None:
     code, _, err = _run(["--model", f"{__name__}:TinyNet", "--layers", "body.nope", "--out", str(tmp_path / "p.json")], capsys)
     assert code == 2
     assert err.count("\n") == 1 and "body.nope" in err
+
+
+def test_autocast_profile_measures_the_mixed_precision_layers(tmp_path) -> None:
+    """Under bf16 autocast a Linear's output is bfloat16: half the bytes a stage boundary
+    sends; the cache keeps fp32 and bf16 profiles apart."""
+    layers = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 8))
+    x = torch.randn(4, 16)
+    full = profile_layers(layers, x, repeats=1, warmup=0, cache_dir=tmp_path)
+    mixed = profile_layers(layers, x, repeats=1, warmup=0, cache_dir=tmp_path, autocast_dtype=torch.bfloat16)
+    assert [l.output_bytes for l in full.layers] == [4 * 32 * 4, 4 * 8 * 4]
+    assert [l.output_bytes for l in mixed.layers] == [4 * 32 * 2, 4 * 8 * 2]
+    assert mixed.meta.get("cache") != "hit" and mixed.meta["autocast"] == "torch.bfloat16"
+    assert all(p.dtype == torch.float32 for p in layers.parameters())
