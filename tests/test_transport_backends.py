@@ -340,3 +340,25 @@ def test_a_coalesced_batch_is_waited_once_through_its_first_message() -> None:
     assert coalesced == [([one], "a"), (None, "b"), (None, "c")]
     assert flat_works([work for work, _ in coalesced]) == [one]
     assert flat_works([[one, two], one, None, two]) == [one, two]
+
+
+def test_short_messages_cannot_be_forced_on_the_nccl_wire() -> None:
+    """NCCL needs every receive to match its message's size: asking the nccl wire for gloo's
+    short messages is refused before anything is sent."""
+    import torch.distributed as dist
+
+    from dist_harness import free_port
+    from lightning_dapple.errors import DappleConfigError
+    from lightning_dapple.execute.failure import FailureChannel
+    from lightning_dapple.execute.transport import Transport
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    failure = FailureChannel(0, timeout_s=10)
+    try:
+        assert Transport(failure, torch.device("cpu"), wire="nccl").short is False
+        assert Transport(failure, torch.device("cpu"), wire="staged", short_messages=False).short is False
+        with pytest.raises(DappleConfigError, match="nccl wire needs every message"):
+            Transport(failure, torch.device("cpu"), wire="nccl", short_messages=True)
+    finally:
+        failure.close()
+        dist.destroy_process_group()
