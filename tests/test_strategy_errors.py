@@ -12,13 +12,18 @@ from lightning.pytorch import Trainer
 import lightning_dapple  # noqa: F401
 from lightning_dapple.errors import DappleConfigError
 from lightning_dapple.strategy import DappleStrategy
-from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 
 from lightning_toys import MLPModule, TwoArgumentForward, mlp_loader
 
 
 class UnknownPrecision(Precision):
     """A precision plugin the strategy has not been taught."""
+
+
+class FusedAdam(MLPModule):
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=self.lr, fused=True)
 
 ONE_STAGE = {"global_batch_size": 12, "micro_batches": 2, "stages": [{"layers": [0, 5], "devices": [0]}]}
 
@@ -67,10 +72,11 @@ def _fit(tmp_path: Path, model, plan=ONE_STAGE, precision="64-true", loader=None
         ("batch", "DataLoader yields batches of 6"),
         ("precision", "does not support"),
         ("two_arguments", "2 positional arguments.*one tuple.*Fix: call self\\(x\\)"),
+        ("fused", "16-mixed.*fused optimizer.*cannot agree"),
     ],
 )
 def test_bad_input_fails_before_training(tmp_path: Path, case: str, match: str) -> None:
-    model = {"no_layers": NoLayers, "forward": ExtraForward, "two_arguments": TwoArgumentForward}.get(case, MLPModule)().double()
+    model = {"no_layers": NoLayers, "forward": ExtraForward, "two_arguments": TwoArgumentForward, "fused": FusedAdam}.get(case, MLPModule)().double()
     plan, kwargs = ONE_STAGE, {}
     if case == "coverage":
         plan = {**ONE_STAGE, "stages": [{"layers": [0, 3], "devices": [0]}]}
@@ -82,6 +88,8 @@ def test_bad_input_fails_before_training(tmp_path: Path, case: str, match: str) 
         kwargs["loader"] = mlp_loader(2, rows=6)
     elif case == "precision":
         kwargs["plugins"] = [UnknownPrecision()]
+    elif case == "fused":
+        kwargs["plugins"] = [MixedPrecision("16-mixed", "cpu")]
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(DappleConfigError, match=match) as info:
         _fit(tmp_path, model, plan=plan, **kwargs)

@@ -339,6 +339,8 @@ class DappleStrategy(DDPStrategy):
             mixed.scaler.scale(torch.ones((), device=self.root_device))  # the scale lives on this device
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            if mixed is not None:
+                mixed.check_optimizers(self.optimizers)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             from lightning.fabric.utilities.optimizer import _optimizers_to_device

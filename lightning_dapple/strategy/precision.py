@@ -25,6 +25,8 @@ import torch.distributed as dist
 from lightning.pytorch.plugins.precision import MixedPrecision
 from typing_extensions import override
 
+from lightning_dapple.errors import require
+
 __all__ = ["DappleMixedPrecision", "agree_found_inf", "as_dapple_precision"]
 
 
@@ -82,14 +84,8 @@ class DappleMixedPrecision(MixedPrecision):
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
         closure_result = closure()
         if closure_result is None and model.automatic_optimization:
+            self._after_closure(model, optimizer)
             return closure_result
-        from lightning.fabric.plugins.precision.amp import _optimizer_handles_unscaling
-
-        if _optimizer_handles_unscaling(optimizer):
-            raise ValueError(
-                f"{type(optimizer).__name__} unscales inside its step (a fused optimizer), so the pipeline cannot agree "
-                "on skipping the step across stages; use a non-fused optimizer with precision='16-mixed'"
-            )
         self.scaler.unscale_(optimizer)
         if self.agree is not None and self.agree(self.scaler, optimizer):
             self.skipped_steps += 1
@@ -97,6 +93,22 @@ class DappleMixedPrecision(MixedPrecision):
         step_output = self.scaler.step(optimizer, **kwargs)
         self.scaler.update()
         return step_output
+
+    def check_optimizers(self, optimizers: list[Any]) -> None:
+        """fp16: an optimizer that unscales inside its own step (a fused one) would decide
+        alone whether to skip, so the pipeline could not agree; refused before training."""
+        if self.scaler is None:
+            return
+        from lightning.fabric.plugins.precision.amp import _optimizer_handles_unscaling
+
+        for optimizer in optimizers:
+            require(
+                not _optimizer_handles_unscaling(optimizer),
+                "Trainer(precision='16-mixed')",
+                f"{type(optimizer).__name__} unscales inside its own step (a fused optimizer), so the pipeline stages "
+                "cannot agree on skipping an overflowing step",
+                "use a non-fused optimizer (e.g. fused=False), or precision='bf16-mixed'",
+            )
 
     def loss_scale(self) -> float:
         """The factor the executor's backward multiplies the loss by (1.0 without a scaler)."""
