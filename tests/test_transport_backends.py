@@ -17,6 +17,7 @@ import torch
 from dist_harness import run_ranks
 
 WIRES = ("gloo", "staged", "nccl")
+MIXED = "gloo+staged"  # senders on the gloo wire, receivers staged: the same messages
 SENDERS, RECEIVERS = (0, 1), (2, 3, 4)
 
 
@@ -160,7 +161,8 @@ def worker(
     _count_batches()
     out: dict[str, Any] = {}
     for wire in wires:  # every rank builds every wire in the same order (nccl's is collective)
-        transport = Transport(failure, torch.device(device), wire=wire)
+        own = wire.split("+")[0 if rank in senders else -1]
+        transport = Transport(failure, torch.device(device), wire=own)
         result = {"name": transport.wire.name, "short": transport.short, "ahead": transport.posts_ahead}
         result.update(_activations(rank, transport, senders, receivers))
         gradients = _gradients(rank, transport, senders, receivers)
@@ -174,18 +176,18 @@ def worker(
 
 @pytest.mark.timeout(240)
 def test_every_wire_round_trips_activations_and_gradients_over_a_split_boundary() -> None:
-    results = run_ranks(worker, 5, timeout_s=200)
+    results = run_ranks(worker, 5, (*WIRES, MIXED), timeout_s=200)
     assert "__errors__" not in results, results.get("__errors__")
-    for wire in WIRES:
+    for wire in (*WIRES, MIXED):
         for rank in RECEIVERS:
             got = results[rank][wire]
-            assert got["name"] == wire and got["checked"] == STEPS, (wire, rank, got)
+            assert got["name"] == wire.split("+")[-1] and got["checked"] == STEPS, (wire, rank, got)
             # receives go ahead once the layout is known, except under NCCL's in-order matching
             assert any(got["posted"]) == (wire != "nccl"), (wire, got["posted"])
             assert not got["posted"][0]  # the first layout is unknown: nothing to post
         for rank in SENDERS:
             got = results[rank][wire]
-            assert got["gradients"] == len(GRADIENTS), (wire, rank)
+            assert got["name"] == wire.split("+")[0] and got["gradients"] == len(GRADIENTS), (wire, rank)
             assert got["short"] == (wire != "nccl")
     # a repeated layout costs one message per receiver: the leaves' bytes, plus the flag byte
     # under NCCL (equal sizes); gloo and staged send the same bytes
