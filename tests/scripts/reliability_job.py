@@ -33,7 +33,7 @@ from lightning_toys import LossRecorder, MLPModule  # noqa: E402
 
 
 class JobModule(MLPModule):
-    """The tests' MLP, optionally with dropout after each hidden block and a StepLR."""
+    """The tests' MLP, optionally with dropout after each hidden block and a per-step StepLR."""
 
     def __init__(self, dropout: float = 0.0, scheduler: bool = False) -> None:
         super().__init__()
@@ -46,7 +46,7 @@ class JobModule(MLPModule):
         optimizer = torch.optim.Adam(self.parameters(), lr=self.lr)
         if not self.scheduler:
             return optimizer
-        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)}
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5), "interval": "step"}}
 
 
 def batches(count: int, rows: int, bad: dict | None) -> list:
@@ -128,15 +128,20 @@ def arm_crash(save_number: int, point: str) -> None:
     """Kill every rank (the job's process group) at ``point`` of the n-th checkpoint write."""
     from lightning_dapple.strategy import checkpoint
 
-    saves = {"count": 0}
+    state = {"count": 0, "armed": False}
     real_save, real_replace = torch.save, os.replace
+    real_write = checkpoint.AtomicCheckpointIO.save_checkpoint
 
     def die() -> None:
         os.killpg(os.getpgid(0), signal.SIGKILL)
 
+    def write(self, *args, **kwargs):
+        state["count"] += 1
+        state["armed"] = state["count"] == save_number
+        return real_write(self, *args, **kwargs)
+
     def save(obj, stream, *args, **kwargs):
-        saves["count"] += 1
-        if saves["count"] == save_number and point == "mid-write":
+        if state["armed"] and point == "mid-write":
             import io
 
             buffer = io.BytesIO()
@@ -147,10 +152,11 @@ def arm_crash(save_number: int, point: str) -> None:
         return real_save(obj, stream, *args, **kwargs)
 
     def replace(src, dst):
-        if saves["count"] == save_number and point == "before-rename":
+        if state["armed"] and point == "before-rename":
             die()
         return real_replace(src, dst)
 
+    checkpoint.AtomicCheckpointIO.save_checkpoint = write
     checkpoint.torch.save = save
     checkpoint.os.replace = replace
 
@@ -172,6 +178,8 @@ def main() -> None:
         enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(out), callbacks=callbacks,
     )
     model = JobModule(cfg.get("dropout", 0.0), cfg.get("scheduler", False))
+    if cfg.get("double", True):
+        model = model.double()  # else float32, converted by precision="64-true" as users leave it
     trainer.fit(model, loader(cfg), ckpt_path=cfg.get("resume"))
     if cfg.get("final"):
         trainer.save_checkpoint(str(out / "final.ckpt"))
