@@ -200,9 +200,8 @@ def pipeline_phases(costs: Sequence[StageCost]) -> list[tuple[float, float, floa
     return phases
 
 
-def pivot_stage(phases: Sequence[tuple[float, float, float]], micro_batches: int) -> int:
-    """Algorithm 1 of DAPPLE 4.3: walk from the last stage back, keep the stage whose
-    steady phase outlasts the current pivot's plus the work between them.
+def walk_pivot(phases: Sequence[tuple[float, float, float]], pivot: int, m1: int) -> int:
+    """Algorithm 1 of DAPPLE 4.3 continued from ``pivot`` towards stage 0, for M - 1 = ``m1``.
 
     The paper's line 5-6 adds F+B of the stages strictly between s and Q. Comparing
     like with like needs Q's own F+B too: moving the pivot from Q to s removes Q's
@@ -210,15 +209,40 @@ def pivot_stage(phases: Sequence[tuple[float, float, float]], micro_batches: int
     them. Without it the pivot can move to a stage whose estimate is *smaller*, and the
     formula undercuts the simulator (e.g. 12:11 uniform layers, M=2: 72 vs 102 ms).
     With it, each move picks the larger of two lower bounds on the latency."""
-    last = len(phases) - 1
-    pivot = last
-    for s in range(last - 1, -1, -1):
-        own = (micro_batches - 1) * (phases[s][0] + phases[s][1])
-        current = (micro_batches - 1) * (phases[pivot][0] + phases[pivot][1])
+    for s in range(pivot - 1, -1, -1):
+        own = m1 * (phases[s][0] + phases[s][1])
+        current = m1 * (phases[pivot][0] + phases[pivot][1])
         current += sum(phases[k][0] + phases[k][1] for k in range(s + 1, pivot + 1))
         if own > current:
             pivot = s
     return pivot
+
+
+def pivot_stage(phases: Sequence[tuple[float, float, float]], micro_batches: int) -> int:
+    """Algorithm 1 of DAPPLE 4.3: walk from the last stage back (``walk_pivot``)."""
+    return walk_pivot(phases, len(phases) - 1, micro_batches - 1)
+
+
+def ending_phase(phases: Sequence[tuple[float, float, float]], q: int, floor: float = 0.0) -> float:
+    """T_e of formula 2 for pivot ``q``: over all stages s, the AllReduce tail of s plus the
+    backward work between the pivot and s (see ``dapple_latency``), at least ``floor``."""
+    ending = floor
+    for s, (_, _, allreduce) in enumerate(phases):
+        if s <= q:
+            tail = sum(phases[a][1] for a in range(s, q + 1))
+        else:
+            tail = -sum(phases[a][1] for a in range(q + 1, s + 1))
+        ending = max(ending, allreduce + tail)
+    return ending
+
+
+def pivot_parts(phases: Sequence[tuple[float, float, float]], q: int, m1: int) -> tuple[float, float, float]:
+    """For pivot ``q``: (warm-up + steady phase, ending phase without a floor, backward
+    work after the pivot) -- the pieces the search combines incrementally."""
+    warm = sum(phases[s][0] for s in range(q + 1))
+    steady = m1 * (phases[q][0] + phases[q][1])
+    after = sum(phases[a][1] for a in range(q + 1, len(phases)))
+    return warm + steady, ending_phase(phases, q, float("-inf")), after
 
 
 def dapple_latency(
@@ -241,13 +265,7 @@ def dapple_latency(
     q = pivot_stage(phases, micro_batches)
     warmup = sum(phases[s][0] for s in range(q + 1))
     steady = (micro_batches - 1) * (phases[q][0] + phases[q][1])
-    ending = 0.0
-    for s, (_, _, allreduce) in enumerate(phases):
-        if s <= q:
-            tail = sum(phases[a][1] for a in range(s, q + 1))
-        else:
-            tail = -sum(phases[a][1] for a in range(q + 1, s + 1))
-        ending = max(ending, allreduce + tail)
+    ending = ending_phase(phases, q)
     return Prediction(
         latency_ms=warmup + steady + ending,
         warmup_ms=warmup,

@@ -1,0 +1,183 @@
+"""The plans the planner always compares against: data parallelism, the straight pipeline,
+and any candidate's evenly balanced twin (DAPPLE 6.2 compares its plans with DP and the
+straight pipeline; PipeDream 3.2's bottleneck objective balances the cuts).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from lightning_dapple.cluster import Cluster
+from lightning_dapple.plan.costs import slice_size
+from lightning_dapple.plan.evaluate import Scored, candidate_micro_batches, default_min_slice, score_stages
+from lightning_dapple.plan.plan import StagePlan
+from lightning_dapple.plan.search import SearchSettings, StageSearch
+from lightning_dapple.plan.search_tables import RangeTables, p2p_ms_fast
+from lightning_dapple.profile.model_profile import ModelProfile
+
+__all__ = ["balanced_variant", "data_parallel_candidates", "smallest_memory", "straight_candidates"]
+
+_INF = float("inf")
+
+
+def _balanced_cuts(tables: RangeTables, cluster: Cluster, devices: Sequence[tuple[int, ...]], mbs: int) -> list[int] | None:
+    """Layer cuts for stages on ``devices`` (in order) that minimise the slowest stage: the
+    max over stages of F+B and of twice the transfer to the next stage (PipeDream 3.2's
+    objective for a fixed replication), by a bottleneck DP over cut positions."""
+    count = len(devices)
+    n = tables.n
+    if count > n:
+        return None
+    whole = mbs / tables.pbs
+    best = np.full(n + 1, _INF)
+    best[0] = 0.0
+    choice = np.zeros((count, n + 1), dtype=int)
+    for s in range(count):
+        scale = slice_size(mbs, len(devices[s])) / tables.pbs
+        nxt = np.full(n + 1, _INF)
+        unit = p2p_ms_fast(cluster, 1e6, devices[s], devices[s + 1]) / 1e6 if s + 1 < count else 0.0
+        ends = range(s + 1, n - (count - s - 1) + 1) if s + 1 < count else [n]
+        for c in ends:
+            starts = np.arange(s, c)
+            stage_time = tables.work[starts, c] * scale
+            send = 2.0 * tables.output[c - 1] * whole * unit if s + 1 < count else 0.0
+            value = np.maximum(np.maximum(best[starts], stage_time), send)
+            k = int(np.argmin(value))
+            nxt[c] = value[k]
+            choice[s, c] = starts[k]
+        best = nxt
+    if best[n] == _INF:
+        return None
+    cuts = [n]
+    for s in range(count - 1, 0, -1):
+        cuts.append(int(choice[s, cuts[-1]]))
+    cuts.append(0)
+    return cuts[::-1]
+
+
+def balanced_variant(
+    profile: ModelProfile,
+    cluster: Cluster,
+    item: Scored,
+    global_batch_size: int,
+    policy: str = "PA",
+    schedule: str = "dapple",
+) -> Scored | None:
+    """The same stages on the same devices with evenly balanced layer cuts
+    (``_balanced_cuts``), or None if that is the same plan or does not fit in memory.
+
+    Formula 2 tolerates a stage before the pivot that is heavier than the pivot as long as
+    enough work lies between them (Algorithm 1), and its best plans can be slightly uneven
+    (4.4); the simulator, which re-ranks the candidates, sometimes prefers the evenly
+    balanced cut. Offering both lets the simulation decide.
+    """
+    stages = item.stages
+    if len(stages) < 2:
+        return None
+    tables = RangeTables(profile)
+    cuts = _balanced_cuts(tables, cluster, [stage.devices for stage in stages], global_batch_size // item.micro_batches)
+    if cuts is None:
+        return None
+    new = tuple(StagePlan(layers=(cuts[s], cuts[s + 1]), devices=stage.devices) for s, stage in enumerate(stages))
+    if new == stages:
+        return None
+    scored = score_stages(profile, cluster, new, global_batch_size, item.micro_batches, policy, schedule)
+    return scored if scored.fits(cluster) else None
+
+
+def data_parallel_candidates(
+    profile: ModelProfile,
+    cluster: Cluster,
+    global_batch_size: int,
+    micro_batches: int | None = None,
+    schedule: str = "dapple",
+    policy: str = "PA",
+    min_slice: int | None = None,
+) -> list[Scored]:
+    """DP (one stage on all devices) at every valid M, fitting or not, best first."""
+    floor = default_min_slice(profile, min_slice)
+    candidates, floor = candidate_micro_batches(global_batch_size, floor, micro_batches)
+    g = cluster.num_devices
+    stage = (StagePlan(layers=(0, profile.num_layers), devices=tuple(range(g))),)
+    out = [
+        score_stages(profile, cluster, stage, global_batch_size, m, policy, schedule)
+        for m in candidates
+        if g <= min((global_batch_size // m) // floor, global_batch_size // m)
+    ]
+    return sorted(out, key=lambda item: (not item.fits(cluster), item.latency_ms, item.micro_batches))
+
+
+def straight_candidates(
+    profile: ModelProfile,
+    cluster: Cluster,
+    global_batch_size: int,
+    micro_batches: int | None = None,
+    schedule: str = "dapple",
+    policy: str = "PA",
+    min_slice: int | None = None,
+    keep: int = 1,
+) -> list[Scored]:
+    """The straight pipeline (G stages, one device each, ranks in order) that fits in memory.
+
+    For every candidate M the layers are cut to minimise the slowest stage
+    (``_balanced_cuts``); the plans are ranked by formula 2. Needs at least G layers. (The
+    DP restricted to one replica per stage, ``dapple_search(straight_only=True)``, finds the
+    formula's best straight cut instead; it is slower and the simulator often prefers the
+    balanced one.)
+    """
+    g = cluster.num_devices
+    if profile.num_layers < g:
+        return []
+    floor = default_min_slice(profile, min_slice)
+    candidates, floor = candidate_micro_batches(global_batch_size, floor, micro_batches)
+    tables = RangeTables(profile)
+    devices = [(rank,) for rank in range(g)]
+    out = []
+    for m in candidates:
+        mbs = global_batch_size // m
+        if mbs // floor < 1:
+            continue
+        cuts = _balanced_cuts(tables, cluster, devices, mbs)
+        if cuts is None:
+            continue
+        stages = tuple(StagePlan(layers=(cuts[s], cuts[s + 1]), devices=devices[s]) for s in range(g))
+        item = score_stages(profile, cluster, stages, global_batch_size, m, policy, schedule)
+        if item.fits(cluster):
+            out.append(item)
+    out.sort(key=lambda item: (item.latency_ms, item.micro_batches))
+    return out[:keep]
+
+
+def smallest_memory(profile: ModelProfile, cluster: Cluster, global_batch_size: int, micro_batches: int | None, schedule: str, policy: str, min_slice: int | None) -> tuple[float, str]:
+    """Peak per-device memory of the least memory-hungry plan we can name cheaply.
+
+    Over every M and every number of stages S <= min(N, G): the straight partition whose
+    largest per-device memory (weights, gradients, optimizer state and K_i stashed slices)
+    is smallest, found by a bottleneck DP built from the last stage backwards (K_i depends on
+    how many stages follow). Spare devices would only add replicas, which never add memory.
+    """
+    floor = default_min_slice(profile, min_slice)
+    candidates, floor = candidate_micro_batches(global_batch_size, floor, micro_batches)
+    tables = RangeTables(profile)
+    n, g = tables.n, cluster.num_devices
+    best = (_INF, "")
+    for m in candidates:
+        search = StageSearch(tables, cluster, global_batch_size, m, floor, SearchSettings(policy, schedule, 1))
+        s1 = search.scale(1)
+        # cost[t][a]: min over partitions of layers [a, n) into t stages of the peak memory
+        prev = [_INF] * (n + 1)
+        prev[n] = 0.0
+        for stages in range(1, min(n, g) + 1):
+            kk = search.k_of(stages)
+            cur = [_INF] * (n + 1)
+            for a in range(n):
+                for b in range(a + 1, n + 1):
+                    if prev[b] == _INF or (b == n) != (stages == 1):
+                        continue
+                    mem = tables.params[a, b] * search.weight_factor + kk * (tables.stash[a, b] * s1)
+                    cur[a] = min(cur[a], max(mem, prev[b]))
+            prev = cur
+            if cur[0] < best[0]:
+                best = (cur[0], f"{stages} stage{'s' if stages > 1 else ''}, M={m}")
+    return best
