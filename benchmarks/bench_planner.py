@@ -13,8 +13,8 @@ simulate all four (``simulate_plan``) and print one row per model and cluster, w
 paper's Table 4 plan beside ours. A row is flagged when DAPPLE simulates slower than one
 of the others; the script exits 1 if any row is flagged.
 
-(b) Planner time: BERT-48 on paper-a (budget 1 s) and a 128-layer synthetic model on 8x8
-(64 devices, budget 10 s), medians of 3 runs, wall clock and CPU time (the development
+(b) Planner time: BERT-48 on paper-a (budget 0.5 s) and a 128-layer synthetic model on 8x8
+(64 devices, budget 2 s), medians of 3 runs, wall clock and CPU time (the development
 machine's two cores are shared, so CPU time is the steadier number).
 """
 from __future__ import annotations
@@ -124,8 +124,8 @@ def synthetic_profile(layers: int = 128, seed: int = 0) -> ModelProfile:
 def timing(repeats: int = 3) -> list[dict[str, Any]]:
     """Median wall and CPU time of plan_dapple on the two reference instances."""
     cases = [
-        ("BERT-48 on paper-a", load_profile(PROFILES / "bert-48-pbs-2.txt"), load_cluster("paper-a"), 64, 1.0),
-        ("128-layer synthetic on 8x8", synthetic_profile(), load_cluster("8x8"), 512, 10.0),
+        ("BERT-48 on paper-a", load_profile(PROFILES / "bert-48-pbs-2.txt"), load_cluster("paper-a"), 64, 0.5),
+        ("128-layer synthetic on 8x8", synthetic_profile(), load_cluster("8x8"), 512, 2.0),
     ]
     results = []
     for name, profile, cluster, gbs, budget in cases:

@@ -28,7 +28,7 @@ def plan_table(plan: Plan, profile: ModelProfile, cluster: Cluster) -> Table:
     estimate = " (ESTIMATE)" if profile.estimated else ""
     title = f"{plan.kind()} plan for {profile.name}{estimate}: M={plan.micro_batches}, schedule={plan.schedule}, policy={plan.policy}"
     table = Table(title=title)
-    for column in ("stage", "layers", "first .. last layer", "devices", "x", "K", "F ms", "B ms", "send ms", "AllReduce ms", "memory/device", "recompute"):
+    for column in ("stage", "layers", "first .. last layer", "devices", "x", "K", "F ms", "B ms", "send ms", "AllReduce ms (exposed)", "memory/device", "recompute"):
         table.add_column(column, justify="right" if column not in ("first .. last layer", "devices") else "left")
     for index, (stage, cost) in enumerate(zip(plan.stages, costs)):
         in_flight = plan.micro_batches if plan.schedule == "gpipe" else int(stage.warmup or 1)
@@ -37,7 +37,7 @@ def plan_table(plan: Plan, profile: ModelProfile, cluster: Cluster) -> Table:
         over = " [red]> budget[/red]" if memory > cluster.device_memory_bytes else ""
         table.add_row(
             str(index), f"[{stage.start}, {stage.end})", names, _devices(stage.devices), str(stage.replicas), str(stage.warmup),
-            f"{cost.forward_ms:.2f}", f"{cost.backward_ms:.2f}", f"{cost.send_ms:.2f}", f"{cost.allreduce_ms:.1f}",
+            f"{cost.forward_ms:.2f}", f"{cost.backward_ms:.2f}", f"{cost.send_ms:.2f}", f"{cost.allreduce_ms:.1f} ({cost.exposed_allreduce_ms:.1f})",
             f"{memory / GIB:.2f} / {cluster.device_memory_gib:.1f} GiB{over}", stage.recompute,
         )
     return table
