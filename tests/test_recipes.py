@@ -210,6 +210,9 @@ def test_tiny_recipe_trains_and_matches_one_device(recipe: str, tmp_path: Path, 
     print(f"\n{recipe}: plan {record['plan']['kind']} M={plan['micro_batches']}, {record['steps']} steps, "
           f"median step {record['median_step_ms']:.1f} ms, {metric} {record['metrics'][metric]:.3f}, fit {record['wall_s']} s")
     assert plan["planner"] != "manual" and sum(len(s["devices"]) for s in plan["stages"]) == 4  # plan=auto
+    # ooo=auto was decided by simulating the plan on its measured profile, and says so
+    assert plan["extra"]["ooo_choice"] == ("on" if plan["ooo"] else "off") + plan["extra"]["ooo_choice"][len("on" if plan["ooo"] else "off"):]
+    assert "simulated step" in plan["extra"]["ooo_choice"] or len(plan["stages"]) == 1
     assert record["steps"] == steps and record["metrics"][metric] > threshold
     losses = record["train_loss_curve"]
     assert len(losses) == steps and sum(losses[-10:]) / 10 < 0.8 * sum(losses[:5]) / 5

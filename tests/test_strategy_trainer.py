@@ -61,6 +61,7 @@ def test_fit_matches_single_device_and_logs_global_loss(tmp_path: Path) -> None:
     assert float(trainer.callback_metrics["val_mse"]) == pytest.approx(expected_val, abs=1e-6)  # torchmetrics
     plan = json.loads((tmp_path / "dapple_plan.json").read_text())
     assert [s["warmup"] for s in plan["stages"]] == [2, 1]
+    assert plan["ooo"] is True and plan["extra"]["ooo_choice"].startswith("on (auto: 2 stages")  # ooo="auto" default
     # gloo's worker threads (which own every collective's Work) must not outlive the exit
     # handler: one dropping a tensor during interpreter finalization aborts the process.
     for rank in range(4):

@@ -111,8 +111,8 @@ class StrategyConfig:
 
     ``plan``: ``auto`` (profile + DAPPLE planner at the first fit), a plan JSON path, or
     an inline plan mapping. ``micro_batches``/``schedule``/``policy`` override the plan's
-    M, schedule and K_i policy; ``ooo`` (out-of-order backprop) and ``recompute`` are
-    handed to the strategy when it accepts them. ``timeout_s`` bounds every wait for a
+    M, schedule and K_i policy; ``ooo`` (out-of-order backprop: true, false or auto) and
+    ``recompute`` are handed to the strategy. ``timeout_s`` bounds every wait for a
     peer; ``layers`` is the attribute path of the model's layer sequence.
     """
 
@@ -121,7 +121,7 @@ class StrategyConfig:
     micro_batches: Optional[int] = None
     schedule: Optional[Schedule] = None
     policy: Optional[Policy] = None
-    ooo: bool = False
+    ooo: Any = "auto"  # true | false | auto
     recompute: Optional[Recompute] = None
     timeout_s: float = 120.0
     layers: str = "layers"

@@ -54,6 +54,7 @@ from omegaconf import DictConfig, OmegaConf
 from lightning_dapple.app.config import enum_value, register_configs
 from lightning_dapple.app.report import write_text
 from lightning_dapple.errors import DappleConfigError, require
+from lightning_dapple.strategy.ooo_choice import check_ooo
 
 __all__ = ["main", "prepare", "run_job"]
 
@@ -287,12 +288,6 @@ def _accelerator(name: str) -> str:
     return "gpu" if name == "cuda" else name
 
 
-def _strategy_supports(name: str) -> bool:
-    from lightning_dapple.strategy import DappleStrategy
-
-    return name in inspect.signature(DappleStrategy.__init__).parameters
-
-
 def _explicit_plan(spec: Any, cfg: DictConfig) -> dict[str, Any] | None:
     """The plan mapping of an explicit ``strategy.plan`` (a file or an inline mapping); None for auto."""
     if isinstance(spec, DictConfig):
@@ -381,24 +376,11 @@ def prepare(cfg: DictConfig, run_dir: Path) -> Job:
 
     notes: list[str] = []
     extra: dict[str, Any] = {}
-    ooo, recompute = bool(cfg.strategy.ooo), enum_value(cfg.strategy.recompute)
-    if dapple:
-        # ooo is always handed over: false must reach the plan as much as true
-        for option, value, wanted in (("ooo", ooo, True), ("recompute", recompute, recompute is not None)):
-            if not wanted:
-                continue
-            if _strategy_supports(option):
-                extra[option] = value
-            elif plan_dict is not None:  # an explicit plan carries both fields itself
-                if option == "ooo":
-                    plan_dict["ooo"] = ooo
-                else:
-                    require(recompute != "auto", "strategy.recompute", "is 'auto', which needs the planner", "use never, except_last or always with an explicit plan")
-                    for stage in plan_dict.get("stages", []):
-                        stage["recompute"] = recompute
-            else:
-                notes.append(f"strategy.{option}={value} ignored: DappleStrategy does not take '{option}' yet")
-                warnings.warn(notes[-1], stacklevel=2)
+    if dapple:  # handed over even when false: the plan must say what the run does
+        extra["ooo"] = check_ooo(cfg.strategy.ooo)
+        recompute = enum_value(cfg.strategy.recompute)
+        if recompute is not None:
+            extra["recompute"] = recompute
 
     # model and data (their constructors check values)
     import lightning as L

@@ -14,17 +14,22 @@ import torch
 import torch.distributed as dist
 
 from lightning_dapple.execute.failure import FailureChannel
+from lightning_dapple.execute.groups import collective_device
 
 
 def global_grad_norm(params: Iterable[torch.Tensor], replicas: int, failure: FailureChannel | None, group: Any = None) -> torch.Tensor:
-    grads = [p.grad for p in params if p.grad is not None]
-    local = torch.zeros((), dtype=torch.float64)
+    """The norm over all stages, summed where the gradients live (one copy at the end, not
+    one per parameter) and reduced on the device the plan's backend takes."""
+    grads = [p.grad.detach() for p in params if p.grad is not None]
+    device = grads[0].device if grads else torch.device("cpu")
+    local = torch.zeros((), dtype=torch.float64, device=device)
     for grad in grads:
-        local += grad.detach().to(torch.float64).pow(2).sum().cpu()
+        local += grad.to(torch.float64).pow(2).sum()
     local /= replicas
     if failure is not None and dist.is_initialized():
+        local = local.to(collective_device(group, device))
         failure.wait(dist.all_reduce(local, group=group, async_op=True), "gradient norm reduction")
-    return local.sqrt()
+    return local.cpu().sqrt()
 
 
 def clip_grad_norm_global(

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from lightning_dapple.plan.plan import Plan
@@ -30,3 +31,13 @@ def build_groups(plan: Plan, backend: str | None = None) -> PlanGroups:
     if plan.world_size != world:
         plan_group = dist.new_group(sorted(d for s in plan.stages for d in s.devices), backend=backend)
     return PlanGroups(replicas=replicas, plan=plan_group)
+
+
+def collective_device(group: Any, compute: torch.device) -> torch.device:
+    """Where a small collective over ``group`` (a norm, a flag) takes its tensor: NCCL
+    reduces only CUDA tensors, gloo takes them on the CPU."""
+    try:
+        backend = dist.get_backend(group)
+    except (RuntimeError, ValueError):
+        return torch.device("cpu")
+    return compute if str(backend).lower() == "nccl" else torch.device("cpu")

@@ -23,6 +23,7 @@ from lightning_dapple.cluster import Cluster, detect_cluster, load_cluster
 from lightning_dapple.errors import DappleConfigError
 from lightning_dapple.execute.slicing import batch_size_of
 from lightning_dapple.plan.plan import Plan, plan_from_dict
+from lightning_dapple.strategy.ooo_choice import decide_ooo, with_ooo_choice
 
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule, Trainer
@@ -89,10 +90,13 @@ def _plan_on_rank_zero(strategy: "DappleStrategy", module: "LightningModule", co
     if strategy.policy in ("PA", "PB"):
         kwargs["policy"] = strategy.policy
     plan = make_plan(profile, cluster, rows, num_devices=strategy.world_size, **kwargs)
+    modes = strategy.recompute if strategy.recompute is not None else [stage.recompute for stage in plan.stages]
+    on, why = decide_ooo(strategy.ooo, plan, profile, cluster, recompute=modes)
     if strategy.recompute == "auto":
         from lightning_dapple.plan.recompute import apply_ooo_recompute
 
-        plan = apply_ooo_recompute(plan, profile, cluster, ooo=strategy.ooo, recompute="auto")
+        plan = apply_ooo_recompute(plan, profile, cluster, ooo=on, recompute="auto")
+    plan = with_ooo_choice(plan, on, why)
     from dataclasses import replace
 
     from lightning_dapple.plan.plan import atomic_write_text

@@ -69,6 +69,7 @@ from lightning_dapple.strategy.module_adapter import (
     module_home,
     replay_logs,
 )
+from lightning_dapple.strategy.ooo_choice import check_ooo, decide_ooo, with_ooo_choice
 
 log = logging.getLogger(__name__)
 
@@ -185,6 +186,11 @@ class DappleStrategy(DDPStrategy):
         loss_reduction: "mean" (the loss is a mean over samples) or "sum".
         timeout_s: bound on every wait for a peer; a failure on one rank stops all ranks.
         profile_cache: directory for cached layer profiles.
+        ooo: out-of-order backprop (weight gradients deferred into idle time): True, False
+            or "auto" (on where the simulator says it helps this plan, see
+            ``strategy/ooo_choice.py``; the choice and its reason are in the plan JSON).
+        recompute: "never", "always", "except_last", one mode per stage, or "auto"
+            (chosen by the memory model under plan="auto").
     """
 
     strategy_name = "dapple"
@@ -200,7 +206,7 @@ class DappleStrategy(DDPStrategy):
         loss_reduction: Literal["mean", "sum"] = "mean",
         timeout_s: float = 120.0,
         profile_cache: str | None = None,
-        ooo: bool = True,
+        ooo: bool | str = "auto",
         recompute: Any = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **kwargs: Any,
@@ -227,7 +233,7 @@ class DappleStrategy(DDPStrategy):
             "is 'auto' but the plan is given explicitly; 'auto' needs the profile that plan='auto' measures",
             "use plan='auto', or name a mode per stage (never/always/except_last)",
         )
-        self.ooo = bool(ooo)
+        self.ooo = check_ooo(ooo)
         self.recompute = recompute
         self.plan_spec = plan
         self.micro_batches = micro_batches
@@ -524,7 +530,9 @@ class DappleStrategy(DDPStrategy):
         if self.recompute != "auto":  # "auto" was resolved by the planner (auto_plan)
             from lightning_dapple.plan.recompute import set_options
 
-            plan = set_options(plan, ooo=self.ooo, recompute=self.recompute)
+            plan = set_options(plan, recompute=self.recompute)
+        if self.ooo != "auto" or "ooo_choice" not in plan.extra:  # auto_plan decides with its profile
+            plan = with_ooo_choice(plan, *decide_ooo(self.ooo, plan))
         batch_rows = batch_size_of(sample)
         require(
             plan.global_batch_size == batch_rows,
@@ -551,11 +559,13 @@ class DappleStrategy(DDPStrategy):
             console = Console(record=True, width=160)
             console.print(plan_table(self.plan, profile, cluster))
             console.print(plan_summary(self.plan))
+            console.print(f"out-of-order backprop: {self.plan.extra.get('ooo_choice', self.plan.ooo)}")
             atomic_write_text(directory / "dapple_plan.txt", console.export_text())
             return
         rank_zero_info(f"dapple plan ({self.plan.kind()}, M={self.plan.micro_batches}, schedule={self.plan.schedule}):")
         for index, stage in enumerate(self.plan.stages):
             rank_zero_info(f"  stage {index}: layers [{stage.start}, {stage.end}) on ranks {list(stage.devices)}, K={stage.warmup}")
+        rank_zero_info(f"  out-of-order backprop: {self.plan.extra.get('ooo_choice', self.plan.ooo)}")
 
     def _install_clipping(self) -> None:
         plugin = self.precision_plugin

@@ -26,17 +26,9 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from typing_extensions import override
 
 from lightning_dapple.errors import require
+from lightning_dapple.execute.groups import collective_device
 
 __all__ = ["DappleMixedPrecision", "agree_found_inf", "as_dapple_precision"]
-
-
-def _reduce_device(group: Any, fallback: torch.device) -> torch.device:
-    """Where a collective over ``group`` takes its tensors: NCCL needs CUDA, gloo the CPU."""
-    try:
-        backend = dist.get_backend(group)
-    except (RuntimeError, ValueError):
-        return torch.device("cpu")
-    return fallback if str(backend).lower() == "nccl" else torch.device("cpu")
 
 
 def agree_found_inf(scaler: "torch.amp.GradScaler", optimizer: Any, group: Any = None, wait: Callable[[Any, str], None] | None = None) -> bool:
@@ -53,7 +45,7 @@ def agree_found_inf(scaler: "torch.amp.GradScaler", optimizer: Any, group: Any =
     for value in found.values():
         local += value.detach().to("cpu", torch.float32)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-        carrier = local.to(_reduce_device(group, device))
+        carrier = local.to(collective_device(group, device))
         work = dist.all_reduce(carrier, op=dist.ReduceOp.MAX, group=group, async_op=True)
         if wait is not None:
             wait(work, "the mixed-precision inf/nan check")
