@@ -169,26 +169,8 @@ def _stash_bytes(node: _Node, has_input: bool) -> float:
     return node.activation_bytes
 
 
-def parse_graph_text(text: str, name: str = "graph", profile_batch_size: int | None = None) -> ModelProfile:
-    """Parse PipeDream graph text into a chain-of-layers profile (PipeDream 3.2, DAPPLE 2 and 4.1).
-
-    Node lines are ``ID -- DESCRIPTION -- key=value, ...`` (split on the first and the last
-    `` -- `` so descriptions may contain the separator); edge lines are ``A -- B`` and are
-    recognised by having no ``key=value`` part. Leading and trailing whitespace is ignored
-    on every line, which is what makes ``amoeba-36-pbs-1.txt`` (edges indented with a space
-    before the tab, which PipeDream's own parser rejects) load.
-
-    The DAG is linearised with Kahn's algorithm, ties broken by the order nodes appear in
-    the file. Position ``p``'s ``output_bytes`` is the sum of activation sizes of nodes at
-    or before ``p`` with a consumer after ``p``; for the last position (after which nothing
-    crosses) it is the last node's own activation, the model output.
-
-    ``micro_batch_size`` is ``profile_batch_size`` or else ``pbs-N`` in ``name``.
-    Raises ``DappleConfigError`` naming the line for malformed lines, negative or
-    non-numeric values, duplicate nodes, edges to unknown nodes and cycles.
-    """
-    micro_batch_size = _batch_size(name, profile_batch_size)
-
+def _read_lines(text: str, name: str) -> tuple[dict[str, _Node], list[str], list[tuple[str, str, int]]]:
+    """Node lines (in file order) and edge lines (source, destination, line number)."""
     nodes: dict[str, _Node] = {}
     order: list[str] = []
     edges: list[tuple[str, str, int]] = []
@@ -221,9 +203,14 @@ def parse_graph_text(text: str, name: str = "graph", profile_batch_size: int | N
             line=number,
         )
         order.append(node_id)
-
     require(bool(nodes), f"profile {name}", "contains no node lines", _FORMAT_HINT)
+    return nodes, order, edges
 
+
+def _link(
+    nodes: dict[str, _Node], order: list[str], edges: list[tuple[str, str, int]], name: str
+) -> tuple[dict[str, list[str]], dict[str, list[str]], dict[tuple[str, str], int]]:
+    """Successor and predecessor lists and each edge's line; unknown ends and self-loops are errors."""
     succs: dict[str, list[str]] = {node_id: [] for node_id in order}
     preds: dict[str, list[str]] = {node_id: [] for node_id in order}
     edge_line: dict[tuple[str, str], int] = {}
@@ -240,8 +227,13 @@ def parse_graph_text(text: str, name: str = "graph", profile_batch_size: int | N
         edge_line[(src, dst)] = number
         succs[src].append(dst)
         preds[dst].append(src)
+    return succs, preds, edge_line
 
-    # Kahn's algorithm; the ready set is ordered by file position so the result is deterministic.
+
+def _linearise(
+    order: list[str], succs: dict[str, list[str]], preds: dict[str, list[str]], edge_line: dict[tuple[str, str], int], name: str
+) -> list[str]:
+    """Kahn's algorithm; the ready set is ordered by file position so the result is deterministic."""
     file_index = {node_id: index for index, node_id in enumerate(order)}
     indegree = {node_id: len(preds[node_id]) for node_id in order}
     ready = [file_index[n] for n in order if indegree[n] == 0]
@@ -261,8 +253,11 @@ def parse_graph_text(text: str, name: str = "graph", profile_batch_size: int | N
         raise DappleConfigError(
             _where(name, number), f"edge {src} -- {dst} closes a cycle", "remove an edge of the cycle; the graph must be acyclic"
         )
+    return linear
 
-    position = {node_id: index for index, node_id in enumerate(linear)}
+
+def _crossing_bytes(linear: list[str], nodes: dict[str, _Node], succs: dict[str, list[str]], position: dict[str, int]) -> list[float]:
+    """Activation bytes crossing the cut after each position (the last: the model output)."""
     count = len(linear)
     # Difference array: node v crosses every cut in [pos(v), last consumer pos - 1].
     delta = [0.0] * (count + 1)
@@ -277,7 +272,33 @@ def parse_graph_text(text: str, name: str = "graph", profile_batch_size: int | N
         running += delta[index]
         crossing.append(max(running, 0.0))
     crossing[-1] = nodes[linear[-1]].activation_bytes
+    return crossing
 
+
+def parse_graph_text(text: str, name: str = "graph", profile_batch_size: int | None = None) -> ModelProfile:
+    """Parse PipeDream graph text into a chain-of-layers profile (PipeDream 3.2, DAPPLE 2 and 4.1).
+
+    Node lines are ``ID -- DESCRIPTION -- key=value, ...`` (split on the first and the last
+    `` -- `` so descriptions may contain the separator); edge lines are ``A -- B`` and are
+    recognised by having no ``key=value`` part. Leading and trailing whitespace is ignored
+    on every line, which is what makes ``amoeba-36-pbs-1.txt`` (edges indented with a space
+    before the tab, which PipeDream's own parser rejects) load.
+
+    The DAG is linearised with Kahn's algorithm, ties broken by the order nodes appear in
+    the file. Position ``p``'s ``output_bytes`` is the sum of activation sizes of nodes at
+    or before ``p`` with a consumer after ``p``; for the last position (after which nothing
+    crosses) it is the last node's own activation, the model output.
+
+    ``micro_batch_size`` is ``profile_batch_size`` or else ``pbs-N`` in ``name``.
+    Raises ``DappleConfigError`` naming the line for malformed lines, negative or
+    non-numeric values, duplicate nodes, edges to unknown nodes and cycles.
+    """
+    micro_batch_size = _batch_size(name, profile_batch_size)
+    nodes, order, edges = _read_lines(text, name)
+    succs, preds, edge_line = _link(nodes, order, edges, name)
+    linear = _linearise(order, succs, preds, edge_line, name)
+    position = {node_id: index for index, node_id in enumerate(linear)}
+    crossing = _crossing_bytes(linear, nodes, succs, position)
     readable = {node_id: _readable(nodes[node_id].description) or node_id for node_id in linear}
     seen: dict[str, int] = {}
     for label in readable.values():
