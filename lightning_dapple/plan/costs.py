@@ -101,11 +101,14 @@ def stage_buckets(profile: ModelProfile, cluster: Cluster, stage: StagePlan, per
     profile batch (nothing to sync for an unreplicated stage)."""
     if stage.replicas <= 1:
         return ()
-    sizes = [layer.param_bytes for layer in profile.layers]
+    layers = profile.layers[stage.start : stage.end]
+    sizes = [layer.param_bytes for layer in layers]
+    before = [0.0]  # backward of the stage's layers before each position
+    for layer in layers:
+        before.append(before[-1] + layer.backward_ms)
     out = []
-    for lo, hi in bucket_layers(sizes, stage.start, stage.end):
-        remaining = sum(layer.backward_ms for layer in profile.layers[stage.start : lo]) * per_device
-        out.append((remaining, cluster.allreduce_ms(sum(sizes[lo:hi]), stage.devices)))
+    for lo, hi in bucket_layers(sizes, 0, len(layers)):
+        out.append((before[lo] * per_device, cluster.allreduce_ms(sum(sizes[lo:hi]), stage.devices)))
     return tuple(out)
 
 
