@@ -253,163 +253,198 @@ def simulate(
     the action order can never complete and ``DappleConfigError`` for a malformed schedule.
     """
     _check_schedule(schedule, costs)
-    num_stages = schedule.num_stages
+    groups = _device_groups(schedule.num_stages, devices)
+    run = _Run(schedule, costs)
+    run.to_fixpoint()
+    return run.result(groups)
+
+
+def _device_groups(num_stages: int, devices: Sequence[Sequence[int]] | None) -> list[tuple[int, ...]]:
     if devices is None:
         devices = [(s,) for s in range(num_stages)]
-    devices = [tuple(int(d) for d in group) for group in devices]
-    require(len(devices) == num_stages, "devices", f"has {len(devices)} groups for {num_stages} stages", "give one device list per stage")
-    flat = [d for group in devices for d in group]
-    require(all(devices), "devices", "has an empty group", "give every stage at least one device")
+    groups = [tuple(int(d) for d in group) for group in devices]
+    require(len(groups) == num_stages, "devices", f"has {len(groups)} groups for {num_stages} stages", "give one device list per stage")
+    flat = [d for group in groups for d in group]
+    require(all(groups), "devices", "has an empty group", "give every stage at least one device")
     require(len(flat) == len(set(flat)), "devices", "lists a device in two stages", "give each device to one stage")
+    return groups
 
-    # a stage splits its backward when it has W actions (a schedule without any W splits
-    # everywhere when it says so: hand-made lists that charge B its input half only)
-    any_w = any(a.kind is Kind.W for acts in schedule.actions for a in acts)
-    splits = [any(a.kind is Kind.W for a in acts) or (schedule.split_backward and not any_w) for acts in schedule.actions]
-    implicit = not any(a.kind in _COMM_KINDS for acts in schedule.actions for a in acts)
-    stages = [_Stage(s, schedule.actions[s]) for s in range(num_stages)]
-    act_links = [_Link(f"{s}->{s + 1}", costs[s].send_ms) for s in range(num_stages - 1)]
-    grad_links = [_Link(f"{s + 1}->{s}", costs[s].send_ms) for s in range(num_stages - 1)]
-    # arrival time at stage s of the activation (from s-1) / gradient (from s+1) of mb
-    act_arrival: list[dict[int, float]] = [{} for _ in range(num_stages)]
-    grad_arrival: list[dict[int, float]] = [{} for _ in range(num_stages)]
 
-    def send_act(s: int, mb: int, at: float) -> None:
-        act_arrival[s + 1][mb] = act_links[s].transfer(at, "act", mb)
+class _Run:
+    """The state of one simulation: stage clocks, links and arrival times (module docstring)."""
 
-    def send_grad(s: int, mb: int, at: float) -> None:
-        grad_arrival[s - 1][mb] = grad_links[s - 1].transfer(at, "grad", mb)
+    def __init__(self, schedule: Schedule, costs: Sequence[StageCost]) -> None:
+        self.schedule = schedule
+        self.costs = costs
+        n = self.num_stages = schedule.num_stages
+        # a stage splits its backward when it has W actions (a schedule without any W splits
+        # everywhere when it says so: hand-made lists that charge B its input half only)
+        any_w = any(a.kind is Kind.W for acts in schedule.actions for a in acts)
+        self.splits = [any(a.kind is Kind.W for a in acts) or (schedule.split_backward and not any_w) for acts in schedule.actions]
+        self.implicit = not any(a.kind in _COMM_KINDS for acts in schedule.actions for a in acts)
+        self.stages = [_Stage(s, schedule.actions[s]) for s in range(n)]
+        self.act_links = [_Link(f"{s}->{s + 1}", costs[s].send_ms) for s in range(n - 1)]
+        self.grad_links = [_Link(f"{s + 1}->{s}", costs[s].send_ms) for s in range(n - 1)]
+        # arrival time at stage s of the activation (from s-1) / gradient (from s+1) of mb
+        self.act_arrival: list[dict[int, float]] = [{} for _ in range(n)]
+        self.grad_arrival: list[dict[int, float]] = [{} for _ in range(n)]
+        self.recomputed = [schedule.recomputed(s) for s in range(n)]
+        self.w_parts = [_w_part_counts(schedule.actions[s]) for s in range(n)]
+        self.bucket_parts = [sum(1 for a in schedule.actions[s] if a.kind is Kind.ALLREDUCE and a.layers is not None) for s in range(n)]
+        self.bucket_links = [_Link(f"AR{s}", 0.0) for s in range(n)]
 
-    recomputed = [schedule.recomputed(s) for s in range(num_stages)]
-    w_parts = [_w_part_counts(schedule.actions[s]) for s in range(num_stages)]
-    bucket_parts = [sum(1 for a in schedule.actions[s] if a.kind is Kind.ALLREDUCE and a.layers is not None) for s in range(num_stages)]
-    bucket_links = [_Link(f"AR{s}", 0.0) for s in range(num_stages)]
+    def send_act(self, s: int, mb: int, at: float) -> None:
+        self.act_arrival[s + 1][mb] = self.act_links[s].transfer(at, "act", mb)
 
+    def send_grad(self, s: int, mb: int, at: float) -> None:
+        self.grad_arrival[s - 1][mb] = self.grad_links[s - 1].transfer(at, "grad", mb)
+
+    @staticmethod
     def compute(st: _Stage, kind: Kind, mb: int, duration: float, ready: float) -> None:
         start = max(st.clock, ready)
         st.clock = start + duration
         st.done[(kind, mb)] = st.clock
         st.spans.append(Span(start, st.clock, kind.value, mb))
 
+    @staticmethod
     def part_ms(per_layer: tuple[float, ...], whole: float, layers: tuple[int, int], parts: int) -> float:
         if per_layer and layers[1] <= len(per_layer):
             return float(sum(per_layer[layers[0] : layers[1]]))
         return whole / max(parts, 1)
 
-    def step(st: _Stage, action: Action) -> bool:
+    def allreduce(self, st: _Stage, action: Action) -> None:
+        """A layer-limited ALLREDUCE is an asynchronous bucket; a whole-stage one runs the
+        stage's overlapped buckets and holds the stage until the last ends."""
+        s, cost = st.index, self.costs[st.index]
+        link = self.bucket_links[s]
+        if action.layers is None:
+            st.clock = _overlapped_allreduce(st, cost, link)
+            return
+        link.duration = self.part_ms(cost.layer_allreduce_ms, cost.allreduce_ms, action.layers, self.bucket_parts[s])
+        if link.duration > 0:
+            link.transfer(st.clock, "AR", None)  # type: ignore[arg-type]
+
+    def arrival(self, st: _Stage, kind: Kind, mb: int) -> float | None:
+        """When the input ``kind`` waits for has arrived (0 if none), None if not yet known."""
+        s = st.index
+        if kind in (Kind.RECV_ACT, Kind.F) and s > 0:
+            if mb not in self.act_arrival[s]:
+                st.blocked_on = f"the activation of micro-batch {mb} from stage {s - 1}"
+                return None
+            return self.act_arrival[s][mb]
+        if kind in (Kind.RECV_GRAD, Kind.B) and s < self.num_stages - 1:
+            if mb not in self.grad_arrival[s]:
+                st.blocked_on = f"the gradient of micro-batch {mb} from stage {s + 1}"
+                return None
+            return self.grad_arrival[s][mb]
+        return 0.0
+
+    def step(self, st: _Stage, action: Action) -> bool:
         """Execute ``action`` if its inputs are known; else record why not and return False."""
         s, kind, mb = st.index, action.kind, action.microbatch
-        cost = costs[s]
-        if kind is Kind.ALLREDUCE and action.layers is not None:
-            link = bucket_links[s]
-            link.duration = part_ms(cost.layer_allreduce_ms, cost.allreduce_ms, action.layers, bucket_parts[s])
-            if link.duration > 0:
-                link.transfer(st.clock, "AR", None)  # type: ignore[arg-type]
-            return True
         if kind is Kind.ALLREDUCE:
-            st.clock = _overlapped_allreduce(st, cost, bucket_links[s])
+            self.allreduce(st, action)
             return True
         assert mb is not None
-        if kind in (Kind.RECV_ACT, Kind.F) and s > 0:
-            if mb not in act_arrival[s]:
-                st.blocked_on = f"the activation of micro-batch {mb} from stage {s - 1}"
-                return False
-            arrival = act_arrival[s][mb]
-        elif kind in (Kind.RECV_GRAD, Kind.B) and s < num_stages - 1:
-            if mb not in grad_arrival[s]:
-                st.blocked_on = f"the gradient of micro-batch {mb} from stage {s + 1}"
-                return False
-            arrival = grad_arrival[s][mb]
-        else:
-            arrival = 0.0
+        arrival = self.arrival(st, kind, mb)
+        if arrival is None:
+            return False
         needs = {Kind.B: Kind.F, Kind.W: Kind.B, Kind.SEND_ACT: Kind.F, Kind.SEND_GRAD: Kind.B}.get(kind)
         if needs is not None and (needs, mb) not in st.done:
             st.blocked_on = f"its own {needs.value}{mb}, which is not before it in stage {s}'s list"
             return False
+        self.execute(st, action, mb, arrival)
+        return True
+
+    def execute(self, st: _Stage, action: Action, mb: int, arrival: float) -> None:
+        """Run one non-AllReduce action whose inputs are there."""
+        s, kind, cost = st.index, action.kind, self.costs[st.index]
         if kind in (Kind.RECV_ACT, Kind.RECV_GRAD):
             st.clock = max(st.clock, arrival)
         elif kind is Kind.F:
-            compute(st, kind, mb, cost.forward_ms, arrival)
-            if implicit and s < num_stages - 1:
-                send_act(s, mb, st.clock)
+            self.compute(st, kind, mb, cost.forward_ms, arrival)
+            if self.implicit and s < self.num_stages - 1:
+                self.send_act(s, mb, st.clock)
         elif kind is Kind.B:
-            extra = cost.recompute_ms if mb in recomputed[s] else 0.0
-            compute(st, kind, mb, (cost.backward_input_ms if splits[s] else cost.backward_ms) + extra, arrival)
-            if implicit and s > 0:
-                send_grad(s, mb, st.clock)
+            extra = cost.recompute_ms if mb in self.recomputed[s] else 0.0
+            self.compute(st, kind, mb, (cost.backward_input_ms if self.splits[s] else cost.backward_ms) + extra, arrival)
+            if self.implicit and s > 0:
+                self.send_grad(s, mb, st.clock)
         elif kind is Kind.W and action.layers is not None:
-            compute(st, kind, mb, part_ms(cost.layer_weight_ms, cost.backward_weight_ms, action.layers, w_parts[s].get(mb, 1)), 0.0)
+            parts = self.w_parts[s].get(mb, 1)
+            self.compute(st, kind, mb, self.part_ms(cost.layer_weight_ms, cost.backward_weight_ms, action.layers, parts), 0.0)
         elif kind is Kind.W:
-            compute(st, kind, mb, cost.backward_weight_ms, 0.0)
+            self.compute(st, kind, mb, cost.backward_weight_ms, 0.0)
         elif kind is Kind.SEND_ACT:
-            send_act(s, mb, st.clock)
+            self.send_act(s, mb, st.clock)
         elif kind is Kind.SEND_GRAD:
-            send_grad(s, mb, st.clock)
-        return True
+            self.send_grad(s, mb, st.clock)
 
-    # Dataflow fixpoint: every action's times depend only on earlier actions of its own
-    # stage and on transfers whose issue order is fixed by the sender's list, so running
-    # each stage as far as it can, round after round, yields the exact event times.
-    progress = True
-    while progress:
-        progress = False
-        for st in stages:
-            while not st.finished and step(st, st.actions[st.pc]):
-                st.pc += 1
-                st.blocked_on = ""
-                progress = True
-    stuck = [st for st in stages if not st.finished]
-    if stuck:
-        detail = "; ".join(f"stage {st.index} is stuck at {st.actions[st.pc]} waiting for {st.blocked_on}" for st in stuck)
-        first = stuck[0]
-        raise ScheduleDeadlock(
-            f"schedule {schedule.name!r} deadlocks at stage {first.index}, action {first.actions[first.pc]}: {detail}. "
-            "Fix: order each stage's actions so every wait can be met (under DAPPLE the warm-up counts must not grow "
-            "along the pipeline, K_i >= K_(i+1))"
-        )
-
-    ends = [max(st.clock, bucket_links[st.index].free_at) for st in stages]
-    latency = max(ends, default=0.0)
-    results: list[StageResult] = []
-    timelines: dict[int, list[Span]] = {}
-    busy_total = 0.0
-    for st, end in zip(stages, ends):
-        busy = sum(span.end_ms - span.start_ms for span in st.spans if span.kind != "AR")
-        cost = costs[st.index]
-        stash, peak = stash_walk(
-            [a for a in st.actions if a.kind.is_compute], recomputed[st.index], cost.stash_bytes, cost.input_bytes, cost.wgrad_bytes
-        )
-        if not recomputed[st.index] and not any(a.kind is Kind.W for a in st.actions):
-            stash = peak * cost.stash_bytes  # the plain rule: K_i (or M) slices
-        results.append(
-            StageResult(
-                stage=st.index,
-                devices=devices[st.index],
-                warmup=schedule.warmups[st.index] if st.index < len(schedule.warmups) else 0,
-                busy_ms=busy,
-                end_ms=end,
-                peak_in_flight=peak,
-                peak_stash_bytes=stash,
-                cost=cost,
-                spans=tuple(st.spans),
+    def to_fixpoint(self) -> None:
+        """Dataflow fixpoint: every action's times depend only on earlier actions of its own
+        stage and on transfers whose issue order is fixed by the sender's list, so running
+        each stage as far as it can, round after round, yields the exact event times."""
+        progress = True
+        while progress:
+            progress = False
+            for st in self.stages:
+                while not st.finished and self.step(st, st.actions[st.pc]):
+                    st.pc += 1
+                    st.blocked_on = ""
+                    progress = True
+        stuck = [st for st in self.stages if not st.finished]
+        if stuck:
+            detail = "; ".join(f"stage {st.index} is stuck at {st.actions[st.pc]} waiting for {st.blocked_on}" for st in stuck)
+            first = stuck[0]
+            raise ScheduleDeadlock(
+                f"schedule {self.schedule.name!r} deadlocks at stage {first.index}, action {first.actions[first.pc]}: {detail}. "
+                "Fix: order each stage's actions so every wait can be met (under DAPPLE the warm-up counts must not grow "
+                "along the pipeline, K_i >= K_(i+1))"
             )
+
+    def stage_result(self, st: _Stage, end: float, devices: tuple[int, ...]) -> StageResult:
+        cost = self.costs[st.index]
+        busy = sum(span.end_ms - span.start_ms for span in st.spans if span.kind != "AR")
+        recomputed = self.recomputed[st.index]
+        stash, peak = stash_walk([a for a in st.actions if a.kind.is_compute], recomputed, cost.stash_bytes, cost.input_bytes, cost.wgrad_bytes)
+        if not recomputed and not any(a.kind is Kind.W for a in st.actions):
+            stash = peak * cost.stash_bytes  # the plain rule: K_i (or M) slices
+        warmups = self.schedule.warmups
+        return StageResult(
+            stage=st.index,
+            devices=devices,
+            warmup=warmups[st.index] if st.index < len(warmups) else 0,
+            busy_ms=busy,
+            end_ms=end,
+            peak_in_flight=peak,
+            peak_stash_bytes=stash,
+            cost=cost,
+            spans=tuple(st.spans),
         )
-        for device in devices[st.index]:
-            timelines[device] = list(st.spans)
-        busy_total += busy * len(devices[st.index])
-    timelines = dict(sorted(timelines.items()))
-    bubble = 1.0 - busy_total / (len(flat) * latency) if latency > 0 else 0.0
-    transfers = {link.name: link.spans for link in [*act_links, *grad_links]}
-    transfers.update({link.name: link.spans for link in bucket_links if link.spans})
-    return SimulationResult(
-        schedule=schedule.name,
-        micro_batches=schedule.micro_batches,
-        latency_ms=latency,
-        bubble_fraction=bubble,
-        timelines=timelines,
-        stages=results,
-        transfers=transfers,
-    )
+
+    def result(self, devices: list[tuple[int, ...]]) -> SimulationResult:
+        ends = [max(st.clock, self.bucket_links[st.index].free_at) for st in self.stages]
+        latency = max(ends, default=0.0)
+        results = [self.stage_result(st, end, devices[st.index]) for st, end in zip(self.stages, ends)]
+        timelines: dict[int, list[Span]] = {}
+        busy_total = 0.0
+        for st, stage in zip(self.stages, results):
+            for device in stage.devices:
+                timelines[device] = list(st.spans)
+            busy_total += stage.busy_ms * len(stage.devices)
+        flat = sum(len(group) for group in devices)
+        bubble = 1.0 - busy_total / (flat * latency) if latency > 0 else 0.0
+        transfers = {link.name: link.spans for link in [*self.act_links, *self.grad_links]}
+        transfers.update({link.name: link.spans for link in self.bucket_links if link.spans})
+        return SimulationResult(
+            schedule=self.schedule.name,
+            micro_batches=self.schedule.micro_batches,
+            latency_ms=latency,
+            bubble_fraction=bubble,
+            timelines=dict(sorted(timelines.items())),
+            stages=results,
+            transfers=transfers,
+        )
 
 
 def _overlapped_allreduce(st: _Stage, cost: StageCost, link: _Link) -> float:
