@@ -287,9 +287,14 @@ def test_the_wire_follows_backend_and_device_and_refuses_what_cannot_work(monkey
     for wire, device, says in [("gloo", cuda, "cannot send cuda"), ("nccl", cuda, "needs the NCCL backend"), ("tcp", cpu, "one of")]:
         with pytest.raises(DappleConfigError, match=says):
             wires.choose_wire(wire, device)
+    # a process group with one backend per device type
+    monkeypatch.setattr(wires.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(wires.dist, "get_backend", lambda: "cpu:gloo,cuda:nccl")
+    assert wires.backend_for(cpu) == "gloo" and wires.backend_for(cuda) == "nccl"
+    assert wires.choose_wire("auto", cpu) == "gloo" and wires.choose_wire("auto", cuda) == "nccl"
     monkeypatch.setattr(wires, "backend_for", lambda device: "nccl")
     assert wires.choose_wire("auto", cuda) == "nccl" and wires.choose_wire("nccl", cuda) == "nccl"
-    for wire, device in [("staged", cuda), ("gloo", cpu), ("nccl", cpu)]:
+    for wire, device in [("staged", cuda), ("gloo", cpu), ("nccl", cpu), ("auto", cpu)]:
         with pytest.raises(DappleConfigError):
             wires.choose_wire(wire, device)
 

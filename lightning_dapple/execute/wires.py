@@ -54,8 +54,9 @@ def backend_for(device: torch.device) -> str | None:
     if not dist.is_initialized():
         return None
     backend = str(dist.get_backend())
-    if ":" not in backend:  # e.g. "cpu:gloo,cuda:nccl"
+    if ":" not in backend:
         return backend
+    # one backend per device type, e.g. "cpu:gloo,cuda:nccl"
     by_device = dict(part.split(":", 1) for part in backend.split(","))
     return by_device.get(device.type, next(iter(by_device.values())))
 
@@ -67,6 +68,12 @@ def choose_wire(wire: str, device: torch.device) -> str:
     backend = backend_for(device)
     gloo = backend in (None, "gloo")
     if wire == "auto":
+        require(
+            not (backend == "nccl" and device.type != "cuda"),
+            "device",
+            f"the process group uses NCCL, which cannot send {device.type} tensors",
+            "put the stages on GPUs, or use the gloo backend for CPU training",
+        )
         if not gloo:
             return "nccl"
         return "gloo" if device.type == "cpu" else "staged"
