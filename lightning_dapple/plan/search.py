@@ -82,11 +82,14 @@ class StageSearch:
         self.weight_factor = 2.0 + cluster.optimizer_state_factor
         self.lat = cluster.latency_ms
         self.per = cluster.devices_per_machine
+        self._scales = [0.0] + [slice_size(self.mbs, r) / tables.pbs for r in range(1, cluster.num_devices + 1)]
+        self._exposed: dict[tuple[int, ...], np.ndarray] = {}
 
     # -- cost helpers (the formulas of costs.py / cluster.py, vectorised) --------------
 
     def scale(self, replicas: int) -> float:
-        return slice_size(self.mbs, replicas) / self.t.pbs
+        """A replica's slice of a micro-batch, in profile batches (memoised)."""
+        return self._scales[replicas]
 
     def k_of(self, t: int) -> int:
         """K_i of a stage with ``t`` stages from it to the end (itself included)."""
@@ -402,8 +405,11 @@ class StageSearch:
     def exposed(self, ranks: tuple[int, ...]) -> np.ndarray:
         """Exposed AllReduce tail of every layer range [j, J) replicated on ``ranks``
         (``OverlapTables.tail``; ``costs.exposed_tail`` for one stage)."""
-        coef, bpm = self.ring(ranks)
-        return self.t.overlap.tail(coef / bpm if len(ranks) > 1 else 0.0, self.lat, self.scale(len(ranks)))
+        found = self._exposed.get(ranks)
+        if found is None:
+            coef, bpm = self.ring(ranks)
+            found = self._exposed[ranks] = self.t.overlap.tail(coef / bpm if len(ranks) > 1 else 0.0, self.lat, self.scale(len(ranks)))
+        return found
 
     def complete_rows(self, cand: PartialPlan, stage: "NewStage", top: TopPlans) -> np.ndarray:
         """Price prefix + new stage [j, J) + the rest as one stage (formula 2, incrementally);
