@@ -100,7 +100,8 @@ def test_bad_input_fails_before_training(tmp_path: Path, case: str, match: str) 
 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
-    [({"schedule": "1f1b"}, "schedule"), ({"policy": "PC"}, "policy"), ({"micro_batches": 0}, "micro_batches"), ({"loss_reduction": "max"}, "loss_reduction")],
+    [({"schedule": "1f1b"}, "schedule"), ({"policy": "PC"}, "policy"), ({"micro_batches": 0}, "micro_batches"), ({"loss_reduction": "max"}, "loss_reduction"),
+     ({"wire": "pigeon"}, "wire.*auto, gloo, staged, nccl"), ({"ooo": "sometimes"}, "ooo.*True, False or 'auto'")],
 )
 def test_bad_strategy_arguments(kwargs: dict, match: str) -> None:
     with pytest.raises(DappleConfigError, match=match):

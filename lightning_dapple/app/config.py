@@ -122,6 +122,7 @@ class StrategyConfig:
     schedule: Optional[Schedule] = None
     policy: Optional[Policy] = None
     ooo: Any = "auto"  # true | false | auto
+    wire: str = "auto"  # auto | gloo | staged | nccl (execute/wires.py)
     recompute: Optional[Recompute] = None
     timeout_s: float = 120.0
     layers: str = "layers"

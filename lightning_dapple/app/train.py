@@ -378,6 +378,7 @@ def prepare(cfg: DictConfig, run_dir: Path) -> Job:
     extra: dict[str, Any] = {}
     if dapple:  # handed over even when false: the plan must say what the run does
         extra["ooo"] = check_ooo(cfg.strategy.ooo)
+        extra["wire"] = cfg.strategy.wire
         recompute = enum_value(cfg.strategy.recompute)
         if recompute is not None:
             extra["recompute"] = recompute

@@ -153,6 +153,7 @@ class StageRunner:
         settle_sends: bool = True,
         forward_context: Callable[[], ContextManager[Any]] | None = None,
         bucket_bytes: int = BUCKET_BYTES,
+        wire: str = "auto",
     ) -> None:
         self.plan = plan
         self.schedule = schedule
@@ -163,10 +164,10 @@ class StageRunner:
         self.layers = list(layers)
         self.device = device
         self.failure = failure
-        self.transport = Transport(failure, device)
+        self.transport = Transport(failure, device, wire=wire)  # a collective under NCCL: every rank builds its runner
         self.results = ResultChannel(plan, rank, device, failure)
         # post each receive one transfer ahead (None: where that pays, see receives_ahead_pay)
-        self.post_ahead = receives_ahead_pay(device) if post_ahead is None else post_ahead
+        self.post_ahead = self.transport.posts_ahead and (receives_ahead_pay(device) if post_ahead is None else post_ahead)
         self.groups = groups
         self.replica_groups = groups.replicas
         self.loss_reduction = loss_reduction

@@ -51,6 +51,7 @@ from lightning_dapple.execute.groups import PlanGroups, build_groups
 from lightning_dapple.execute.runner import StageRunner
 from lightning_dapple.execute.shutdown import destroy_groups_at_exit
 from lightning_dapple.execute.slicing import batch_size_of
+from lightning_dapple.execute.wires import WIRES, choose_wire
 from lightning_dapple.plan.plan import Plan, load_plan, plan_from_dict
 from lightning_dapple.schedule.builders import schedule_for_plan
 from lightning_dapple.strategy import checkpoint as ckpt
@@ -191,6 +192,9 @@ class DappleStrategy(DDPStrategy):
             ``strategy/ooo_choice.py``; the choice and its reason are in the plan JSON).
         recompute: "never", "always", "except_last", one mode per stage, or "auto"
             (chosen by the memory model under plan="auto").
+        wire: how stage boundaries travel (``execute/wires.py``): "auto" (gloo for CPU
+            tensors, pinned host staging for CUDA tensors over gloo, batched p2p under
+            NCCL), or one of them forced.
     """
 
     strategy_name = "dapple"
@@ -209,6 +213,7 @@ class DappleStrategy(DDPStrategy):
         ooo: bool | str = "auto",
         recompute: Any = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        wire: str = "auto",
         **kwargs: Any,
     ) -> None:
         super().__init__(start_method=start_method, timeout=timedelta(seconds=timeout_s), **kwargs)
@@ -234,6 +239,8 @@ class DappleStrategy(DDPStrategy):
             "use plan='auto', or name a mode per stage (never/always/except_last)",
         )
         self.ooo = check_ooo(ooo)
+        require(wire in WIRES, "wire", f"is {wire!r}", f"use one of {', '.join(WIRES)}")
+        self.wire = wire
         self.recompute = recompute
         self.plan_spec = plan
         self.micro_batches = micro_batches
@@ -308,6 +315,7 @@ class DappleStrategy(DDPStrategy):
         destroy_groups_at_exit(self)
         # an uncaught error prints one line, once (reporting.py; DAPPLE_DEBUG=1: tracebacks)
         install_excepthook(self.global_rank if self._start_method == "popen" else SILENT)
+        choose_wire(self.wire, self.root_device)  # a forced wire this backend cannot run fails before training
 
     def exit_failed(self) -> bool:
         """Whether this rank has seen a failure (then the exit handler leaves the groups alone)."""
@@ -429,6 +437,7 @@ class DappleStrategy(DDPStrategy):
             self.groups,
             self.loss_reduction,
             forward_context=self._forward_context(),
+            wire=self.wire,
         )
 
     def _stage_of_layer(self, index: int) -> int:
