@@ -263,6 +263,7 @@ class DappleStrategy(DDPStrategy):
         self._saved_grads: list[torch.Tensor | None] | None = None
         self.last_stats: Any = None
 
+    @override
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(
@@ -292,6 +293,7 @@ class DappleStrategy(DDPStrategy):
         with self.precision_plugin.tensor_init_context():
             yield
 
+    @override
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """Every rank iterates the same global batches: one sampler replica for all."""
@@ -309,6 +311,7 @@ class DappleStrategy(DDPStrategy):
             self._launcher = OneLineLauncher(self, start_method=self._start_method)
         install_excepthook(None)
 
+    @override
     def setup_environment(self) -> None:
         super().setup_environment()
         # gloo groups left to the interpreter's finalization can abort a finished run (shutdown.py)
@@ -327,6 +330,7 @@ class DappleStrategy(DDPStrategy):
         self.runner = None
         self.groups = None
 
+    @override
     def setup(self, trainer: Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
@@ -588,13 +592,16 @@ class DappleStrategy(DDPStrategy):
 
         plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
 
+    @override
     def _setup_model(self, model: nn.Module) -> nn.Module:
         return model
 
+    @override
     def configure_ddp(self) -> None:  # no DDP wrapper: replicas sync per stage in the runner
         pass
 
     # -- training ------------------------------------------------------------------
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         assert self.runner is not None and self.plan is not None
         module = self.lightning_module
@@ -631,6 +638,7 @@ class DappleStrategy(DDPStrategy):
         replay_logs(module, _merge_logs(logs), callbacks.batch_rows, dtype)
         return {"loss": loss.to(dtype)}
 
+    @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         """The pipeline already ran every backward; restore its gradients, run the hooks."""
         module = self.lightning_module
@@ -661,36 +669,45 @@ class DappleStrategy(DDPStrategy):
         replay_logs(module, _merge_logs(logs), batch_size_of(batch), dtype)
         return _combine_outputs(outputs) if step_name == "predict_step" else None
 
+    @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.val_step_context():
             return self._eval("validation_step", args)
 
+    @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.test_step_context():
             return self._eval("test_step", args)
 
+    @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.predict_step_context():
             return self._eval("predict_step", args)
 
     # -- checkpoints ---------------------------------------------------------------
+    @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.plan is not None and self.runner is not None
         return ckpt.consolidated_state_dict(self)
 
+    @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         return ckpt.consolidated_optimizer_state(self, optimizer)
 
+    @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         ckpt.load_local_state_dict(self, checkpoint["state_dict"], strict=strict)
 
+    @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         ckpt.load_local_optimizer_states(self, checkpoint["optimizer_states"])
 
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         if self.is_global_zero:
             self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
+    @override
     @property
     def checkpoint_io(self) -> Any:
         if self._checkpoint_io is None:
@@ -701,6 +718,7 @@ class DappleStrategy(DDPStrategy):
     def checkpoint_io(self, io: Any) -> None:
         self._checkpoint_io = io
 
+    @override
     def teardown(self) -> None:
         self._close_runner()
         super().teardown()
@@ -713,6 +731,7 @@ class DappleStrategy(DDPStrategy):
         if self.failure is not None:
             self.failure.close()
 
+    @override
     def on_train_end(self) -> None:
         """Give rank 0 the whole trained model back, as plain training would leave it.
 
