@@ -51,6 +51,8 @@ FAILURE_KEY = "lightning_dapple/failure"
 TICKET_KEY = "lightning_dapple/failure_ticket"
 HEARTBEAT_KEY = "lightning_dapple/heartbeat/{rank}"
 WHERE_KEY = "lightning_dapple/where/{rank}"
+DEATH_MARKS = ("died without reporting", "stopped responding")
+DEAD_GRACE_S = 3.0
 
 
 class PeerFailedError(RuntimeError):
@@ -95,7 +97,8 @@ class FailureChannel:
         self._blocked_since = 0.0
         self._beats: dict[int, tuple[int, float]] = {}  # peer -> (last counter seen, when it last changed)
         self._last_beat = 0.0
-        self._announced = False
+        self._store_gone = False
+        self._announce()
         self._closed = threading.Event()
         self._watchdog = threading.Thread(target=self._watch, name="dapple-watchdog", daemon=True)
         self._watchdog.start()
@@ -121,12 +124,13 @@ class FailureChannel:
             pass
 
     def _read_report(self) -> str | None:
-        if self._peer_message is None:
+        if self._peer_message is None and not self._store_gone:
             try:
                 if self._store.check([FAILURE_KEY]):
                     self._peer_message = self._store.get(FAILURE_KEY).decode()
                     self._peer_seen_at = time.monotonic()
-            except Exception:  # store unreachable: its host rank is gone
+            except Exception:  # store unreachable: its host is gone (each failed call logs; ask no more)
+                self._store_gone = True
                 return None
         return self._peer_message
 
@@ -181,6 +185,7 @@ class FailureChannel:
         if "timed out" in text or "timeout" in text:
             silent = self._silent_peers(self.unresponsive_s, wait=False)
             suspect = f"; rank(s) {silent} stopped beating" if silent else ""
+            self._end_local(silent)
             raise CommTimeoutError(
                 f"rank {self.rank}: no progress for {self.timeout_s:.0f} s while waiting for {what}{suspect}; "
                 "a peer may be stuck or dead. Raise DappleStrategy(timeout_s=...) if steps are this slow."
@@ -212,20 +217,22 @@ class FailureChannel:
         return self._read_report() or message
 
     # -- heartbeats ---------------------------------------------------------------
+    def _announce(self) -> None:
+        """Publish where this rank runs, so that a peer on its host can tell it died or end it."""
+        try:
+            self._store.set(WHERE_KEY.format(rank=self.rank), f"{socket.gethostname()} {os.getpid()}")
+        except Exception:  # no store: peers fall back to heartbeats
+            pass
+
     def _beat(self) -> None:
-        if not self._announced:  # where this rank runs, so that a peer on its host can end it
-            self._announced = True
-            try:
-                self._store.set(WHERE_KEY.format(rank=self.rank), f"{socket.gethostname()} {os.getpid()}")
-            except Exception:
-                pass
         now = time.monotonic()
         if now - self._last_beat >= self.heartbeat_s:
             self._last_beat = now
             try:
-                self._store.add(HEARTBEAT_KEY.format(rank=self.rank), 1)
+                if not self._store_gone:
+                    self._store.add(HEARTBEAT_KEY.format(rank=self.rank), 1)
             except Exception:  # store gone: peers learn it from their own store calls
-                self.heartbeat_s = float("inf")  # and no beat more (each failure logs a warning)
+                self._store_gone = True
 
     def _scan_beats(self) -> None:
         """Record each peer's heartbeat counter and when it last changed."""
@@ -259,20 +266,23 @@ class FailureChannel:
             self._scan_beats()
 
     def _dead_peers(self) -> list[int]:
-        """Peers known dead: on this host, by their process; elsewhere, by a heartbeat that
-        stays still for three beats (waited for only when some peer is elsewhere)."""
+        """Peers known dead: on this host, by their process; elsewhere (or when no process
+        here has ended yet), by a heartbeat that stays still for three beats."""
         host = socket.gethostname()
-        dead, remote = [], False
+        local = {}
         for rank in range(self.world_size):
-            if rank == self.rank:
-                continue
-            where = self._where(rank)
+            where = self._where(rank) if rank != self.rank else None
             if where is not None and where[0] == host:
-                if not _pid_alive(int(where[1])):
-                    dead.append(rank)
-            else:
-                remote = True
-        if remote:
+                local[rank] = int(where[1])
+        remote = len(local) < self.world_size - 1
+        # a dying process closes its sockets before it turns into a zombie: look again briefly
+        deadline = time.monotonic() + 1.0
+        while True:
+            dead = [rank for rank, pid in sorted(local.items()) if not _pid_alive(pid)]
+            if dead or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        if remote or not dead:  # a process slow to exit still stops beating
             dead = sorted(set(dead) | set(self._silent_peers(3 * self.heartbeat_s)))
         return dead
 
@@ -304,8 +314,10 @@ class FailureChannel:
                 continue
             blocked = self._blocked_on
             since = max(self._blocked_since, self._peer_seen_at)
-            if blocked is not None and time.monotonic() - since > self.grace_s:
-                self._say(f"{message} (seen on rank {self.rank}, blocked {self.grace_s:.0f} s in {blocked}); rank {self.rank} exits")
+            # a peer that raised may still unwind and free us; a dead one never will
+            grace = min(self.grace_s, DEAD_GRACE_S) if any(m in message for m in DEATH_MARKS) else self.grace_s
+            if blocked is not None and time.monotonic() - since > grace:
+                self._say(f"{message} (seen on rank {self.rank}, blocked {grace:.0f} s in {blocked}); rank {self.rank} exits")
                 os._exit(1)
 
     def _watch_silence(self) -> None:
