@@ -99,93 +99,103 @@ def enumerate_best(
         raise ValueError(f"enumerate_best is for at most {MAX_LAYERS} layers and {MAX_DEVICES} devices, got {n} and {g}")
     floor = default_min_slice(profile, min_slice)
     candidates, floor = candidate_micro_batches(global_batch_size, floor, micro_batches)
-    per = cluster.devices_per_machine
-    best: Scored | None = None
-    scored = 0
-
-    # work[a]: F + B of layers a.. at the profile's batch (for the bound)
-    work = [0.0] * (n + 1)
-    for a in range(n - 1, -1, -1):
-        work[a] = work[a + 1] + profile.layers[a].forward_ms + profile.layers[a].backward_ms
-
+    walk = _Enumeration(profile, cluster, schedule, policy, prune)
     for m in candidates:
         mbs = global_batch_size // m
         rmax = min(mbs // floor, mbs)
-        if rmax < 1:
-            continue
-        cache: dict[tuple, StageCost] = {}
+        if rmax >= 1:
+            walk.run(m, mbs, rmax)
+    return EnumerationResult(walk.best, walk.scored)
 
-        def ranks_of(counts: tuple[int, ...]) -> tuple[int, ...]:
-            # representative ranks: the first ones of each machine (any others cost the same)
-            return tuple(k * per + i for k, c in enumerate(counts) for i in range(c))
 
-        def cost(a: int, b: int, counts: tuple[int, ...], nxt: tuple | None) -> StageCost:
-            key = (a, b, counts, nxt)
-            if key not in cache:
-                stage = StagePlan(layers=(a, b), devices=ranks_of(counts))
-                stages = [stage]
-                if nxt is not None:
-                    c2 = nxt[1]
-                    # receivers on the same machines take ranks after the senders'
-                    recv = tuple(
-                        k * per + (counts[k] + i) % per for k, c in enumerate(c2) for i in range(c)
-                    )
-                    stages.append(StagePlan(layers=(b, nxt[0]), devices=recv))
-                cache[key] = stage_costs(profile, cluster, stages, mbs)[0]
-            return cache[key]
+class _Enumeration:
+    """Every partition, replication and machine assignment for one M after another, with
+    the branch-and-bound of ``dapple_planner.lower_bound`` when ``prune``."""
 
-        def rec(start: int, free: list[int], chosen: list[tuple[int, int, tuple[int, ...]]], known_max: float, known_sum: float) -> None:
-            # known_max / known_sum: F+B of every chosen stage and of every transfer between them
-            nonlocal best, scored
-            left = sum(free)
-            if start == n:
-                if left:
-                    return
-                costs = [
-                    cost(a, b, c, (chosen[i + 1][1], chosen[i + 1][2]) if i + 1 < len(chosen) else None)
-                    for i, (a, b, c) in enumerate(chosen)
-                ]
-                scored += 1
-                memory = memory_per_stage(costs, m, cluster, policy, schedule)
-                if max(memory) > cluster.device_memory_bytes:
-                    return
-                prediction = dapple_latency(costs, m, memory)
-                if best is None or prediction.latency_ms < best.latency_ms - 1e-12 * max(1.0, best.latency_ms):
-                    stages = tuple(
-                        StagePlan(layers=(a, b), devices=d)
-                        for (a, b, _), d in zip(chosen, _concrete(chosen, cluster))
-                    )
-                    best = Scored(stages, m, prediction, tuple(costs))
+    def __init__(self, profile: ModelProfile, cluster: Cluster, schedule: str, policy: str, prune: bool) -> None:
+        self.profile, self.cluster, self.schedule, self.policy, self.prune = profile, cluster, schedule, policy, prune
+        self.per = cluster.devices_per_machine
+        self.best: Scored | None = None
+        self.scored = 0
+        n = profile.num_layers
+        # work[a]: F + B of layers a.. at the profile's batch (for the bound)
+        self.work = [0.0] * (n + 1)
+        for a in range(n - 1, -1, -1):
+            self.work[a] = self.work[a + 1] + profile.layers[a].forward_ms + profile.layers[a].backward_ms
+
+    def run(self, m: int, mbs: int, rmax: int) -> None:
+        self.m, self.mbs, self.rmax = m, mbs, rmax
+        self.cache: dict[tuple, StageCost] = {}
+        self.rec(0, [self.per] * self.cluster.machines, [], 0.0, 0.0)
+
+    def ranks_of(self, counts: tuple[int, ...]) -> tuple[int, ...]:
+        """Representative ranks: the first ones of each machine (any others cost the same)."""
+        return tuple(k * self.per + i for k, c in enumerate(counts) for i in range(c))
+
+    def cost(self, a: int, b: int, counts: tuple[int, ...], nxt: tuple | None) -> StageCost:
+        key = (a, b, counts, nxt)
+        if key not in self.cache:
+            stages = [StagePlan(layers=(a, b), devices=self.ranks_of(counts))]
+            if nxt is not None:
+                # receivers on the same machines take ranks after the senders'
+                recv = tuple(k * self.per + (counts[k] + i) % self.per for k, c in enumerate(nxt[1]) for i in range(c))
+                stages.append(StagePlan(layers=(b, nxt[0]), devices=recv))
+            self.cache[key] = stage_costs(self.profile, self.cluster, stages, self.mbs)[0]
+        return self.cache[key]
+
+    def complete(self, chosen: list[tuple[int, int, tuple[int, ...]]]) -> None:
+        """Price a complete plan; keep it if it fits and beats the best so far."""
+        costs = [
+            self.cost(a, b, c, (chosen[i + 1][1], chosen[i + 1][2]) if i + 1 < len(chosen) else None)
+            for i, (a, b, c) in enumerate(chosen)
+        ]
+        self.scored += 1
+        memory = memory_per_stage(costs, self.m, self.cluster, self.policy, self.schedule)
+        if max(memory) > self.cluster.device_memory_bytes:
+            return
+        prediction = dapple_latency(costs, self.m, memory)
+        best = self.best
+        if best is None or prediction.latency_ms < best.latency_ms - 1e-12 * max(1.0, best.latency_ms):
+            stages = tuple(StagePlan(layers=(a, b), devices=d) for (a, b, _), d in zip(chosen, _concrete(chosen, self.cluster)))
+            self.best = Scored(stages, self.m, prediction, tuple(costs))
+
+    def rec(self, start: int, free: list[int], chosen: list[tuple[int, int, tuple[int, ...]]], known_max: float, known_sum: float) -> None:
+        """Extend ``chosen`` (stages up to ``start``) in every way; ``known_max`` /
+        ``known_sum``: F+B of every chosen stage and of every transfer between them."""
+        n, left = self.profile.num_layers, sum(free)
+        if start == n:
+            if not left:
+                self.complete(chosen)
+            return
+        if left == 0:
+            return
+        for end in range(start + 1, n + 1):
+            if end == n:
+                sizes = [left] if left <= self.rmax else []
+            else:
+                sizes = list(range(1, min(left - 1, self.rmax) + 1))
+            for r in sizes:
+                for counts in (_count_vectors(r, free) if self.per > 1 else _first_free(r, free)):
+                    self.extend(start, end, r, counts, free, chosen, known_max, known_sum)
+
+    def extend(self, start: int, end: int, r: int, counts: tuple[int, ...], free: list[int], chosen: list, known_max: float, known_sum: float) -> None:
+        """Add stage [start, end) on ``counts`` devices per machine unless the bound prunes it."""
+        own = self.cost(start, end, counts, None)
+        new_max = max(known_max, own.forward_ms + own.backward_ms)
+        new_sum = known_sum + own.forward_ms + own.backward_ms
+        if chosen:
+            a, b, c = chosen[-1]
+            send = self.cost(a, b, c, (end, counts)).send_ms
+            new_max = max(new_max, 2 * send)
+            new_sum += 2 * send
+        if self.prune and self.best is not None:
+            devices_left = sum(free) - r
+            rest = self.work[end] * (self.mbs / self.profile.micro_batch_size) / devices_left if devices_left else 0.0
+            if max((self.m - 1) * new_max, new_sum + self.m * rest) >= self.best.latency_ms:
                 return
-            if left == 0:
-                return
-            for end in range(start + 1, n + 1):
-                if end == n:
-                    sizes = [left] if left <= rmax else []
-                else:
-                    sizes = list(range(1, min(left - 1, rmax) + 1))
-                for r in sizes:
-                    for counts in (_count_vectors(r, free) if per > 1 else _first_free(r, free)):
-                        own = cost(start, end, counts, None)
-                        new_max = max(known_max, own.forward_ms + own.backward_ms)
-                        new_sum = known_sum + own.forward_ms + own.backward_ms
-                        if chosen:
-                            a, b, c = chosen[-1]
-                            send = cost(a, b, c, (end, counts)).send_ms
-                            new_max = max(new_max, 2 * send)
-                            new_sum += 2 * send
-                        if prune and best is not None:
-                            devices_left = left - r
-                            rest = work[end] * (mbs / profile.micro_batch_size) / devices_left if devices_left else 0.0
-                            bound = max((m - 1) * new_max, new_sum + m * rest)
-                            if bound >= best.latency_ms:
-                                continue
-                        chosen.append((start, end, counts))
-                        rec(end, [f - c for f, c in zip(free, counts)], chosen, new_max, new_sum)
-                        chosen.pop()
-
-        rec(0, [per] * cluster.machines, [], 0.0, 0.0)
-    return EnumerationResult(best, scored)
+        chosen.append((start, end, counts))
+        self.rec(end, [f - c for f, c in zip(free, counts)], chosen, new_max, new_sum)
+        chosen.pop()
 
 
 def _concrete(chosen: list[tuple[int, int, tuple[int, ...]]], cluster: Cluster) -> list[tuple[int, ...]]:
