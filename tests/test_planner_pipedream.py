@@ -56,3 +56,20 @@ def test_a_chain_has_one_state_per_layer_and_hierarchical_levels() -> None:
     choice = optimize(states, pipedream_levels(cluster))
     assert sum(units[0] * units[1] for _, _, units, _ in choice.stages) <= 8
     assert choice.pipeline_ms <= choice.data_parallel_ms + 1e-9  # DP is one of its options
+
+
+def test_straight_pipeline_option() -> None:
+    """PipeDream's --straight_pipeline: every stage on one worker, all workers used."""
+    layers = tuple(LayerProfile(f"l{i}", 1.0 + i, 2.0, 1e6, 1e7, 1e6) for i in range(6))
+    states = pipedream_states(ModelProfile(1, layers))
+    straight = optimize(states, [Level(3, 1e6)], straight=True)
+    assert [units for _, _, units, _ in straight.stages] == [(1,), (1,), (1,)]
+    free = optimize(states, [Level(3, 1e6)])
+    assert free.pipeline_ms <= straight.pipeline_ms + 1e-9
+    # the slowest stage of the straight choice is the best three-way cut of the chain
+    work = [1.0 + i + 2.0 for i in range(6)]
+    best = min(
+        max(sum(work[:a]), sum(work[a:b]), sum(work[b:]))
+        for a in range(1, 5) for b in range(a + 1, 6)
+    )
+    assert straight.pipeline_ms == pytest.approx(best)

@@ -73,9 +73,12 @@ class _Table:
         self.last = np.zeros((len(self.rows), count, machines + 1), dtype=int)
 
 
-def _solve_level(states: PipeDreamStates, compute: np.ndarray, level: Level, within: int, rows: Sequence[int], memory: float | None) -> _Table:
+def _solve_level(
+    states: PipeDreamStates, compute: np.ndarray, level: Level, within: int, rows: Sequence[int], memory: float | None, straight: bool = False
+) -> _Table:
     """PipeDream's recurrence for one level; ``compute[r, j]`` the time of states
-    (r - 1, j] on one unit (inf where undefined). With ``memory`` (bytes), a stage whose
+    (r - 1, j] on one unit (inf where undefined). ``straight``: one unit per stage
+    (PipeDream's ``--straight_pipeline``). With ``memory`` (bytes), a stage whose
     stash estimate exceeds it is not allowed (PipeDream's ``--use_memory_constraint``)."""
     count, machines, bw = states.count, level.machines, level.bandwidth
     params = _range_table(states.param_bytes)
@@ -86,7 +89,7 @@ def _solve_level(states: PipeDreamStates, compute: np.ndarray, level: Level, wit
     before[row_index > 0] = states.ancestors[row_index[row_index > 0] - 1] | np.eye(count, dtype=bool)[row_index[row_index > 0] - 1]
     for m in range(1, machines + 1):
         sync = 4.0 * (m - 1) * params[row_index] / (bw * m) / within if m > 1 else 0.0
-        table.time[:, :, m] = (compute[row_index] + sync) / m
+        table.time[:, :, m] = (compute[row_index] + sync) / m if not (straight and m > 1) else _INF
         factor = math.ceil((machines - m) / m)
         if memory is not None and factor > 0:
             table.time[:, :, m] = np.where(factor * held[row_index] > memory, _INF, table.time[:, :, m])
@@ -100,7 +103,7 @@ def _solve_level(states: PipeDreamStates, compute: np.ndarray, level: Level, wit
         sync = np.where(replicas > 1, 4.0 * (replicas - 1)[None, :] * params[ks + 1, j][:, None] / (bw * replicas), 0.0)
         last = (compute[ks + 1, j][:, None] + sync) / replicas  # [k, m'-1]
         for m in range(2, machines + 1):
-            mm = np.arange(1, m)
+            mm = np.arange(1, 2 if straight else m)
             tail = last[:, mm - 1]  # [k, m']
             if memory is not None:
                 factor = np.ceil((machines - m) / mm)
@@ -151,10 +154,13 @@ def data_parallel_time(states: PipeDreamStates, levels: Sequence[Level]) -> floa
     return total
 
 
-def optimize(states: PipeDreamStates, levels: Sequence[Level], scale: float = 1.0, memory: float | None = None) -> PipeDreamChoice:
+def optimize(
+    states: PipeDreamStates, levels: Sequence[Level], scale: float = 1.0, memory: float | None = None, straight: bool = False
+) -> PipeDreamChoice:
     """PipeDream's choice for ``levels`` (lowest first); compute times and activations are
     multiplied by ``scale`` (the minibatch relative to the profile batch); ``memory``: bytes
-    per device for PipeDream's memory constraint (None: off, PipeDream's default)."""
+    per device for PipeDream's memory constraint (None: off, PipeDream's default);
+    ``straight``: no replication (PipeDream's straight pipeline)."""
     scaled = PipeDreamStates(
         states.compute_ms * scale, states.param_bytes, states.activation_bytes * scale, states.output_bytes * scale, states.ancestors, states.closure, states.removed
     )
@@ -164,7 +170,7 @@ def optimize(states: PipeDreamStates, levels: Sequence[Level], scale: float = 1.
     for depth, level in enumerate(levels):
         final = depth == len(levels) - 1
         rows = [0] if final else list(range(scaled.count + 1))
-        table = _solve_level(scaled, compute, level, within, rows, memory)
+        table = _solve_level(scaled, compute, level, within, rows, memory, straight)
         tables.append(table)
         if not final:
             compute = np.concatenate([table.time[:, :, level.machines]], axis=0)
