@@ -81,12 +81,18 @@ def dying_peer(rank: int, world: int, scenario: str, out: str) -> dict:
     dist.barrier()
     if rank == 1:
         time.sleep(0.5)
-        if scenario == "killed":
+        if scenario in ("killed", "lost-connection"):
             os.kill(os.getpid(), signal.SIGKILL)
         channel.close()  # no more heartbeats; the connection stays open
         time.sleep(6)
         return {}
     start = time.monotonic()
+    if scenario == "lost-connection":  # a send posted to the dead peer raised, outside any wait
+        time.sleep(2)
+        channel.report(RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:4242"))
+        with open(out, "w") as stream:
+            json.dump({"published": channel._read_report()}, stream)
+        return {}
     try:
         channel.wait(dist.irecv(torch.zeros(4), 1), "activation 0 from rank 1")
         got = {"error": None}
@@ -107,6 +113,16 @@ def test_killed_peer_is_named_at_once(tmp_path) -> None:
     got = json.loads(out.read_text())
     assert got["error"].startswith("PeerFailedError: rank(s) [1] died without reporting an error"), got
     assert got["after_s"] < 5
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_reporting_a_lost_connection_names_the_dead_peer_not_itself(tmp_path) -> None:
+    import json
+
+    out = tmp_path / "rank0.json"
+    run_ranks(dying_peer, 2, "lost-connection", str(out), timeout_s=45)
+    published = json.loads(out.read_text())["published"]
+    assert published.startswith("rank(s) [1] died without reporting an error (killed or crashed); rank 0 was waiting for a transfer"), published
 
 
 @pytest.mark.timeout(60)

@@ -113,6 +113,12 @@ class FailureChannel:
         if self._reported or isinstance(exc, PeerFailedError):
             return
         self._reported = True
+        if _lost_connection(exc):  # a send or receive posted to a peer that is gone: name it, not us
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            message = self._name_the_dead(f"a transfer that failed with: {first[:200]}", exc)
+            self._peer_message = message
+            self._say(f"{message} (seen on rank {self.rank})")
+            return
         self._publish(f"rank {self.rank} raised {type(exc).__name__}: {exc}")
 
     def _publish(self, message: str) -> None:
@@ -362,6 +368,15 @@ class FailureChannel:
 
 def _default_store() -> Any:
     return dist.distributed_c10d._get_default_store()
+
+
+LOST_CONNECTION = ("connection closed by peer", "connection reset by peer", "broken pipe", "read error", "socket closed")
+
+
+def _lost_connection(exc: BaseException) -> bool:
+    """A communication error because a peer's end of the connection went away."""
+    text = str(exc).lower()
+    return isinstance(exc, (RuntimeError, OSError)) and any(mark in text for mark in LOST_CONNECTION)
 
 
 def _pid_alive(pid: int) -> bool:
