@@ -64,6 +64,7 @@ class _Strategy:
         self.lightning_module = SimpleNamespace(trainer=SimpleNamespace(global_step=5))
 
 
+@pytest.mark.timeout(30)
 def test_the_checks_name_the_step_and_pass_good_batches() -> None:
     from lightning_dapple.errors import DappleConfigError
     from lightning_dapple.plan.plan import plan_from_dict

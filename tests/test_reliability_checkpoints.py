@@ -87,6 +87,7 @@ def test_a_write_killed_at_any_point_keeps_a_complete_checkpoint(tmp_path: Path,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
 
 
+@pytest.mark.timeout(30)
 def test_checkpoint_files_get_the_mode_open_would_give(tmp_path: Path) -> None:
     previous = os.umask(0o022)
     try:

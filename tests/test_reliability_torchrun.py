@@ -4,6 +4,7 @@ environment (set by hand) gives the same ranks and shape as torchrun's."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -67,7 +68,7 @@ def _ranks_under(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> tuple:
     from lightning_dapple.execute.topology import launch_shape
     from lightning_dapple.strategy import DappleStrategy
 
-    for key in [k for k in list(__import__("os").environ) if k.startswith(("SLURM_", "TORCHELASTIC_")) or k in ("RANK", "LOCAL_RANK", "GROUP_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")]:
+    for key in [k for k in list(os.environ) if k.startswith(("SLURM_", "TORCHELASTIC_")) or k in ("RANK", "LOCAL_RANK", "GROUP_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")]:
         monkeypatch.delenv(key)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
@@ -90,6 +91,7 @@ def test_slurm_environment_gives_torchruns_ranks_and_shape(monkeypatch: pytest.M
         assert ranks == (rank, rank % 2, rank // 2, 4) and shape == (2, 2)
 
 
+@pytest.mark.timeout(30)
 def test_a_launch_of_another_shape_than_the_trainers_is_refused() -> None:
     from lightning.fabric.plugins.environments import SLURMEnvironment
 
@@ -104,6 +106,7 @@ def test_a_launch_of_another_shape_than_the_trainers_is_refused() -> None:
         launch_shape(FourTasks(), num_nodes=2, devices=2, env={"SLURM_JOB_NUM_NODES": "4"})
 
 
+@pytest.mark.timeout(30)
 def test_ranks_not_laid_out_node_by_node_are_refused() -> None:
     from lightning_dapple.errors import DappleConfigError
     from lightning_dapple.execute.topology import LaunchShape, Topology, check_layout

@@ -22,10 +22,13 @@ the peer's message and ends the process, so no rank outlives a failure by more t
 ``grace_s`` plus a poll, and ``timeout_s`` bounds every wait regardless.
 
 A rank that dies without raising (SIGKILL, the OOM killer, a segfault) reports nothing.
-Its peers' waits on it fail at once ("connection closed"); the first to notice names it
--- the peer a receive waited for, else the ranks whose heartbeat stopped -- prints one
-line and publishes that line as the failure, so every rank stops with the dead rank's
-name. Every watchdog adds one to its rank's heartbeat counter every ``heartbeat_s``; a
+Its peers' waits on it fail at once ("connection closed"), and so do sends and receives
+posted to it (those reach ``report`` as the rank's own error). The first to notice names
+it -- a peer on this host by its process (every rank announces host and pid when its
+channel starts), else by a heartbeat that stopped, else the peer the receive waited for --
+prints one line and publishes that line as the failure, so every rank stops with the dead
+rank's name; ranks blocked elsewhere leave after a short grace, since a dead peer never
+wakes them. Every watchdog adds one to its rank's heartbeat counter every ``heartbeat_s``; a
 rank blocked for long compares its peers' counters, and one silent for
 ``unresponsive_s`` (a stopped or hung process, whose connections stay open) is reported
 the same way, well within ``timeout_s``. When the store itself is gone, its host is: rank
