@@ -176,7 +176,7 @@ class StageRunner:
         self.is_last = self.stage == plan.num_stages - 1
         self.stats = StageStats()
         self.parameters = [p for layer in self.layers for p in layer.parameters() if p.requires_grad]
-        self._steps = 0
+        self.steps_done = 0  # training steps run so far (part of every dropout seed; a resume sets it)
         self._base_seed = torch.initial_seed()
         self._peer_cache: dict[tuple[int, int, int], list[Peer]] = {}
         self._stash_sizes: dict[Any, dict[Any, int]] = {}  # per (batch rows, training): measured sizes
@@ -309,7 +309,7 @@ class StageRunner:
 
     def _seed(self, microbatch: int) -> int:
         """The RNG seed of one micro-batch's forward on this rank in this step."""
-        return hash((self._base_seed, self._steps, self.stage, self.replica, microbatch)) & 0x7FFF_FFFF_FFFF_FFFF
+        return hash((self._base_seed, self.steps_done, self.stage, self.replica, microbatch)) & 0x7FFF_FFFF_FFFF_FFFF
 
     # -- stash accounting (schedule.ooo.stash_walk with measured sizes) ----------
     def _hold(self, step: _Step, mb: int, nbytes: int) -> None:
@@ -355,7 +355,7 @@ class StageRunner:
         finally:
             restore_rng(rng)
             self.store.clear()
-            self._steps += 1
+            self.steps_done += 1
         if known is None:
             self._stash_sizes[layout] = step.sizes
         losses = step.losses

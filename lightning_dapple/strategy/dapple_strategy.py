@@ -51,12 +51,14 @@ from lightning_dapple.execute.groups import PlanGroups, build_groups
 from lightning_dapple.execute.runner import StageRunner
 from lightning_dapple.execute.shutdown import destroy_groups_at_exit
 from lightning_dapple.execute.slicing import batch_size_of
+from lightning_dapple.execute.topology import report_placement
 from lightning_dapple.execute.wires import WIRES, choose_wire
 from lightning_dapple.plan.plan import Plan, load_plan, plan_from_dict
 from lightning_dapple.schedule.builders import schedule_for_plan
 from lightning_dapple.strategy import checkpoint as ckpt
 from lightning_dapple.strategy.precision import DappleMixedPrecision, agree_found_inf, as_dapple_precision
 from lightning_dapple.strategy.reporting import SILENT, OneLineLauncher, install_excepthook
+from lightning_dapple.strategy.batch_guard import check_training_batch, check_training_loss
 from lightning_dapple.strategy.module_adapter import (
     FreedLayer,
     LogRecorder,
@@ -311,6 +313,23 @@ class DappleStrategy(DDPStrategy):
             self._launcher = OneLineLauncher(self, start_method=self._start_method)
         install_excepthook(None)
 
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        """Load a checkpoint into the stage-local module after ``setup`` has converted it
+        (e.g. to float64 under 64-true): loading first would round the weights through the
+        module's original dtype."""
+        return True
+
+    @override
+    def on_train_start(self) -> None:
+        """A resumed fit continues the dropout seeds where the checkpointed run left them
+        (they include the number of training steps run, ``runner.steps_done``)."""
+        super().on_train_start()
+        if self.runner is not None:
+            trainer = self.lightning_module.trainer
+            self.runner.steps_done = trainer.global_step * trainer.accumulate_grad_batches
+
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
@@ -416,6 +435,7 @@ class DappleStrategy(DDPStrategy):
         plan = plan.validate(num_layers=len(container), world_size=self.world_size).with_warmups()
         self.plan = plan
         self._save_plan(trainer)
+        report_placement(self)  # every rank: the launch's nodes agree with the plan; rank 0 prints them
         self._key_owner = key_owners(module, container)
         self._full_parameter_names = [name for name, _ in module.named_parameters()]
         stage = plan.stages[self.stage]
@@ -619,10 +639,12 @@ class DappleStrategy(DDPStrategy):
         # in .grad; the runner starts from none, so they are put back after the step.
         previous = [p.grad for p in params]
         try:
+            check_training_batch(self, batch, batch_idx)  # a bad batch is named before any rank runs it
             with nullcontext() if mixed is not None else self.precision_plugin.train_step_context():
                 loss, logs = self.runner.train_step(
                     batch, callbacks, extras=recorder.summary, loss_scale=mixed.loss_scale() if mixed is not None else 1.0
                 )
+            check_training_loss(self, loss, batch_idx)  # before the optimizer takes it in
         except BaseException as exc:
             self.failure.report(exc)
             raise
