@@ -1,4 +1,4 @@
-"""Quick paired comparison of a few executors on the schedule benchmark's model (issue 3).
+"""Quick paired comparison of a few executors on the schedule benchmark's model.
 
 ``bench_schedules.py`` runs all six variants; this one runs only the ones named, so that a
 change can be checked against ``torch-1F1B`` in a few seconds, and so that the effect of the

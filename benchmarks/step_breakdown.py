@@ -1,4 +1,4 @@
-"""Where a training step's wall time goes, dapple vs torch-1F1B, per rank (issue 3's open gap).
+"""Where a training step's wall time goes, dapple vs torch-1F1B, per rank.
 
 Both executors run on the schedule benchmark's model in the same two gloo ranks, alternating
 blocks of consecutive steps. Wrapped functions accumulate wall time per step:

@@ -1,4 +1,4 @@
-"""CPU time per thread of one executor on the schedule benchmark's model (the open issue-3 gap).
+"""CPU time per thread of one executor on the schedule benchmark's model.
 
 Runs dapple (lightning_dapple's StageRunner) or torch-1F1B on two gloo ranks, width 512,
 M=4, and reports each rank's wall time, process CPU time and the CPU time of its busiest

@@ -86,9 +86,8 @@ def receives_ahead_pay(device: torch.device, local_ranks: int | None = None, thr
     * Only when the machine has a core left for every rank's gloo I/O thread. gloo sends a
       message's data once its receive is posted; with the receive posted ahead the data
       arrives while the receiver computes, and gloo's loop thread must run then. With every
-      core already computing it preempts the compute, and the step gets slower:
-      ``benchmarks/bench_schedules.py`` (its ``dapple-ahead`` row) measured steps 5-12% slower
-      with receives posted ahead than without at width 512 (3-9% at 1024), 2 ranks on 2 cores.
+      core already computing it preempts the compute, and the step gets no faster or slower
+      (``benchmarks/bench_schedules.py``, its ``dapple-ahead`` row, 2 ranks on 2 cores).
 
     ``local_ranks`` defaults to ``LOCAL_WORLD_SIZE`` (else the world size: every rank on this
     machine), ``threads`` to ``torch.get_num_threads()``.
