@@ -14,17 +14,23 @@ there is no pipeline to gain from.
   ``dapple``, ``dapple-ooo`` (out-of-order backprop: weight gradients deferred to W),
   ``dapple-recompute`` (recompute="always"): the executor with M micro-batches (compared
   with ``accumulate``; ooo and recompute also with ``dapple``);
-* resident memory (RSS) after step ``--warmup`` and after the last step, per variant run
-  alone in a fresh process: a variant that keeps something of every step grows.
+* ``--part memory``: resident memory (RSS; allocated memory on a GPU) after step
+  ``--warmup`` and after step ``--steps``, with ooo off and on, each alone in a fresh
+  process: a variant that keeps something of every step grows.
+
+``--device cuda`` runs on a GPU (``--precision bf16-mixed``/``bf16-true``; ``--model vgg``
+for VGG-19): there each variant is built and timed alone, one after the other (full-size
+models do not fit side by side), with its peak allocated memory.
+``benchmarks/bench_gpu.py`` runs the GPU comparisons with the paper's BERT-48 and VGG-19.
 
 ``--part dp`` (two processes): a data-parallel plan of the executor (one stage on both
 ranks, M=1, gradients AllReduced in ``plan.buckets`` buckets overlapping the backward)
 against ``torch.nn.parallel.DistributedDataParallel`` (what Lightning's ``strategy="ddp"``
 wraps the model in), each rank taking half of the global batch.
 
-Variants run round-robin in blocks of ``--block`` consecutive steps, the start rotating each
-round; results are medians of the blocks' time per step and the median of the per-round
-ratios (timings on this machine are noisy; ratios of neighbouring blocks are not).
+On the CPU variants run round-robin in blocks of ``--block`` consecutive steps, the start
+rotating each round; results are medians of the blocks' time per step and the median of the
+per-round ratios (timings on a shared CPU are noisy; ratios of neighbouring blocks are not).
 
     python benchmarks/bench_overhead.py --part single      # ratios of the executor to plain/accumulate
     python benchmarks/bench_overhead.py --part dp          # dapple DP plan vs torch DDP, 2 ranks
@@ -52,13 +58,21 @@ PAIRS = (
 def _model(cfg: dict) -> Any:
     import torch
 
-    from lightning_dapple.models.bert import BertMLM
-
     torch.manual_seed(1234)
-    return BertMLM(
-        vocab_size=cfg["vocab"], hidden=cfg["hidden"], layers=cfg["blocks"], heads=cfg["heads"], ffn=4 * cfg["hidden"],
-        seq_len=cfg["seq"], dropout=0.1,
-    )
+    if cfg["model"] == "vgg":
+        from lightning_dapple.models.vgg import VGG19
+
+        module = VGG19(num_classes=cfg["vocab"], width_multiplier=cfg["width"], image_size=cfg["image"], fc_hidden=cfg["fc"])
+    else:
+        from lightning_dapple.models.bert import BertMLM
+
+        module = BertMLM(
+            vocab_size=cfg["vocab"], hidden=cfg["hidden"], layers=cfg["blocks"], heads=cfg["heads"], ffn=4 * cfg["hidden"],
+            seq_len=cfg["seq"], max_positions=max(512, cfg["seq"]), dropout=0.1,
+        )
+    if cfg["precision"] == "bf16-true":
+        module = module.to(torch.bfloat16)
+    return module.to(cfg["device"])
 
 
 def _batches(cfg: dict, count: int = 4) -> list[Any]:
@@ -69,15 +83,35 @@ def _batches(cfg: dict, count: int = 4) -> list[Any]:
     out = []
     generator = torch.Generator().manual_seed(7)
     for _ in range(count):
-        ids = torch.randint(1, cfg["vocab"], (cfg["batch"], cfg["seq"]), generator=generator)
-        labels = torch.full_like(ids, IGNORE_INDEX)
-        labels[:, ::4] = ids[:, ::4]
-        ids[:, ::4] = 1  # the mask token
-        out.append((ids, labels))
+        if cfg["model"] == "vgg":
+            images = torch.randn(cfg["batch"], 3, cfg["image"], cfg["image"], generator=generator)
+            if cfg["precision"] == "bf16-true":
+                images = images.to(torch.bfloat16)
+            batch = (images, torch.randint(0, cfg["vocab"], (cfg["batch"],), generator=generator))
+        else:
+            ids = torch.randint(1, cfg["vocab"], (cfg["batch"], cfg["seq"]), generator=generator)
+            labels = torch.full_like(ids, IGNORE_INDEX)
+            labels[:, ::4] = ids[:, ::4]
+            ids[:, ::4] = 1  # the mask token
+            batch = (ids, labels)
+        out.append(tuple(t.to(cfg["device"]) for t in batch))
     return out
 
 
+def _autocast(cfg: dict) -> Callable[[], Any]:
+    """The forward context of a variant: bf16 autocast under bf16-mixed, else nothing."""
+    import contextlib
+
+    import torch
+
+    if cfg["precision"] == "bf16-mixed":
+        return lambda: torch.autocast(torch.device(cfg["device"]).type, dtype=torch.bfloat16)
+    return contextlib.nullcontext
+
+
 class _Callbacks:
+    """The executor's entry into the model (its forward context already covers the loss)."""
+
     def __init__(self, module: Any) -> None:
         self.module = module
 
@@ -88,14 +122,17 @@ class _Callbacks:
         return self.module.loss(forward(batch[0]), batch[1])
 
 
-def _plain_step(module: Any, optimizer: Any, micro_batches: int, rows: slice | None = None) -> Callable[[Any], None]:
+def _plain_step(
+    module: Any, optimizer: Any, micro_batches: int, context: Callable[[], Any], rows: slice | None = None
+) -> Callable[[Any], None]:
     """What Lightning runs per optimizer step (``accumulate_grad_batches=micro_batches``)."""
 
     def step(batch: Any) -> None:
         ids, labels = batch if rows is None else (batch[0][rows], batch[1][rows])
         optimizer.zero_grad(set_to_none=True)
         for ids_mb, labels_mb in zip(ids.chunk(micro_batches), labels.chunk(micro_batches)):
-            loss = module.loss(module(ids_mb), labels_mb) / micro_batches
+            with context():
+                loss = module.loss(module(ids_mb), labels_mb) / micro_batches
             loss.backward()
         optimizer.step()
 
@@ -117,7 +154,10 @@ def _dapple_step(module: Any, rank: int, world: int, cfg: dict, micro_batches: i
         "stages": [{"layers": [0, layers], "devices": list(range(world)), "recompute": recompute}],
     })
     failure = FailureChannel(rank, timeout_s=300)
-    runner = StageRunner(plan, schedule_for_plan(plan), rank, list(module.layers), torch.device("cpu"), failure, build_groups(plan))
+    runner = StageRunner(
+        plan, schedule_for_plan(plan), rank, list(module.layers), torch.device(cfg["device"]), failure, build_groups(plan),
+        forward_context=_autocast(cfg),
+    )
     optimizer = torch.optim.AdamW(runner.parameters, lr=1e-4)
     callbacks = _Callbacks(module)
 
@@ -134,7 +174,8 @@ def _variant(name: str, rank: int, world: int, cfg: dict) -> tuple[Any, Callable
     module = _model(cfg)
     m = cfg["micro_batches"]
     if name in ("plain", "accumulate"):
-        return None, _plain_step(module, torch.optim.AdamW(module.parameters(), lr=1e-4), 1 if name == "plain" else m)
+        optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
+        return None, _plain_step(module, optimizer, 1 if name == "plain" else m, _autocast(cfg))
     if name == "ddp":
         ddp = torch.nn.parallel.DistributedDataParallel(module)
         half = cfg["batch"] // world
@@ -146,16 +187,37 @@ def _variant(name: str, rank: int, world: int, cfg: dict) -> tuple[Any, Callable
 
             loss = staticmethod(module.loss)
 
-        return None, _plain_step(Wrapped(), torch.optim.AdamW(ddp.parameters(), lr=1e-4), 1, rows)
+        return None, _plain_step(Wrapped(), torch.optim.AdamW(ddp.parameters(), lr=1e-4), 1, _autocast(cfg), rows)
     if name == "dapple-dp":
         return _dapple_step(module, rank, world, cfg, 1, False, "never")
     micro = 1 if name == "dapple-M1" else m
     return _dapple_step(module, rank, world, cfg, micro, name == "dapple-ooo", "always" if name == "dapple-recompute" else "never")
 
 
-def _round_robin(rank: int, world: int, cfg: dict) -> dict[str, list[float]]:
+def _sync(cfg: dict) -> None:
     import torch
+
+    if cfg["device"] != "cpu":
+        torch.cuda.synchronize()
+
+
+def _timed_block(step: Callable[[Any], None], batches: list[Any], cfg: dict) -> float:
+    """Seconds per step over ``cfg["block"]`` consecutive steps, all ranks lined up."""
     import torch.distributed as dist
+
+    _sync(cfg)
+    dist.barrier()
+    start = time.perf_counter()
+    for index in range(cfg["block"]):
+        step(batches[index % len(batches)])
+    _sync(cfg)
+    dist.barrier()
+    return (time.perf_counter() - start) / cfg["block"]
+
+
+def _round_robin(rank: int, world: int, cfg: dict) -> dict[str, Any]:
+    """Every variant built at once and timed in rotating blocks (CPU: noisy, so paired)."""
+    import torch
 
     torch.set_num_threads(1)
     variants = [(name, *_variant(name, rank, world, cfg)) for name in cfg["variants"]]
@@ -167,16 +229,36 @@ def _round_robin(rank: int, world: int, cfg: dict) -> dict[str, list[float]]:
     for round_ in range(cfg["rounds"]):
         shift = round_ % len(variants)
         for name, _, step in variants[shift:] + variants[:shift]:
-            dist.barrier()
-            start = time.perf_counter()
-            for index in range(cfg["block"]):
-                step(batches[index % len(batches)])
-            dist.barrier()
-            times[name].append((time.perf_counter() - start) / cfg["block"])
+            times[name].append(_timed_block(step, batches, cfg))
     for _, runner, _ in variants:
         if runner is not None:
             runner.finish()
-    return times
+    return {"times": times}
+
+
+def _one_at_a_time(rank: int, world: int, cfg: dict) -> dict[str, Any]:
+    """Each variant alone on the GPU (a full-size model per variant would not fit beside the
+    others): its blocks' times and its peak allocated memory."""
+    import gc
+
+    import torch
+
+    times: dict[str, list[float]] = {}
+    peaks: dict[str, float] = {}
+    batches = _batches(cfg)
+    for name in cfg["variants"]:
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        runner, step = _variant(name, rank, world, cfg)
+        for index in range(cfg["warmup"]):
+            step(batches[index % len(batches)])
+        times[name] = [_timed_block(step, batches, cfg) for _ in range(cfg["rounds"])]
+        peaks[name] = torch.cuda.max_memory_allocated() / 2**30
+        if runner is not None:
+            runner.finish()
+        del runner, step
+    return {"times": times, "peak_gib": peaks}
 
 
 def _rss_mib() -> float:
@@ -187,6 +269,7 @@ def _rss_mib() -> float:
 
 
 def _memory(rank: int, world: int, cfg: dict) -> dict[str, float]:
+    """Resident memory (CPU) or allocated GPU memory (MiB) after warm-up and after the last step."""
     import gc
 
     import torch
@@ -200,14 +283,18 @@ def _memory(rank: int, world: int, cfg: dict) -> dict[str, float]:
         step(batches[index % len(batches)])
         if index + 1 in (cfg["warmup"], cfg["steps"]):
             gc.collect()
-            out[f"rss_after_step_{index + 1}"] = _rss_mib()
+            used = torch.cuda.memory_allocated() / 2**20 if cfg["device"] == "cuda" else _rss_mib()
+            out[f"mib_after_step_{index + 1}"] = used
     if runner is not None:
         runner.finish()
     return out
 
 
-def _report(times: dict[str, list[float]], pairs: Any) -> dict[str, Any]:
+def _report(measured: dict[str, Any], pairs: Any) -> dict[str, Any]:
+    times = measured["times"]
     result: dict[str, Any] = {"median_ms": {n: statistics.median(t) * 1e3 for n, t in times.items()}, "ratios": {}}
+    if "peak_gib" in measured:
+        result["peak_gib"] = measured["peak_gib"]
     for name, base in pairs:
         if name in times and base in times:
             ratio = statistics.median(a / b for a, b in zip(times[name], times[base]))
@@ -218,11 +305,17 @@ def _report(times: dict[str, list[float]], pairs: Any) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--part", choices=("single", "dp", "memory"), default="single")
+    parser.add_argument("--model", choices=("bert", "vgg"), default="bert")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--precision", choices=("32-true", "bf16-mixed", "bf16-true"), default="32-true")
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--blocks", type=int, default=12)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--vocab", type=int, default=512)
+    parser.add_argument("--vocab", type=int, default=512, help="BERT vocabulary / VGG classes")
+    parser.add_argument("--width", type=float, default=1 / 16, help="VGG width multiplier")
+    parser.add_argument("--image", type=int, default=32, help="VGG image size")
+    parser.add_argument("--fc", type=int, default=256, help="VGG hidden FC width")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--block", type=int, default=3, help="consecutive steps per timed block")
@@ -231,19 +324,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20, help="--part memory: steps per variant")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
-    cfg = {k: getattr(args, k) for k in ("hidden", "blocks", "heads", "seq", "vocab", "batch", "block", "rounds", "warmup", "steps")}
+    keys = ("model", "device", "precision", "hidden", "blocks", "heads", "seq", "vocab", "width", "image", "fc", "batch", "block", "rounds", "warmup", "steps")
+    cfg = {k: getattr(args, k) for k in keys}
     cfg["micro_batches"] = args.micro_batches
     if args.part == "single":
         cfg["variants"] = list(SINGLE)
-        result = _report(run_ranks(_round_robin, 1, cfg, timeout_s=1800, raise_on_error=True)[0], PAIRS)
+        measure = _one_at_a_time if args.device == "cuda" else _round_robin
+        result = _report(run_ranks(measure, 1, cfg, timeout_s=3600, raise_on_error=True)[0], PAIRS)
     elif args.part == "dp":
         cfg["variants"] = ["ddp", "dapple-dp"]
         result = _report(run_ranks(_round_robin, 2, cfg, timeout_s=1800, raise_on_error=True)[0], [("dapple-dp", "ddp")])
     else:
-        result = {"rss_mib": {}}
+        result = {"memory_mib": {}}
         for name in ("dapple", "dapple-ooo"):
             cfg["variants"] = [name]
-            result["rss_mib"][name] = run_ranks(_memory, 1, cfg, timeout_s=1800, raise_on_error=True)[0]
+            result["memory_mib"][name] = run_ranks(_memory, 1, cfg, timeout_s=1800, raise_on_error=True)[0]
     result["config"] = {**cfg, "part": args.part}
     text = json.dumps(result, indent=2)
     print(text)
