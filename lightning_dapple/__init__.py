@@ -5,7 +5,9 @@ The package follows the pipeline of the DAPPLE paper (shared/papers/dapple-ppopp
 -> ``schedule`` (sections 3 and 5.3: action lists) -> ``simulate`` (ground-truth timing of a
 schedule) -> ``execute`` (multi-process interpreter of a schedule) -> ``strategy``
 (Lightning glue). Importing the package registers ``strategy="dapple"`` (subprocess
-launcher) and ``strategy="dapple_spawn"`` (spawn launcher) with Lightning.
+launcher) and ``strategy="dapple_spawn"`` (spawn launcher) with Lightning: at once when
+Lightning is already loaded, else as soon as it is (``strategy/registry.py``), so that the
+planner's command-line tools start without loading Lightning.
 """
 from __future__ import annotations
 
@@ -18,11 +20,9 @@ __version__ = "0.1.0"
 
 
 def _register() -> None:
-    try:
-        from lightning_dapple.strategy.registry import register
-    except ImportError:  # lightning missing: planner/simulator still usable
-        return
-    register()
+    from lightning_dapple.strategy.registry import register_when_lightning_loads
+
+    register_when_lightning_loads()
 
 
 def __getattr__(name: str) -> Any:

@@ -21,12 +21,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch import nn
+from typing import TYPE_CHECKING
 
 from lightning_dapple.errors import DappleConfigError, require
 from lightning_dapple.profile.model_profile import ModelProfile
-from lightning_dapple.profile.profiler import iter_tensors, map_tensors, profile_layers
+
+if TYPE_CHECKING:  # torch loads only when a model is profiled: ``--help`` answers at once
+    from torch import nn
 
 __all__ = ["main", "build_parser", "load_model", "resolve_layers", "sample_input_of"]
 
@@ -67,6 +68,8 @@ def load_model(spec: str) -> nn.Module:
             raise DappleConfigError("--model", f"{module_name!r} has no attribute {attr_path!r}", "check the factory name after the colon")
         target = getattr(target, part)
     require(callable(target), "--model", f"{spec!r} is not callable", "point it at a function or class returning an nn.Module")
+    from torch import nn
+
     try:
         model = target()
     except TypeError as exc:
@@ -97,6 +100,9 @@ def resolve_layers(model: nn.Module, path: str) -> Any:
 
 def sample_input_of(model: nn.Module, batch_size: int | None = None) -> Any:
     """``model.example_input_array``, optionally resized to ``batch_size`` samples."""
+    import torch
+
+    from lightning_dapple.profile.profiler import iter_tensors, map_tensors
     sample = getattr(model, "example_input_array", None)
     require(
         sample is not None,
@@ -151,6 +157,8 @@ def print_profile(profile: ModelProfile) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from lightning_dapple.profile.profiler import profile_layers
+
     try:
         model = load_model(args.model)
         layers = resolve_layers(model, args.layers)
