@@ -148,9 +148,17 @@ def test_ending_order_is_algorithm_2() -> None:
     assert ending_order(5, 3) == [4, 3, 0, 1, 2]
     assert ending_order(5, 5) == [0, 1, 2, 3, 4]
     built = build_ooo_schedule("dapple", 2, 3, layer_counts=[3, 2], replicated=[True, False], first_k=2)
-    tail = [a.label for a in built.actions[0][-6:]]
-    assert tail == ["W2[2:3]", "allreduce[2:3]", "W2[0:1]", "allreduce[0:1]", "W2[1:2]", "allreduce[1:2]"]
+    tail = [a.label for a in built.actions[0][-4:]]
+    assert tail == ["W2[2:3]", "W2[0:1]", "W2[1:2]", "allreduce[0:3]"]  # sizes unknown: one bucket
     assert built.actions[1][-1].label == "allreduce"
+    # bucket_layers([10, 10, 10], 10) = [2:3], [1:2], [0:1]: launched in that order, each
+    # after the part completing it and after the bucket before it
+    sized = build_ooo_schedule(
+        "dapple", 2, 3, layer_counts=[3, 2], replicated=[True, False], first_k=2, param_bytes=[[10, 10, 10], [1, 1]], bucket_bytes=10
+    )
+    tail = [a.label for a in sized.actions[0][-6:]]
+    assert tail == ["W2[2:3]", "allreduce[2:3]", "W2[0:1]", "W2[1:2]", "allreduce[1:2]", "allreduce[0:1]"]
+    assert [a.label for a in sized.actions[1]] == [a.label for a in built.actions[1]]
 
 
 # --------------------------------------------------------------------------- cost model, planner
@@ -206,21 +214,100 @@ def test_auto_recompute_picks_the_cheapest_setting_that_fits() -> None:
     assert schedule_for_plan(plan_from_dict(data)).in_flight_caps == tuple(data["extra"]["ooo_in_flight"])
 
 
-def test_first_k_is_chosen_by_simulation() -> None:
-    """A big first layer (an embedding) with cheap W: starting its AllReduce first helps."""
+def embedding_profile() -> ModelProfile:
+    """A big first layer (an embedding, a bucket of its own), a layer without parameters,
+    and layers small enough to share buckets."""
     layers = [LayerProfile("emb", 0.5, 1.0, 1e6, 4e9, 1e6, backward_input_ms=0.5, backward_weight_ms=0.5)]
-    layers += [LayerProfile(f"l{i}", 1.0, 2.0, 1e6, 1e7, 1e6, backward_input_ms=1.0, backward_weight_ms=1.0) for i in range(5)]
-    profile = ModelProfile(4, tuple(layers), input_bytes=1e6)
-    plan = Plan(16, 4, (StagePlan((0, 3), (0, 1)), StagePlan((3, 6), (2, 3))))
+    layers += [LayerProfile("act", 0.2, 0.4, 1e6, 0.0, 1e6, backward_input_ms=0.4, backward_weight_ms=0.0)]
+    layers += [LayerProfile(f"l{i}", 1.0, 2.0, 1e6, 1e7, 1e6, backward_input_ms=1.0, backward_weight_ms=1.0) for i in range(8)]
+    return ModelProfile(4, tuple(layers), input_bytes=1e6)
+
+
+def test_ooo_allreduce_buckets_are_bucket_layers_launched_in_order() -> None:
+    """Under ooo a replicated stage's ALLREDUCE actions are ``bucket_layers``' buckets, in
+    its order; the simulator starts each after the W part completing its layers, after the
+    previous bucket, at the cost model's bucket time, and the step ends with the last."""
+    from lightning_dapple.plan.buckets import bucket_layers
+
+    profile = embedding_profile()
+    plan = Plan(16, 4, (StagePlan((0, 6), (0, 1)), StagePlan((6, 10), (2, 3))), ooo=True)
+    cluster = load_cluster("paper-a")
+    schedule = schedule_for_plan(plan.with_warmups(), profile)
+    costs = stage_costs(with_weight_split(profile), cluster, plan.stages, plan.micro_batch_size)
+    result = simulate_plan(plan, profile, cluster)
+    for s, stage in enumerate(plan.stages):
+        sizes = [layer.param_bytes for layer in profile.layers[stage.start : stage.end]]
+        expected = bucket_layers(sizes, 0, len(sizes))
+        assert len(expected) >= 2, "the case must have several buckets"
+        actions = schedule.actions[s]
+        reduces = [(i, a) for i, a in enumerate(actions) if a.kind is Kind.ALLREDUCE]
+        assert [a.layers for _, a in reduces] == expected
+        # each bucket comes right after the W part finishing its last layer (or after the bucket before)
+        for (position, action), previous in zip(reduces, [None, *reduces[:-1]]):
+            before = actions[position - 1]
+            lo, _ = action.layers
+            assert (before.kind is Kind.W and before.layers == (lo, lo + 1)) or (previous is not None and position == previous[0] + 1)
+        spans = result.transfers[f"AR{s}"]
+        durations = [duration for _, duration in costs[s].buckets if duration > 0]
+        assert [span.end_ms - span.start_ms for span in spans] == pytest.approx(durations)
+        w_ends = {span_layers: span.end_ms for span_layers, span in zip(
+            [a.layers for a in schedule.compute(s) if a.kind is Kind.W], [sp for sp in result.stages[s].spans if sp.kind == "W"]
+        )}
+        ready = [w_ends[(lo, lo + 1)] for lo, _ in expected if sum(sizes[lo:_]) > 0]
+        for index, span in enumerate(spans):
+            assert span.start_ms == pytest.approx(max(ready[index], spans[index - 1].end_ms if index else 0.0))
+        last_compute = max(sp.end_ms for sp in result.stages[s].spans if sp.kind != "AR")
+        assert result.stages[s].end_ms == pytest.approx(max(last_compute, spans[-1].end_ms))
+        assert spans[0].start_ms < last_compute  # the first buckets overlap the ending W parts
+
+
+def test_conventional_ending_order_is_fastest_with_bucket_order() -> None:
+    """Buckets launch in ``bucket_layers`` order, so Algorithm 2's k > 0 cannot start any
+    bucket earlier; the planner keeps the conventional order and it is never slower."""
+    profile = embedding_profile()
+    plan = Plan(16, 4, (StagePlan((0, 6), (0, 1)), StagePlan((6, 10), (2, 3))))
     cluster = load_cluster("paper-a")
     chosen = apply_ooo_recompute(plan, profile, cluster, recompute="never")
-    assert chosen.first_k is not None and chosen.first_k >= 2
+    assert not chosen.first_k
     best = simulate_plan(chosen, profile, cluster).latency_ms
-    conventional = simulate_plan(replace(chosen, first_k=0), profile, cluster).latency_ms
-    assert best < conventional
+    for k in range(2, 7):
+        assert simulate_plan(replace(chosen, first_k=k), profile, cluster).latency_ms >= best - 1e-9
+    assert simulate_plan(replace(chosen, first_k=4), profile, cluster).latency_ms > best  # a layer's part after its bucket's
     plain = simulate_plan(replace(plan, ooo=False), profile, cluster).latency_ms
     assert best < plain
-    assert "AR0" in simulate_plan(chosen, profile, cluster).transfers
+    assert chosen.predicted is not None and chosen.predicted.simulated_latency_ms == pytest.approx(best)
+
+
+@pytest.mark.timeout(300)
+def test_executor_launches_the_simulators_buckets_in_order() -> None:
+    """The executor's ``GradientSync`` buckets of a replicated stage under ooo, in the
+    order it launches them in a training step, are the schedule's ALLREDUCE buckets built
+    from the same parameter sizes (empty buckets, which the executor skips, left out)."""
+    from equivalence_worker import make_model
+    from ooo_buckets_worker import launched_buckets
+    from ooo_worker import with_options
+
+    model = make_model("mlp")
+    sizes = [sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in model]
+    profile = ModelProfile(4, tuple(LayerProfile(f"l{i}", 1.0, 2.0, 1e3, float(b), 1e3) for i, b in enumerate(sizes)))
+    base = {"global_batch_size": 12, "micro_batches": 3, "stages": [{"layers": [0, len(sizes)], "devices": [0, 1]}]}
+    cases = []
+    for first_k in (None, 2):
+        for bucket_bytes in (1000, 700):
+            data = {**with_options(base, "dapple", True, "never"), "first_k": first_k}
+            cases.append(("mlp", data, bucket_bytes))
+    results = run_ranks(launched_buckets, 2, cases, timeout_s=240, raise_on_error=True)
+    for index, (_, data, bucket_bytes) in enumerate(cases):
+        plan = plan_from_dict(data)
+        schedule = schedule_for_plan(plan, profile, bucket_bytes)
+        simulated = [a.layers for a in schedule.actions[0] if a.kind is Kind.ALLREDUCE]
+        expected = [(lo, hi) for lo, hi in simulated if sum(sizes[lo:hi]) > 0]
+        assert len(expected) >= 3, "the case must have several buckets"
+        for rank in (0, 1):
+            got = results[rank][index]
+            assert got["split"], "ooo: the stage defers W"
+            assert [tuple(r) for r in got["launched"]] == expected, (data, bucket_bytes)
+            assert got["early"] == len(expected)  # each launched once its last W was done
 
 
 # Plans DAPPLE's planner chose (plan_dapple on paper-a: BERT-48 with a global batch of 64,

@@ -138,3 +138,22 @@ def test_split_concat_plans_share_their_stage_lists(replicas: tuple[int, int]) -
     plan = plan_from_dict({"global_batch_size": 24, "micro_batches": 4, "stages": stages})
     schedule = schedule_for_plan(plan)
     assert _finishes(schedule.actions, settle_points(schedule.actions))
+
+
+def test_gradient_buckets_leave_the_executors_lists_and_settle_points_unchanged() -> None:
+    """The simulator builds ooo lists with the profile's gradient buckets, the executor
+    without a profile: only the ALLREDUCE markers differ, so both run the same compute and
+    transfers and wait for the same sends."""
+    from lightning_dapple.profile.model_profile import LayerProfile, ModelProfile
+
+    layers = tuple(LayerProfile(f"l{i}", 1.0, 2.0, 1e3, float(10 * (i + 1)), 1e3) for i in range(6))
+    profile = ModelProfile(4, layers)
+    plan = plan_from_dict({"global_batch_size": 16, "micro_batches": 4, "ooo": True, "stages": [
+        {"layers": [0, 4], "devices": [0, 1]}, {"layers": [4, 6], "devices": [2]}]})
+    executor = schedule_for_plan(plan)
+    simulator = schedule_for_plan(plan, profile, bucket_bytes=25)
+    markers = [[a for a in stage if a.kind is Kind.ALLREDUCE] for stage in simulator.actions]
+    assert len(markers[0]) > 1 and len(markers[1]) == 1  # buckets only on the replicated stage
+    for ours, theirs in zip(executor.actions, simulator.actions):
+        assert [a for a in ours if a.kind is not Kind.ALLREDUCE] == [a for a in theirs if a.kind is not Kind.ALLREDUCE]
+    assert settle_points([list(s) for s in executor.actions]) == settle_points([list(s) for s in simulator.actions])

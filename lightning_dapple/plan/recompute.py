@@ -18,9 +18,10 @@ executor will run (``schedule_for_plan``) with the shared cost model:
   forward per recomputed micro-batch, which the latency model adds to that stage's
   backward (``StageCost.recompute_ms``). When nothing fits, each stage keeps the setting
   that needed least memory, and the reason says so;
-* ``first_k`` (ooo-backprop Algorithm 2): on plans with replicated stages, the k whose
-  simulated step is fastest (the per-layer ending phase with bucketed AllReduce; the
-  profile's backward_weight_ms and the cluster's AllReduce times decide).
+* ``first_k`` (ooo-backprop Algorithm 2) is left as the plan says (none: conventional
+  order). The ending phase's gradient buckets are launched in ``bucket_layers`` order, the
+  executor's (``schedule.ooo``), and in that order k = 0 finishes the layers of every
+  bucket earliest, so no other k can shorten the step and none is searched for.
 
 The result records each stage's choice in ``stages[i].recompute``, the caps in
 ``extra["ooo_in_flight"]`` and the explanation in ``extra["memory"]`` and ``reason``.
@@ -88,7 +89,7 @@ def stage_memory(plan: Plan, profile: ModelProfile, cluster: Cluster) -> tuple[l
     from lightning_dapple.schedule.ooo import stash_walk
 
     plan = plan.with_warmups()
-    schedule = schedule_for_plan(plan)
+    schedule = schedule_for_plan(plan, profile)
     priced = with_weight_split(profile) if plan.ooo else profile
     costs = stage_costs(priced, cluster, plan.stages, plan.micro_batch_size)
     stashes, memory = [], []
@@ -117,10 +118,9 @@ def apply_ooo_recompute(
     ooo: bool = True,
     recompute: "str | Sequence[str]" = "auto",
     memory_budget_bytes: float | None = None,
-    choose_first_k: bool = True,
 ) -> Plan:
     """``plan`` with out-of-order backprop on or off, each stage's recomputation resolved
-    to a concrete mode, the deferral caps and k chosen, and ``predicted`` re-priced.
+    to a concrete mode, the deferral caps chosen, and ``predicted`` re-priced.
 
     ``recompute``: ``"auto"`` (see the module docstring), one mode for every stage, or a
     list with one entry ("auto" or a mode) per stage. ``memory_budget_bytes`` defaults to
@@ -172,9 +172,6 @@ def apply_ooo_recompute(
         for i in movable:
             position[i] += 1
     plan = candidate
-    if ooo and choose_first_k and any(stage.replicas > 1 for stage in plan.stages):
-        plan = _choose_first_k(plan, profile, cluster)
-        memory, stashes, schedule, costs = stage_memory(plan, profile, cluster)
     result = simulate(schedule, costs, [stage.devices for stage in plan.stages])
     formula = dapple_latency(costs, plan.micro_batches, memory)
     predicted = replace(formula, simulated_latency_ms=result.latency_ms, bubble_fraction=result.bubble_fraction)
@@ -184,21 +181,6 @@ def apply_ooo_recompute(
     note = _reason_text(plan, requested, top, memory, never_memory or memory, budget)
     reason = plan.reason + (" " if plan.reason and note else "") + note
     return replace(plan, predicted=predicted, extra=extra, reason=reason)
-
-
-def _choose_first_k(plan: Plan, profile: ModelProfile, cluster: Cluster) -> Plan:
-    from lightning_dapple.simulate.engine import simulate_plan
-
-    deepest = max(stage.end - stage.start for stage in plan.stages)
-    best: tuple[float, int] | None = None
-    for k in range(0, deepest + 1):
-        if k == 1:
-            continue  # reversing one layer is the conventional order (k = 0)
-        latency = simulate_plan(replace(plan, first_k=k), profile, cluster).latency_ms
-        if best is None or latency < best[0] - 1e-9:
-            best = (latency, k)
-    assert best is not None
-    return replace(plan, first_k=best[1])
 
 
 def _explain(plan: Plan, memory: Sequence[float], never: Sequence[float], stashes: Sequence[float], budget: float) -> dict[str, Any]:

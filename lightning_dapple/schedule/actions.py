@@ -9,8 +9,11 @@ stage's gradients among its replicas once its last backward is done (DAPPLE 5.2.
 
 ``layers`` (stage-local, half-open) narrows an action to some of the stage's layers: a W
 with layers computes only those layers' weight gradients (the per-layer ending phase of
-reverse first-k, ooo-backprop Algorithm 2), and an ALLREDUCE with layers is an
-asynchronous bucket that syncs only those layers' gradients while the stage computes on.
+ooo-backprop Algorithm 2), and an ALLREDUCE with layers is an asynchronous gradient bucket
+(one of ``plan.buckets.bucket_layers``, listed in launch order) that syncs only those
+layers' gradients while the stage computes on. ALLREDUCE actions tell the simulator where
+buckets start; the executor starts its buckets itself when their gradients are final
+(``execute/grad_sync.py``) and reads them as markers only.
 
 Every replica of a stage runs the same list; a replica handles its slice of each
 micro-batch.

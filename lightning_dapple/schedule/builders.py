@@ -132,12 +132,17 @@ def build_schedule(name: str, num_stages: int, micro_batches: int, warmups: Sequ
     return Schedule(name, num_stages, micro_batches, tuple(int(min(k, micro_batches)) for k in warmups), lists)
 
 
-def schedule_for_plan(plan: "object") -> Schedule:
+def schedule_for_plan(plan: "object", profile: "object | None" = None, bucket_bytes: int | None = None) -> Schedule:
     """The schedule a plan asks for, with its K_i filled by its policy when missing.
 
     ``plan.ooo`` adds deferred W actions (``schedule.ooo.build_ooo_schedule``: caps from
     ``plan.extra["ooo_in_flight"]`` when the planner set them, k from ``plan.first_k``);
-    each stage's ``recompute`` mode is carried along either way.
+    each stage's ``recompute`` mode is carried along either way. With the model's
+    ``profile`` a replicated stage's ALLREDUCE actions are the gradient buckets of
+    ``plan.buckets.bucket_layers`` (of ``bucket_bytes``, default ``BUCKET_BYTES``), the
+    ones the executor launches; without it they are one marker per stage. The compute
+    actions do not depend on either, so the executor (which ignores ALLREDUCE markers and
+    buckets by its parameters' real sizes) runs the same F, B and W as the simulator.
     """
     from dataclasses import replace
 
@@ -149,7 +154,14 @@ def schedule_for_plan(plan: "object") -> Schedule:
     if plan.ooo:
         from lightning_dapple.schedule.ooo import build_ooo_schedule
 
+        from lightning_dapple.plan.buckets import BUCKET_BYTES
+        from lightning_dapple.profile.model_profile import ModelProfile
+
         caps = plan.extra.get("ooo_in_flight") if isinstance(plan.extra, dict) else None
+        sizes = None
+        if profile is not None:
+            assert isinstance(profile, ModelProfile)
+            sizes = [[layer.param_bytes for layer in profile.layers[stage.start : stage.end]] for stage in plan.stages]
         return build_ooo_schedule(
             plan.schedule,
             plan.num_stages,
@@ -160,6 +172,8 @@ def schedule_for_plan(plan: "object") -> Schedule:
             replicated=[stage.replicas > 1 for stage in plan.stages],
             first_k=plan.first_k,
             recompute=modes,
+            param_bytes=sizes,
+            bucket_bytes=BUCKET_BYTES if bucket_bytes is None else bucket_bytes,
         )
     built = build_schedule(plan.schedule, plan.num_stages, plan.micro_batches, plan.warmups)
     if any(mode != "never" for mode in modes):

@@ -33,13 +33,18 @@ Because F/B order is unchanged and a W depends only on its own B, the result can
 deadlock when the base schedule does not. With unit costs, S = 4, M = 8 this gives the
 bubble of the zero-bubble H1 schedule: (S-1)(F+B-W) instead of (S-1)(F+B+W).
 
-Ending phase, reverse first-k (ooo-backprop 5.1, Algorithm 2). On a replicated stage the
-gradient AllReduce (DAPPLE 5.2.3) can only start once the stage's last W is done. The last
-W is therefore split per layer and each layer's gradients are all-reduced as a bucket as
-soon as its part is done (asynchronously, overlapping the remaining parts). The parts run
-in Algorithm 2's order: layers L-1 down to k as in conventional backprop, then the first k
-layers in forward order 0..k-1, so the big first layers of a stage (embeddings) can start
-their AllReduce early. The planner picks k by simulation (``plan/recompute.py``).
+Ending phase (ooo-backprop 5.1, Algorithm 2). On a replicated stage the gradient
+AllReduce (DAPPLE 5.2.3) of a layer can only start once its last W is done. The last W is
+therefore split per layer, so that the gradients of the last layers can be summed while the
+W of the earlier layers still runs. Gradients travel in the buckets of
+``plan.buckets.bucket_layers`` (DDP-style, filled from the last layer back), launched
+strictly in that order -- the order every replica of the executor (``execute/grad_sync.py``)
+issues its collectives in. One ALLREDUCE per bucket follows the W part that completes the
+bucket's layers, and never precedes the previous bucket's. The parts run in Algorithm 2's
+order: layers L-1 down to k, then the first k layers in forward order 0..k-1. With buckets
+launched in this fixed order k = 0 (conventional order) finishes every bucket's layers
+earliest -- bucket j can only start once the layers of buckets 0..j, all layers from its
+first one up, are done -- so the planner searches no other k; a plan may still ask for one.
 """
 from __future__ import annotations
 
@@ -47,12 +52,14 @@ from collections import deque
 from typing import Sequence
 
 from lightning_dapple.errors import require
+from lightning_dapple.plan.buckets import BUCKET_BYTES, bucket_layers
 from lightning_dapple.schedule.actions import Action, Kind
 from lightning_dapple.schedule.builders import Schedule, compute_order, with_communication
 
 __all__ = [
     "build_ooo_schedule",
     "default_caps",
+    "ending_buckets",
     "ending_order",
     "ooo_compute_orders",
     "stash_walk",
@@ -193,15 +200,39 @@ def ending_order(num_layers: int, first_k: int | None) -> list[int]:
     return list(range(num_layers - 1, k - 1, -1)) + list(range(k))
 
 
-def _with_buckets(actions: list[Action], stage: int, num_layers: int, first_k: int | None) -> list[Action]:
-    """Split the stage's last W per layer, each part followed by its AllReduce bucket; the
-    whole-stage ALLREDUCE is then no longer needed."""
+def ending_buckets(
+    num_layers: int, first_k: int | None, param_bytes: Sequence[float] | None = None, bucket_bytes: int = BUCKET_BYTES
+) -> list[tuple[int, tuple[int, int] | None]]:
+    """The ending phase of a replicated stage: (layer of a W part, bucket to launch after
+    it or None) in list order. Buckets are ``bucket_layers``' (one bucket of the whole
+    stage when ``param_bytes`` is unknown), each launched after the part that completes
+    its layers and after the bucket before it."""
+    sizes = list(param_bytes) if param_bytes is not None else [0.0] * num_layers
+    require(len(sizes) == num_layers, "param_bytes", f"has {len(sizes)} entries for {num_layers} layers", "give one size per layer of the stage")
+    buckets = bucket_layers(sizes, 0, num_layers, bucket_bytes)
+    done: set[int] = set()
+    out: list[tuple[int, tuple[int, int] | None]] = []
+    for layer in ending_order(num_layers, first_k):
+        done.add(layer)
+        out.append((layer, None))
+        while buckets and all(i in done for i in range(*buckets[0])):
+            out.append((layer, buckets.pop(0)))
+    return out
+
+
+def _with_buckets(
+    actions: list[Action], stage: int, num_layers: int, first_k: int | None, param_bytes: Sequence[float] | None, bucket_bytes: int
+) -> list[Action]:
+    """Split the stage's last W per layer and put each bucket's ALLREDUCE after the part
+    completing it (``ending_buckets``); the whole-stage ALLREDUCE is then no longer needed."""
     last_w = max(i for i, a in enumerate(actions) if a.kind is Kind.W)
     mb = actions[last_w].microbatch
     parts: list[Action] = []
-    for layer in ending_order(num_layers, first_k):
-        parts.append(Action(Kind.W, stage, mb, (layer, layer + 1)))
-        parts.append(Action(Kind.ALLREDUCE, stage, None, (layer, layer + 1)))
+    for layer, bucket in ending_buckets(num_layers, first_k, param_bytes, bucket_bytes):
+        if bucket is None:
+            parts.append(Action(Kind.W, stage, mb, (layer, layer + 1)))
+        else:
+            parts.append(Action(Kind.ALLREDUCE, stage, None, bucket))
     rest = [a for i, a in enumerate(actions) if i != last_w and not (a.kind is Kind.ALLREDUCE and a.layers is None)]
     return rest[:last_w] + parts + rest[last_w:]
 
@@ -216,12 +247,16 @@ def build_ooo_schedule(
     replicated: Sequence[bool] | None = None,
     first_k: int | None = None,
     recompute: Sequence[str] | None = None,
+    param_bytes: Sequence[Sequence[float]] | None = None,
+    bucket_bytes: int = BUCKET_BYTES,
 ) -> Schedule:
     """The out-of-order version of schedule ``name`` (see the module docstring).
 
     ``layer_counts`` and ``replicated`` (per stage) enable the per-layer ending phase with
     bucketed AllReduce on replicated stages; without them every stage ends with one W and
-    one whole-stage ALLREDUCE.
+    one whole-stage ALLREDUCE. ``param_bytes[s]`` (per layer of stage s) and
+    ``bucket_bytes`` make the buckets those of ``bucket_layers``, the executor's; without
+    them a replicated stage's ending phase has one bucket.
     """
     from lightning_dapple.schedule.policy import warmup_counts
 
@@ -245,7 +280,8 @@ def build_ooo_schedule(
     for s, order in enumerate(orders):
         actions = with_communication(order, s, num_stages)
         if layer_counts is not None and replicated is not None and replicated[s] and layer_counts[s] > 0 and caps[s] >= 0:
-            actions = _with_buckets(actions, s, int(layer_counts[s]), first_k)
+            sizes = param_bytes[s] if param_bytes is not None else None
+            actions = _with_buckets(actions, s, int(layer_counts[s]), first_k, sizes, bucket_bytes)
         lists.append(tuple(actions))
     return Schedule(
         f"{name}+ooo",

@@ -32,10 +32,14 @@ DAPPLE 5.2.2, so a stage is simulated once and its timeline copied to each of it
   Overlap"); the stage ends when its last bucket does;
 * a W limited to some layers (the per-layer ending phase of out-of-order schedules,
   ooo-backprop Algorithm 2) takes those layers' ``layer_weight_ms``; an ALLREDUCE limited
-  to some layers is an asynchronous bucket: it starts when the stage reaches it and the
-  stage's previous bucket is done, takes those layers' ``layer_allreduce_ms`` and does not
-  occupy the stage, whose end is then the later of its last compute and its last bucket.
-  Buckets are drawn on the link ``"AR<stage>"`` of ``transfers``;
+  to some layers is an asynchronous bucket (``schedule.ooo.ending_buckets``: one per
+  ``bucket_layers`` bucket, listed in launch order after the W part completing its
+  layers): it starts when the stage reaches it and the stage's previous bucket is done,
+  and does not occupy the stage, whose end is then the later of its last compute and its
+  last bucket. The j-th such bucket takes ``StageCost.buckets[j]``'s AllReduce time when
+  the stage lists as many buckets as its cost has (the cost model's buckets, the same
+  ``bucket_layers`` ranges), else its layers' ``layer_allreduce_ms``. Buckets are drawn on
+  the link ``"AR<stage>"`` of ``transfers``;
 * the B of a micro-batch the stage recomputes (``Schedule.recomputed``) first pays
   ``recompute_ms`` (the stage forward again, gpipe.txt 2.3);
 * a schedule that lists no communication action at all is read as "implicit communication":
@@ -292,6 +296,7 @@ class _Run:
         self.w_parts = [_w_part_counts(schedule.actions[s]) for s in range(n)]
         self.bucket_parts = [sum(1 for a in schedule.actions[s] if a.kind is Kind.ALLREDUCE and a.layers is not None) for s in range(n)]
         self.bucket_links = [_Link(f"AR{s}", 0.0) for s in range(n)]
+        self.buckets_seen = [0] * n
 
     def send_act(self, s: int, mb: int, at: float) -> None:
         self.act_arrival[s + 1][mb] = self.act_links[s].transfer(at, "act", mb)
@@ -320,9 +325,17 @@ class _Run:
         if action.layers is None:
             st.clock = _overlapped_allreduce(st, cost, link)
             return
-        link.duration = self.part_ms(cost.layer_allreduce_ms, cost.allreduce_ms, action.layers, self.bucket_parts[s])
+        link.duration = self.bucket_ms(s, action.layers)
         if link.duration > 0:
             link.transfer(st.clock, "AR", None)  # type: ignore[arg-type]
+
+    def bucket_ms(self, s: int, layers: tuple[int, int]) -> float:
+        """AllReduce time of the stage's next layer-limited bucket (module docstring)."""
+        cost, index = self.costs[s], self.buckets_seen[s]
+        self.buckets_seen[s] += 1
+        if len(cost.buckets) == self.bucket_parts[s]:
+            return cost.buckets[index][1]
+        return self.part_ms(cost.layer_allreduce_ms, cost.allreduce_ms, layers, self.bucket_parts[s])
 
     def arrival(self, st: _Stage, kind: Kind, mb: int) -> float | None:
         """When the input ``kind`` waits for has arrived (0 if none), None if not yet known."""
@@ -508,10 +521,11 @@ def simulate_plan(
     plan's K_i (chosen for the other schedule) are dropped and refilled by the plan's policy.
     K_i come from ``plan.with_warmups()`` (DAPPLE 5.3). Costs are those of ``stage_costs``,
     the ones the planner's formula uses, so the two can be compared. The action lists are
-    those of ``schedule_for_plan``, the ones the executor runs: with ``plan.ooo`` the
-    out-of-order schedule, whose W work is priced from the profile's measured B/W split or,
-    for profiles without one, the estimate of ``plan.recompute.with_weight_split``; each
-    stage's ``recompute`` mode adds the recomputed forwards.
+    those of ``schedule_for_plan``, the ones the executor runs (with the profile's gradient
+    buckets as ALLREDUCE actions): with ``plan.ooo`` the out-of-order schedule, whose W
+    work is priced from the profile's measured B/W split or, for profiles without one, the
+    estimate of ``plan.recompute.with_weight_split``; each stage's ``recompute`` mode adds
+    the recomputed forwards.
     """
     from lightning_dapple.plan.costs import stage_costs
 
@@ -520,7 +534,7 @@ def simulate_plan(
         plan = replace(plan, schedule=schedule, stages=tuple(replace(stage, warmup=None) for stage in plan.stages))
         plan.validate()
     plan = plan.with_warmups()
-    built = schedule_for_plan(plan)
+    built = schedule_for_plan(plan, profile)
     if plan.ooo:
         from lightning_dapple.plan.recompute import with_weight_split
 
