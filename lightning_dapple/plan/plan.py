@@ -84,7 +84,8 @@ class Plan:
     predicted: Prediction | None = None
     # Out-of-order backprop (ooo-backprop sec. 3, 5.2): split backward into B (input
     # gradients, sent upstream at once) and W (weight gradients, deferred); first_k is
-    # Algorithm 2's k for the ending phase (None: chosen by the planner/executor).
+    # Algorithm 2's k for the ending phase (None: the conventional order; with gradient
+    # buckets launched in plan.buckets order no other k finishes a bucket sooner).
     planner: str = "manual"
     reason: str = ""
     ooo: bool = False
