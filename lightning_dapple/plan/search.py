@@ -52,6 +52,10 @@ class Successor:
     occupied: frozenset[int]
     rest: tuple[int, ...]
     key: Any = None  # filled when first needed
+    unit_in: float | None = None  # p2p unit from the previous stage's ranks, when first needed
+    unit_rest: float | None = None  # p2p unit from these ranks to the rest, when first needed
+    ring_ranks: tuple[int, float] | None = None  # ``StageSearch.ring_key`` of the ranks
+    ring_rest: tuple[int, float] | None = None  # ... and of the rest
 
 
 
@@ -83,7 +87,8 @@ class StageSearch:
         self.lat = cluster.latency_ms
         self.per = cluster.devices_per_machine
         self._scales = [0.0] + [slice_size(self.mbs, r) / tables.pbs for r in range(1, cluster.num_devices + 1)]
-        self._exposed: dict[tuple[int, ...], np.ndarray] = {}
+        self._exposed: dict[tuple[int, float], np.ndarray] = {}
+        self._tmax: dict[int, np.ndarray] = {}
 
     # -- cost helpers (the formulas of costs.py / cluster.py, vectorised) --------------
 
@@ -118,10 +123,24 @@ class StageSearch:
             return np.where(kmax >= self.m, _INF, kmax)
         return np.where(kmax >= self.m, _INF, np.floor((kmax + 1) / 2))
 
+    def tmax_table(self, j: int) -> np.ndarray:
+        """``t_max`` of every stage [j, J) (columns J) for every replica count (rows),
+        computed once per start j."""
+        found = self._tmax.get(j)
+        if found is None:
+            scales = np.array(self._scales)[:, None]
+            t = self.t
+            found = self._tmax[j] = self.t_max(t.params[j][None, :] * self.weight_factor, t.stash[j][None, :] * scales)
+        return found
+
     def p2p_unit(self, senders: tuple[int, ...], receivers: tuple[int, ...]) -> tuple[float, float]:
         """``p2p_ms`` is ``bytes * unit + latency`` for any positive byte count (memoised
         across M; equal to ``p2p_ms`` up to rounding, and plans are re-priced exactly)."""
-        key = (senders, receivers)
+        # the search's senders and receivers are disjoint (a stage's ranks are free when it
+        # is placed), so p2p_ms depends only on their machines in order: every split-concat
+        # piece's route and each sender's and receiver's byte sums are the same
+        per = self.per
+        key = (tuple([rank // per for rank in senders]), tuple([rank // per for rank in receivers]))
         found = self.shared.p2p.get(key)
         if found is None:
             probe = 1e6
@@ -213,11 +232,12 @@ class StageSearch:
         if found is None:
             state = PlacementState(self.cluster, occupied)
             found = []
+            everyone = frozenset(range(self.cluster.num_devices))
             extended = self.settings.extended and self.cluster.num_devices <= EXTENDED_PLACEMENT_DEVICES
             near = last if self.settings.extended else None  # the paper's three policies alone without it
             for _, ranks in placement_options(state, r, near=near, extended=extended):
                 taken = occupied.union(ranks)
-                rest = tuple(x for x in range(self.cluster.num_devices) if x not in taken)
+                rest = tuple(sorted(everyone.difference(taken)))
                 found.append(Successor(r, ranks, taken, rest))
             self.shared.successors[key] = found
         return found
@@ -281,7 +301,13 @@ class StageSearch:
         placements, rows = [], []
         for r, index in usable.items():
             for succ in self.successors(cand.occupied, last, r):
-                c1 = boundary * self.p2p_unit(last, succ.ranks)[0] + self.lat if last is not None and boundary > 0 else 0.0
+                if last is not None and boundary > 0:
+                    unit = succ.unit_in
+                    if unit is None:
+                        unit = succ.unit_in = self.p2p_unit(last, succ.ranks)[0]
+                    c1 = boundary * unit + self.lat
+                else:
+                    c1 = 0.0
                 if self.m1 >= 1 and self.m1 * max(cand.max_fb, 2.0 * c1) >= thr:
                     continue
                 rest = free - succ.r
@@ -298,15 +324,15 @@ class StageSearch:
         col = lambda values: np.array(values, dtype=float)[:, None]  # noqa: E731
         s_r = col([self.scale(p.replicas) for p in placements])
         ends = slice(lo0, hi0 + 1)
-        pn = t.params[j, ends][None, :]
+        replicas = np.array([p.replicas for p in placements])
         return NewStage(
             placements=placements,
             ends=np.arange(lo0, hi0 + 1),
             inside=inside_all[:, columns[0] : columns[-1] + 1],
             fn=t.forward[j, ends][None, :] * s_r,
             bn=t.backward[j, ends][None, :] * s_r,
-            an=np.stack([self.exposed(p.ranks)[j, ends] for p in placements]),
-            tmax=self.t_max(pn * self.weight_factor, t.stash[j, ends][None, :] * s_r),
+            an=np.stack([self.exposed_of(p.successor, False)[j, ends] for p in placements]),
+            tmax=self.tmax_table(j)[replicas, lo0 : hi0 + 1],
             c1=col([p.transfer_ms for p in placements]),
             s_rest=col([self.scale(len(p.rest)) if len(p.rest) <= self.rmax else 0.0 for p in placements]),
             complete_ok=np.array([p.complete_ok for p in placements])[:, None],
@@ -341,11 +367,14 @@ class StageSearch:
         beam = self.settings.beam is not None
         width = self.settings.beam_insert
         rows, columns = np.nonzero(ok)
-        for p, i, end in zip(rows.tolist(), columns.tolist(), J[columns].tolist()):
+        # every admitted successor's features as Python floats, gathered at once
+        values = [np.broadcast_to(array, ok.shape)[rows, columns].tolist() for array in features]
+        lbs = values[Features._fields.index("lb")]
+        for index, (p, end) in enumerate(zip(rows.tolist(), J[columns].tolist())):
             heap = self._pending[end] if beam else None
-            if beam and len(heap) >= width and lb[p, i] >= -heap[0][0]:
+            if beam and len(heap) >= width and lbs[index] >= -heap[0][0]:
                 continue  # the layer's heap holds lower bounds only
-            at = Features(*[float(array[p, i]) for array in features])
+            at = Features(*[column[index] for column in values])
             pending = Pending(cand, cand.end, end, stage.placements[p], at)
             if beam:
                 self._push(pending)
@@ -402,22 +431,51 @@ class StageSearch:
         )
         return succ.key, new
 
+    def ring_key(self, ranks: tuple[int, ...]) -> tuple[int, float]:
+        """What the exposed AllReduce tail of a stage on ``ranks`` depends on: the replica
+        count and the ring's ms per byte (0 for one replica)."""
+        coef, bpm = self.ring(ranks)
+        return len(ranks), (coef / bpm if len(ranks) > 1 else 0.0)
+
     def exposed(self, ranks: tuple[int, ...]) -> np.ndarray:
         """Exposed AllReduce tail of every layer range [j, J) replicated on ``ranks``
         (``OverlapTables.tail``; ``costs.exposed_tail`` for one stage)."""
-        found = self._exposed.get(ranks)
+        return self._exposed_by_key(self.ring_key(ranks))
+
+    def _exposed_by_key(self, key: tuple[int, float]) -> np.ndarray:
+        found = self._exposed.get(key)
         if found is None:
-            coef, bpm = self.ring(ranks)
-            found = self._exposed[ranks] = self.t.overlap.tail(coef / bpm if len(ranks) > 1 else 0.0, self.lat, self.scale(len(ranks)))
+            replicas, per_byte = key
+            found = self._exposed[key] = self.t.overlap.tail(per_byte, self.lat, self.scale(replicas))
         return found
+
+    def exposed_of(self, succ: Successor, rest: bool) -> np.ndarray:
+        """``exposed`` of a successor's ranks (or of the rest), its ring looked up once."""
+        if rest:
+            key = succ.ring_rest
+            if key is None:
+                key = succ.ring_rest = self.ring_key(succ.rest)
+        else:
+            key = succ.ring_ranks
+            if key is None:
+                key = succ.ring_ranks = self.ring_key(succ.ranks)
+        return self._exposed_by_key(key)
+
+    def rest_unit(self, succ: Successor) -> float:
+        """``p2p_unit`` from a successor's ranks to the rest, looked up once per successor."""
+        unit = succ.unit_rest
+        if unit is None:
+            unit = succ.unit_rest = self.p2p_unit(succ.ranks, succ.rest)[0]
+        return unit
 
     def complete_rows(self, cand: PartialPlan, stage: "NewStage", top: TopPlans) -> np.ndarray:
         """Price prefix + new stage [j, J) + the rest as one stage (formula 2, incrementally);
         record the plans that enter the top list; return the latencies (inf if invalid)."""
-        rest = self._rest_stage(stage)
-        valid = stage.inside & stage.complete_ok & (stage.tmax >= 2) & rest.fits
+        fits = self._rest_fits(stage)
+        valid = stage.inside & stage.complete_ok & (stage.tmax >= 2) & fits
         if not valid.any():
             return np.full(stage.fn.shape, _INF)
+        rest = self._rest_stage(stage, fits, valid.any(axis=1).tolist())
         latency = self._four_phase_latency(cand, stage, rest)
         latency = np.where(valid, latency, _INF)
         thr = top.threshold
@@ -428,21 +486,29 @@ class StageSearch:
             top.add(float(latency[p, i]), self.m, cand.stages + ((j, jj, placement.ranks), (jj, n, placement.rest)))
         return latency
 
-    def _rest_stage(self, stage: "NewStage") -> "RestStage":
-        """The layers [J, n) as one last stage on the remaining ranks, and the transfer into it."""
+    def _rest_fits(self, stage: "NewStage") -> np.ndarray:
+        """Whether the layers [J, n) fit in memory as one last stage on the remaining ranks."""
+        t, n = self.t, self.t.n
+        ends = slice(int(stage.ends[0]), int(stage.ends[-1]) + 1)
+        mem = t.params[ends, n][None, :] * self.weight_factor + self.k_of(1) * (t.stash[ends, n][None, :] * stage.s_rest)
+        return mem <= self.cap
+
+    def _rest_stage(self, stage: "NewStage", fits: np.ndarray, needed: list[bool]) -> "RestStage":
+        """The layers [J, n) as one last stage on the remaining ranks, and the transfer into it.
+        The transfer and AllReduce are looked up only for the ``needed`` rows (the others
+        are masked out by the caller; they get zeros)."""
         t, n = self.t, self.t.n
         lo0, hi0 = int(stage.ends[0]), int(stage.ends[-1])
         ends = slice(lo0, hi0 + 1)
-        pr = t.params[ends, n][None, :]
-        mem = pr * self.weight_factor + self.k_of(1) * (t.stash[ends, n][None, :] * stage.s_rest)
         out = (t.output[lo0 - 1 : hi0] * self.whole)[None, :]
-        units = np.array([self.p2p_unit(p.ranks, p.rest)[0] for p in stage.placements])[:, None]
+        zeros = np.zeros(hi0 + 1 - lo0)
+        units = np.array([self.rest_unit(p.successor) if use else 0.0 for p, use in zip(stage.placements, needed)])[:, None]
         return RestStage(
             fr=t.forward[ends, n][None, :] * stage.s_rest,
             br=t.backward[ends, n][None, :] * stage.s_rest,
-            ar=np.stack([self.exposed(p.rest)[ends, n] for p in stage.placements]),
+            ar=np.stack([self.exposed_of(p.successor, True)[ends, n] if use else zeros for p, use in zip(stage.placements, needed)]),
             c2=np.where(out > 0, out * units + self.lat, 0.0),
-            fits=mem <= self.cap,
+            fits=fits,
         )
 
     def _four_phase_latency(self, cand: PartialPlan, stage: "NewStage", rest: "RestStage") -> np.ndarray:
