@@ -60,3 +60,16 @@ def _profile(tmp_path) -> object:
     path = tmp_path / "profile.json"
     path.write_text(ModelProfile(micro_batch_size=1, layers=layers).to_json())
     return path
+
+
+def test_a_module_of_ours_may_be_what_loads_lightning() -> None:
+    """A spawned rank unpickles its launcher first, so a module of ours that imports
+    Lightning can trigger the registration while it is itself half loaded."""
+    code = """
+import lightning_dapple
+import lightning_dapple.strategy.reporting
+from lightning.pytorch import Trainer
+trainer = Trainer(strategy="dapple_spawn", accelerator="cpu", devices=1, logger=False)
+print(type(trainer.strategy).__name__, trainer.strategy._start_method)
+"""
+    assert _run(code) == "DappleStrategy spawn"

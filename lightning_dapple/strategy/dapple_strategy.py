@@ -265,16 +265,6 @@ class DappleStrategy(DDPStrategy):
         self._saved_grads: list[torch.Tensor | None] | None = None
         self.last_stats: Any = None
 
-    @override
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(
-            "dapple", cls, description="DAPPLE pipeline/data-parallel strategy (subprocess launcher)", start_method="popen"
-        )
-        strategy_registry.register(
-            "dapple_spawn", cls, description="DAPPLE pipeline/data-parallel strategy (spawn launcher)", start_method="spawn"
-        )
-
     # -- set-up ------------------------------------------------------------------
     @property
     @override

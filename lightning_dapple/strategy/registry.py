@@ -17,13 +17,27 @@ from typing import Any
 _WATCHED = "lightning.pytorch"
 
 
+#: registered name -> (start method of Lightning's launcher, description)
+NAMES = {
+    "dapple": ("popen", "DAPPLE pipeline/data-parallel strategy (subprocess launcher)"),
+    "dapple_spawn": ("spawn", "DAPPLE pipeline/data-parallel strategy (spawn launcher)"),
+}
+
+
+def _dapple_strategy(**kwargs: Any) -> Any:
+    """The registry's factory: the strategy module loads when a Trainer asks for it, not while
+    Lightning itself is still loading (a module of ours may be what is loading it)."""
+    from lightning_dapple.strategy.dapple_strategy import DappleStrategy
+
+    return DappleStrategy(**kwargs)
+
+
 def register() -> None:
     from lightning.pytorch.strategies import StrategyRegistry
 
-    from lightning_dapple.strategy.dapple_strategy import DappleStrategy
-
-    if "dapple" not in StrategyRegistry:
-        DappleStrategy.register_strategies(StrategyRegistry)
+    for name, (start_method, description) in NAMES.items():
+        if name not in StrategyRegistry:
+            StrategyRegistry.register(name, _dapple_strategy, description=description, start_method=start_method)
 
 
 class _RegisterAfterLoad(importlib.abc.MetaPathFinder):
