@@ -368,7 +368,8 @@ class StageSearch:
         width = self.settings.beam_insert
         rows, columns = np.nonzero(ok)
         # every admitted successor's features as Python floats, gathered at once
-        values = [np.broadcast_to(array, ok.shape)[rows, columns].tolist() for array in features]
+        shape = ok.shape
+        values = [(array if array.shape == shape else np.broadcast_to(array, shape))[rows, columns].tolist() for array in features]
         lbs = values[Features._fields.index("lb")]
         for index, (p, end) in enumerate(zip(rows.tolist(), J[columns].tolist())):
             heap = self._pending[end] if beam else None
