@@ -15,13 +15,10 @@ from lightning_dapple.plan.search_tables import RangeTables, p2p_ms_fast
 from lightning_dapple.profile.model_profile import LayerProfile, ModelProfile
 
 
-def _profile(n: int = 12, seed: int = 1) -> ModelProfile:
-    rng = random.Random(seed)
-    layers = []
-    for i in range(n):
-        f = rng.uniform(1.0, 4.0)
-        layers.append(LayerProfile(f"layer{i}", f, 2 * f, rng.uniform(1e6, 8e6), rng.uniform(5e6, 3e9), rng.uniform(5e6, 2e9)))
-    return ModelProfile(4, tuple(layers), name="speed-check")
+def _profile(n: int = 12) -> ModelProfile:
+    """Uneven layers whose weights and stash reach the 16 GiB device limit within a few layers."""
+    sizes = [(1.0 + i % 3, 2e6 * (1 + i % 4), 1e9 * (1 + i % 5), 5e8 * (1 + i % 2)) for i in range(n)]
+    return ModelProfile(4, tuple(LayerProfile(f"layer{i}", f, 2 * f, out, params, stash) for i, (f, out, params, stash) in enumerate(sizes)), name="speed-check")
 
 
 def _search(cluster: Cluster, policy: str = "PA", schedule: str = "dapple", micro_batches: int = 4) -> StageSearch:
