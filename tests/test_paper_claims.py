@@ -9,7 +9,6 @@ comparison as a table next to the paper's own plans.
 """
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
@@ -19,8 +18,9 @@ from lightning_dapple.plan.pipedream_planner import plan_pipedream
 from lightning_dapple.plan.plan import Plan
 from lightning_dapple.profile.model_profile import load_profile
 from lightning_dapple.simulate import simulate_plan
+from conftest import shared_profiles
 
-PROFILES = Path(__file__).resolve().parents[1].parent / "shared" / "profiles" / "dapple"
+PROFILES = shared_profiles() / "dapple"
 MODELS = [
     ("vgg-19-pbs-32.txt", 2048),
     ("gnmt-16-pbs-64.txt", 1024),

@@ -8,8 +8,9 @@ import pytest
 
 from lightning_dapple.cli.plan import main
 from lightning_dapple.plan.plan import load_plan
+from conftest import shared_profiles
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "profiles" / "dapple"
+SHARED = shared_profiles() / "dapple"
 
 
 def _write(tmp_path: Path, name: str, data) -> str:

@@ -1,7 +1,6 @@
 """The PipeDream baseline picks what PipeDream's own optimizer picks (PipeDream 3.1)."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
@@ -10,8 +9,9 @@ from lightning_dapple.plan.pipedream_optimizer import Level, optimize
 from lightning_dapple.plan.pipedream_planner import pipedream_levels, pipedream_partition
 from lightning_dapple.plan.pipedream_states import pipedream_states
 from lightning_dapple.profile.model_profile import LayerProfile, ModelProfile, load_profile
+from conftest import shared_profiles
 
-RESNET50 = Path(__file__).resolve().parents[1].parent / "shared" / "profiles" / "pipedream" / "resnet50.graph.txt"
+RESNET50 = shared_profiles() / "pipedream" / "resnet50.graph.txt"
 
 
 @pytest.fixture(scope="module")

@@ -30,9 +30,10 @@ from lightning_dapple.plan.evaluate import score_stages
 from lightning_dapple.plan.plan import Plan, StagePlan
 from lightning_dapple.profile.model_profile import load_profile
 from lightning_dapple.simulate import simulate_plan
+from conftest import shared_profiles
 
 DATA = Path(__file__).with_name("data") / "planner_before.json"
-PROFILES = Path(__file__).resolve().parents[1].parent / "shared" / "profiles"
+PROFILES = shared_profiles()
 pytestmark = pytest.mark.skipif(not PROFILES.is_dir() or not DATA.is_file(), reason="needs ../shared/profiles")
 
 
