@@ -118,9 +118,10 @@ class FailureChannel:
         self._reported = True
         if _lost_connection(exc):  # a send or receive posted to a peer that is gone: name it, not us
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            message = self._name_the_dead(f"a transfer that failed with: {first[:200]}", exc)
+            message, first_to_say = self._name_the_dead(f"a transfer that failed with: {first[:200]}", exc)
             self._peer_message = message
-            self._say(f"{message} (seen on rank {self.rank})")
+            if first_to_say:
+                self._say(f"{message} (seen on rank {self.rank})")
             return
         self._publish(f"rank {self.rank} raised {type(exc).__name__}: {exc}")
 
@@ -199,21 +200,24 @@ class FailureChannel:
                 f"rank {self.rank}: no progress for {self.timeout_s:.0f} s while waiting for {what}{suspect}; "
                 "a peer may be stuck or dead. Raise DappleStrategy(timeout_s=...) if steps are this slow."
             ) from exc
-        message = self._name_the_dead(what, exc)
+        message, first_to_say = self._name_the_dead(what, exc)
         self._peer_message = message  # known here even when the store is gone
         self._peer_seen_at = time.monotonic()
-        self._say(f"{message} (seen on rank {self.rank})")
+        if first_to_say:
+            self._say(f"{message} (seen on rank {self.rank})")
         raise PeerFailedError(f"{message} (seen on rank {self.rank})") from exc
 
-    def _name_the_dead(self, what: str, exc: BaseException) -> str:
-        """The failure line for a connection that broke with no report published."""
+    def _name_the_dead(self, what: str, exc: BaseException) -> tuple[str, bool]:
+        """The failure line for a broken connection, and whether this rank is the one to print
+        it: a rank that raised prints its own error, and a death another rank published first
+        was printed there, so the job says what failed once."""
         try:
             self._store.check([FAILURE_KEY])
         except Exception:
             return (
                 f"the job's store is unreachable, so its host died ({_store_host()}); "
                 f"rank {self.rank} was waiting for {what} ({exc})"
-            )
+            ), True
         dead = self._dead_peers()
         if not dead:  # nothing certain: the receive's peer is the one whose connection closed
             named = re.search(r"rank (\d+)", what)
@@ -223,7 +227,8 @@ class FailureChannel:
             f"{who} died without reporting an error (killed or crashed); rank {self.rank} was waiting for {what}"
         )
         self._publish(message)
-        return self._read_report() or message
+        report = self._read_report()
+        return (report or message), report in (None, message)
 
     # -- heartbeats ---------------------------------------------------------------
     def _announce(self) -> None:
