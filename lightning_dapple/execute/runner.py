@@ -445,7 +445,9 @@ class StageRunner:
         finally:
             self.store.recording = None
         if recompute:
-            stashed = step.sizes.setdefault((mb, "F"), tensor_bytes(item.inputs))
+            stashed = step.sizes.get((mb, "F"))
+            if stashed is None:  # measured in the first step of a batch size only
+                stashed = step.sizes[(mb, "F")] = tensor_bytes(item.inputs)
         elif meter is not None:
             stashed = step.sizes[(mb, "F")] = meter.bytes
         else:
