@@ -32,7 +32,7 @@ from lightning_dapple.execute.failure import FailureChannel
 from lightning_dapple.execute.groups import build_groups
 from lightning_dapple.execute.runner import StageRunner
 from lightning_dapple.plan.plan import plan_from_dict
-from lightning_dapple.schedule import schedule_for_plan
+from lightning_dapple.simulate.plans import schedule_for_plan
 
 LR = 1e-3
 SEED = 1234

@@ -55,10 +55,11 @@ from rich.table import Table
 
 from lightning_dapple.cluster import Cluster, load_cluster
 from lightning_dapple.errors import DappleConfigError
-from lightning_dapple.plan.api import make_plan
+from lightning_dapple.simulate.plans import make_plan
 from lightning_dapple.plan.costs import StageCost, dapple_latency, pipeline_phases, pivot_stage, stage_costs
 from lightning_dapple.plan.plan import Plan
-from lightning_dapple.profile.model_profile import ModelProfile, load_profile
+from lightning_dapple.profile.model_profile import ModelProfile
+from lightning_dapple.profile.loader import load_profile
 from lightning_dapple.simulate import SimulationResult, simulate_plan
 
 REPO = Path(__file__).resolve().parents[1]

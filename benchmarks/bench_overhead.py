@@ -146,7 +146,7 @@ def _dapple_step(module: Any, rank: int, world: int, cfg: dict, micro_batches: i
     from lightning_dapple.execute.groups import build_groups
     from lightning_dapple.execute.runner import StageRunner
     from lightning_dapple.plan.plan import plan_from_dict
-    from lightning_dapple.schedule import schedule_for_plan
+    from lightning_dapple.simulate.plans import schedule_for_plan
 
     layers = len(module.layers)
     plan = plan_from_dict({

@@ -33,11 +33,12 @@ from rich.table import Table
 
 from lightning_dapple.cluster import load_cluster
 from lightning_dapple.errors import DappleConfigError
-from lightning_dapple.plan.dapple_planner import data_parallel_candidates, plan_dapple, straight_candidates
-from lightning_dapple.plan.pipedream_planner import plan_pipedream
+from lightning_dapple.plan.dapple_planner import data_parallel_candidates, straight_candidates
 from lightning_dapple.plan.plan import Plan
-from lightning_dapple.profile.model_profile import LayerProfile, ModelProfile, load_profile
+from lightning_dapple.profile.model_profile import LayerProfile, ModelProfile
+from lightning_dapple.profile.loader import load_profile
 from lightning_dapple.simulate import simulate_plan
+from lightning_dapple.simulate.plans import make_plan
 
 PROFILES = Path(__file__).resolve().parents[1].parent / "shared" / "profiles" / "dapple"
 
@@ -89,7 +90,7 @@ def compare(model: str, filename: str, gbs: int, cluster_name: str) -> dict[str,
     cluster = load_cluster(cluster_name)
     row: dict[str, Any] = {"model": model, "cluster": cluster_name, "gbs": gbs, "paper": TABLE4.get((model, cluster_name), "-")}
     start = time.perf_counter()
-    dapple = plan_dapple(profile, cluster, gbs)
+    dapple = make_plan(profile, cluster, gbs)
     row["dapple_s"] = time.perf_counter() - start
     row["dapple_plan"] = _describe(dapple)
     row["dapple_m"] = dapple.micro_batches
@@ -97,7 +98,7 @@ def compare(model: str, filename: str, gbs: int, cluster_name: str) -> dict[str,
     row["dapple_formula"] = dapple.predicted.latency_ms if dapple.predicted else None
     row["reason"] = dapple.reason
     try:
-        pipedream = plan_pipedream(profile, cluster, gbs)
+        pipedream = make_plan(profile, cluster, gbs, planner="pipedream")
         row["pipedream"] = pipedream.predicted.simulated_latency_ms
         row["pipedream_plan"] = _describe(pipedream)
     except DappleConfigError as exc:
@@ -132,7 +133,7 @@ def timing(repeats: int = 3) -> list[dict[str, Any]]:
         wall, cpu = [], []
         for _ in range(repeats):
             w0, c0 = time.perf_counter(), time.process_time()
-            plan = plan_dapple(profile, cluster, gbs)
+            plan = make_plan(profile, cluster, gbs)
             wall.append(time.perf_counter() - w0)
             cpu.append(time.process_time() - c0)
         results.append(

@@ -22,9 +22,12 @@ from lightning_dapple.cli.simulate import main as simulate_main
 from lightning_dapple.cluster import Cluster, load_cluster
 from lightning_dapple.plan.costs import StageCost, dapple_latency, stage_costs
 from lightning_dapple.plan.plan import Plan, StagePlan, plan_from_dict, straight_plan
-from lightning_dapple.plan.recompute import apply_ooo_recompute, stage_memory, with_weight_split
+from lightning_dapple.simulate.memory_fit import apply_ooo_recompute
+from lightning_dapple.simulate.plans import stage_memory
+from lightning_dapple.plan.options import with_weight_split
 from lightning_dapple.profile.model_profile import LayerProfile, ModelProfile
-from lightning_dapple.schedule import Kind, build_schedule, compute_order, schedule_for_plan
+from lightning_dapple.schedule import Kind, build_schedule, compute_order
+from lightning_dapple.simulate.plans import schedule_for_plan
 from lightning_dapple.schedule.ooo import build_ooo_schedule, ending_order, stash_walk
 from lightning_dapple.simulate import simulate, simulate_plan
 from test_executor_equivalence import PLANS
@@ -323,7 +326,7 @@ PAPER_PLANS = {
 
 @pytest.mark.parametrize("name", sorted(PAPER_PLANS))
 def test_paper_plans_are_not_slower_with_ooo(name: str) -> None:
-    from lightning_dapple.profile.model_profile import load_profile
+    from lightning_dapple.profile.loader import load_profile
 
     data = PAPER_PLANS[name]
     profile = load_profile(PROFILES / name)

@@ -13,11 +13,11 @@ from __future__ import annotations
 import pytest
 
 from lightning_dapple.cluster import load_cluster
-from lightning_dapple.plan.dapple_planner import data_parallel_candidates, plan_dapple, straight_candidates
-from lightning_dapple.plan.pipedream_planner import plan_pipedream
+from lightning_dapple.plan.dapple_planner import data_parallel_candidates, straight_candidates
 from lightning_dapple.plan.plan import Plan
-from lightning_dapple.profile.model_profile import load_profile
+from lightning_dapple.profile.loader import load_profile
 from lightning_dapple.simulate import simulate_plan
+from lightning_dapple.simulate.plans import make_plan
 from conftest import shared_profiles
 
 PROFILES = shared_profiles() / "dapple"
@@ -35,10 +35,10 @@ def test_dapple_never_slower_than_the_baselines(filename: str, gbs: int) -> None
     profile = load_profile(PROFILES / filename)
     for name in ("paper-a", "paper-b", "paper-c"):
         cluster = load_cluster(name)
-        dapple = plan_dapple(profile, cluster, gbs)
+        dapple = make_plan(profile, cluster, gbs)
         ours = dapple.predicted.simulated_latency_ms
         assert ours is not None
-        others: dict[str, float] = {"pipedream": plan_pipedream(profile, cluster, gbs).predicted.simulated_latency_ms}
+        others: dict[str, float] = {"pipedream": make_plan(profile, cluster, gbs, planner="pipedream").predicted.simulated_latency_ms}
         dp = [item for item in data_parallel_candidates(profile, cluster, gbs) if item.fits(cluster)]
         if dp:
             others["DP"] = simulate_plan(Plan(gbs, dp[0].micro_batches, dp[0].stages), profile, cluster).latency_ms

@@ -11,9 +11,9 @@ import pytest
 from lightning_dapple.cluster import Cluster, load_cluster
 from lightning_dapple.errors import DappleConfigError
 from lightning_dapple.plan.costs import stage_costs, stage_memory_bytes
-from lightning_dapple.plan.dapple_planner import dapple_search, p2p_ms_fast, plan_dapple, search_effort
+from lightning_dapple.plan.dapple_planner import dapple_search, p2p_ms_fast, search_effort
 from lightning_dapple.plan.evaluate import candidate_micro_batches
-from lightning_dapple.plan.pipedream_planner import pipedream_partition, plan_pipedream
+from lightning_dapple.plan.pipedream_planner import pipedream_partition
 from lightning_dapple.plan.placement import (
     PlacementState,
     append_first,
@@ -24,7 +24,8 @@ from lightning_dapple.plan.placement import (
 )
 from lightning_dapple.plan.plan import plan_from_dict
 from lightning_dapple.profile.model_profile import LayerProfile, ModelProfile
-from lightning_dapple.schedule.policy import warmup_counts
+from lightning_dapple.plan.warmup import warmup_counts
+from lightning_dapple.simulate.plans import make_plan
 
 
 def chain(n: int, forward: float = 2.0, params: float = 1e6, output: float = 1e6, stash: float = 1e6, pbs: int = 1) -> ModelProfile:
@@ -107,12 +108,12 @@ def test_micro_batch_candidates_respect_the_slice_floor() -> None:
 def test_chosen_plan_keeps_every_slice_at_least_the_profile_batch() -> None:
     profile = chain(12, pbs=4)
     for name in ("2x4", "8x1"):
-        plan = plan_dapple(profile, load_cluster(name), 256)
+        plan = make_plan(profile, load_cluster(name), 256)
         assert 256 % plan.micro_batches == 0
         for stage in plan.stages:
             assert plan.micro_batch_size / stage.replicas >= 4
     # a given M is used as is
-    assert plan_dapple(profile, load_cluster("2x4"), 256, micro_batches=8).micro_batches == 8
+    assert make_plan(profile, load_cluster("2x4"), 256, micro_batches=8).micro_batches == 8
 
 
 def test_memory_filter_and_reported_memory() -> None:
@@ -120,7 +121,7 @@ def test_memory_filter_and_reported_memory() -> None:
     cluster = Cluster(2, 4, device_memory_gib=4.0)
     for item in dapple_search(profile, cluster, 64, keep=4):
         assert item.fits(cluster)
-    plan = plan_dapple(profile, cluster, 64)
+    plan = make_plan(profile, cluster, 64)
     costs = stage_costs(profile, cluster, plan.stages, plan.micro_batch_size)
     counts = warmup_counts(plan.num_stages, plan.micro_batches, plan.policy)
     expected = [stage_memory_bytes(cost, k, cluster) for cost, k in zip(costs, counts)]
@@ -135,7 +136,7 @@ def test_impossible_memory_names_the_need_and_the_fix() -> None:
     profile = chain(4, params=5e9)
     cluster = Cluster(1, 4, device_memory_gib=16.0)
     with pytest.raises(DappleConfigError) as info:
-        plan_dapple(profile, cluster, 16)
+        make_plan(profile, cluster, 16)
     error = info.value
     assert error.field == "cluster.device_memory_gib"
     assert "no plan fits" in error.problem and "GiB per device" in error.problem
@@ -149,7 +150,7 @@ def test_impossible_memory_names_the_need_and_the_fix() -> None:
 
 def test_tiny_weights_and_huge_activations_choose_dp() -> None:
     profile = chain(6, forward=10.0, params=1e3, output=2e9, stash=1e6)
-    plan = plan_dapple(profile, Cluster(2, 4, inter_bandwidth_gbps=25), 64)
+    plan = make_plan(profile, Cluster(2, 4, inter_bandwidth_gbps=25), 64)
     assert plan.kind() == "DP"
     assert plan.reason.startswith("DP:")
 
@@ -157,7 +158,7 @@ def test_tiny_weights_and_huge_activations_choose_dp() -> None:
 def test_huge_weights_on_a_slow_network_choose_a_pipeline() -> None:
     profile = chain(8, forward=10.0, params=2.5e8, output=1e5, stash=1e6)
     cluster = Cluster(8, 1, inter_bandwidth_gbps=1, device_memory_gib=64)
-    plan = plan_dapple(profile, cluster, 64)
+    plan = make_plan(profile, cluster, 64)
     assert plan.kind() not in ("DP", "single")
     assert plan.num_stages >= 2
     assert "would cost" in plan.reason and "under DP" in plan.reason
@@ -167,7 +168,7 @@ def test_huge_weights_on_a_slow_network_choose_a_pipeline() -> None:
 def test_plan_is_valid_complete_and_round_trips_through_json(tmp_path) -> None:
     profile = chain(10, forward=3.0, params=5e7)
     cluster = load_cluster("2x4")
-    plan = plan_dapple(profile, cluster, 128)
+    plan = make_plan(profile, cluster, 128)
     plan.validate(num_layers=10, world_size=8)
     assert plan.planner == "dapple" and plan.reason
     assert plan.predicted is not None and plan.predicted.simulated_latency_ms is not None
@@ -181,10 +182,10 @@ def test_plan_is_valid_complete_and_round_trips_through_json(tmp_path) -> None:
 
 
 def test_num_devices_plans_for_part_of_the_cluster() -> None:
-    plan = plan_dapple(chain(8), load_cluster("2x8"), 64, num_devices=8)
+    plan = make_plan(chain(8), load_cluster("2x8"), 64, num_devices=8)
     assert plan.world_size == 8
     with pytest.raises(DappleConfigError, match="num_devices"):
-        plan_dapple(chain(8), load_cluster("2x8"), 64, num_devices=12)
+        make_plan(chain(8), load_cluster("2x8"), 64, num_devices=12)
 
 
 def test_search_effort_by_instance_size() -> None:
@@ -238,7 +239,7 @@ def test_pipedream_planner_returns_a_valid_plan() -> None:
     profile = chain(12, forward=3.0, params=5e7)
     for name in ("2x4", "8x1", "1x4"):
         cluster = load_cluster(name)
-        plan = plan_pipedream(profile, cluster, 64)
+        plan = make_plan(profile, cluster, 64, planner="pipedream")
         plan.validate(num_layers=12, world_size=cluster.num_devices)
         assert plan.planner == "pipedream" and plan.predicted is not None
         assert plan.predicted.simulated_latency_ms is not None

@@ -8,7 +8,8 @@ from lightning_dapple.cluster import Cluster
 from lightning_dapple.plan.pipedream_optimizer import Level, optimize
 from lightning_dapple.plan.pipedream_planner import pipedream_levels, pipedream_partition
 from lightning_dapple.plan.pipedream_states import pipedream_states
-from lightning_dapple.profile.model_profile import LayerProfile, ModelProfile, load_profile
+from lightning_dapple.profile.model_profile import LayerProfile, ModelProfile
+from lightning_dapple.profile.loader import load_profile
 from conftest import shared_profiles
 
 RESNET50 = shared_profiles() / "pipedream" / "resnet50.graph.txt"

@@ -25,11 +25,11 @@ from typing import Any
 import pytest
 
 from lightning_dapple.cluster import load_cluster
-from lightning_dapple.plan.dapple_planner import plan_dapple
 from lightning_dapple.plan.evaluate import score_stages
 from lightning_dapple.plan.plan import Plan, StagePlan
-from lightning_dapple.profile.model_profile import load_profile
+from lightning_dapple.profile.loader import load_profile
 from lightning_dapple.simulate import simulate_plan
+from lightning_dapple.simulate.plans import make_plan
 from conftest import shared_profiles
 
 DATA = Path(__file__).with_name("data") / "planner_before.json"
@@ -64,7 +64,7 @@ def test_plans_match_the_record_except_where_changed_on_purpose() -> None:
             row["profile"], load_profile(PROFILES / row["profile"], profile_batch_size=row["pbs"])
         )
         cluster = load_cluster(row["cluster"])
-        plan = plan_dapple(profile, cluster, row["gbs"])
+        plan = make_plan(profile, cluster, row["gbs"])
         old = _stages(row["dapple"]["stages"])
         if _shape(plan.stages) == _shape(old) and plan.micro_batches == row["dapple"]["micro_batches"]:
             continue

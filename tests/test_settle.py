@@ -15,7 +15,7 @@ import pytest
 
 from lightning_dapple.plan.plan import plan_from_dict
 from lightning_dapple.schedule.actions import Action, Kind
-from lightning_dapple.schedule.builders import schedule_for_plan
+from lightning_dapple.simulate.plans import schedule_for_plan
 from lightning_dapple.schedule.settle import settle_points
 
 MATCH = {Kind.SEND_ACT: (+1, Kind.RECV_ACT), Kind.SEND_GRAD: (-1, Kind.RECV_GRAD)}

@@ -22,7 +22,8 @@ from lightning_dapple.errors import DappleConfigError
 from lightning_dapple.plan.costs import StageCost, dapple_latency, stage_costs
 from lightning_dapple.plan.plan import Plan, StagePlan, straight_plan
 from lightning_dapple.profile.model_profile import LayerProfile, ModelProfile
-from lightning_dapple.schedule import Action, Kind, Schedule, build_schedule, warmup_counts
+from lightning_dapple.plan.warmup import warmup_counts
+from lightning_dapple.schedule import Action, Kind, Schedule, build_schedule
 from lightning_dapple.simulate import ScheduleDeadlock, SimulationResult, draw_timeline, simulate, simulate_plan
 from stage_costs import cost
 

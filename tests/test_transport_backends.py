@@ -231,7 +231,7 @@ def train_worker(rank: int, world: int, device: str = "cpu", wires: tuple[str, .
     from lightning_dapple.execute.runner import StageRunner
     from lightning_dapple.execute.transport import Transport
     from lightning_dapple.plan.plan import plan_from_dict
-    from lightning_dapple.schedule import schedule_for_plan
+    from lightning_dapple.simulate.plans import schedule_for_plan
 
     failure = FailureChannel(rank, timeout_s=60)
     plan = plan_from_dict({**PLAN, "schedule": "dapple"})

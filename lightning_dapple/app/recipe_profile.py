@@ -126,7 +126,7 @@ def recipe_profile(name: str, device: str = "V100", prefer_shared: bool = True, 
     if prefer_shared and device == "V100":
         path = shared_profile_path(name)
         if path is not None:
-            from lightning_dapple.profile.model_profile import load_profile
+            from lightning_dapple.profile.loader import load_profile
 
             profile = load_profile(path)
             return ModelProfile(

@@ -16,7 +16,16 @@ from __future__ import annotations
 import argparse
 import re
 import time
-from typing import Any, Callable
+from typing import Any
+
+from lightning_dapple.app.recipe_profile import recipe_global_batch, recipe_profile, shared_profiles_dir
+from lightning_dapple.cluster import load_cluster
+from lightning_dapple.errors import require
+from lightning_dapple.plan.dapple_planner import data_parallel_candidates, straight_candidates
+from lightning_dapple.plan.evaluate import candidate_micro_batches, default_min_slice, score_stages
+from lightning_dapple.plan.plan import Plan, StagePlan
+from lightning_dapple.profile.loader import load_profile
+from lightning_dapple.simulate.plans import make_plan, simulate_plan
 
 __all__ = [
     "PAPER_TABLE4", "TABLE4_MODELS", "category", "full_table_markdown", "main", "paper_choice", "plan_recipe",
@@ -54,30 +63,16 @@ def weight_layer_split(recipe: str, profile: Any, plan: Any) -> str:
     return ":".join(str(c) for c in counts)
 
 
-def _planner() -> tuple[Callable[..., Any], str]:
-    try:
-        from lightning_dapple.plan.api import make_plan
-
-        return make_plan, "lightning_dapple.plan.api.make_plan"
-    except ImportError:
-        from lightning_dapple.plan.dapple_planner import plan_dapple
-
-        return plan_dapple, "lightning_dapple.plan.dapple_planner.plan_dapple"
-
-
 def _kind(plan: Any) -> str:
     kind = plan.kind()
     return {"straight": "Straight"}.get(kind, kind)
 
 
 def plan_recipe(recipe: str, cluster: str, estimate: bool = False, device: str = "V100") -> dict[str, Any]:
-    from lightning_dapple.app.recipe_profile import recipe_global_batch, recipe_profile
-    from lightning_dapple.cluster import load_cluster
 
-    planner, _ = _planner()
     profile = recipe_profile(recipe, device=device, prefer_shared=not estimate)
     started = time.perf_counter()
-    plan = planner(profile, load_cluster(cluster), recipe_global_batch(recipe))
+    plan = make_plan(profile, load_cluster(cluster), recipe_global_batch(recipe))
     return {
         "recipe": recipe,
         "cluster": cluster,
@@ -91,7 +86,7 @@ def plan_recipe(recipe: str, cluster: str, estimate: bool = False, device: str =
 
 
 def table4_markdown(rows: list[dict[str, Any]], source: str) -> str:
-    _, planner = _planner()
+    planner = f"{make_plan.__module__}.{make_plan.__name__}"
     lines = [
         f"Plans on 16 V100 ({source}; planner {planner}) beside DAPPLE Table 4:",
         "",
@@ -137,9 +132,6 @@ def paper_choice(profile: Any, cluster: Any, global_batch: int, paper_plan: str)
     DP and straight are the planner's own DP and straight candidates; a P:Q plan is the
     best two-stage plan with P then Q devices over every cut and every M.
     """
-    from lightning_dapple.plan.dapple_planner import data_parallel_candidates, straight_candidates
-    from lightning_dapple.plan.evaluate import candidate_micro_batches, default_min_slice, score_stages
-    from lightning_dapple.plan.plan import StagePlan
 
     if paper_plan == "DP":
         fitting = [item for item in data_parallel_candidates(profile, cluster, global_batch) if item.fits(cluster)]
@@ -164,19 +156,13 @@ def paper_choice(profile: Any, cluster: Any, global_batch: int, paper_plan: str)
 
 def table4_row(label: str, path: str, pbs: int | None, global_batch: int, config: str, paper_plan: str) -> dict[str, Any]:
     """Our plan for one cell of Table 4 and, where its category differs, the paper's."""
-    from lightning_dapple.app.recipe_profile import shared_profiles_dir
-    from lightning_dapple.cluster import load_cluster
-    from lightning_dapple.plan.dapple_planner import plan_dapple
-    from lightning_dapple.plan.plan import Plan
-    from lightning_dapple.profile.model_profile import load_profile
-    from lightning_dapple.simulate import simulate_plan
 
     root = shared_profiles_dir()
     require_profiles(root, path)
     profile = load_profile(root / path, profile_batch_size=pbs)
     cluster = load_cluster(config)
     started = time.perf_counter()
-    plan = plan_dapple(profile, cluster, global_batch)
+    plan = make_plan(profile, cluster, global_batch)
     row: dict[str, Any] = {
         "model": label, "config": config, "paper": paper_plan, "ours": _kind(plan),
         "split": ":".join(str(s.end - s.start) for s in plan.stages), "micro_batches": plan.micro_batches,
@@ -193,7 +179,6 @@ def table4_row(label: str, path: str, pbs: int | None, global_batch: int, config
 
 
 def require_profiles(root: Any, path: str) -> None:
-    from lightning_dapple.errors import require
 
     require(root is not None and (root / path).is_file(), "shared profiles", f"{path} is not found",
             "set $DAPPLE_SHARED_PROFILES to the folder holding dapple/ and pipedream/")

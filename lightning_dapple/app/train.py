@@ -257,14 +257,6 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _planner_available() -> bool:
-    try:
-        from lightning_dapple.plan.api import make_plan  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def _resolve_launcher(requested: str, accelerator: str) -> str:
     if requested == "external":
         require(
@@ -365,13 +357,6 @@ def prepare(cfg: DictConfig, run_dir: Path) -> Job:
 
     # the plan
     plan_dict = _explicit_plan(cfg.strategy.plan, cfg) if dapple else None
-    if dapple and plan_dict is None:
-        require(
-            _planner_available(),
-            "strategy.plan",
-            "is 'auto' but this installation has no planner entry point (lightning_dapple.plan.api.make_plan)",
-            "give an explicit plan: strategy.plan=path/to/plan.json",
-        )
     launcher = _resolve_launcher(enum_value(cfg.strategy.launcher), accelerator) if dapple else "none"
 
     notes: list[str] = []

@@ -67,9 +67,9 @@ def _run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from lightning_dapple.cluster import load_cluster
-    from lightning_dapple.plan.api import make_plan
+    from lightning_dapple.simulate.plans import make_plan
     from lightning_dapple.plan.explain import plan_summary, plan_table
-    from lightning_dapple.profile.model_profile import load_profile
+    from lightning_dapple.profile.loader import load_profile
 
     if args.recipe:
         from lightning_dapple.app.recipe_profile import recipe_global_batch, recipe_profile

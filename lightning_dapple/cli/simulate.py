@@ -29,8 +29,9 @@ from lightning_dapple.cluster import load_cluster
 from lightning_dapple.errors import DappleConfigError
 from lightning_dapple.plan.costs import dapple_latency
 from lightning_dapple.plan.plan import Plan, SCHEDULES, load_plan
-from lightning_dapple.profile.model_profile import load_profile
-from lightning_dapple.simulate.engine import ScheduleDeadlock, SimulationResult, simulate_plan
+from lightning_dapple.profile.loader import load_profile
+from lightning_dapple.simulate.engine import ScheduleDeadlock, SimulationResult
+from lightning_dapple.simulate.plans import simulate_plan
 
 __all__ = ["build_parser", "main", "print_result"]
 
@@ -79,8 +80,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.ooo or args.recompute is not None:
             from dataclasses import replace as _replace
 
-            from lightning_dapple.plan.recompute import apply_ooo_recompute
-            from lightning_dapple.simulate.engine import check_plan_fits
+            from lightning_dapple.simulate.memory_fit import apply_ooo_recompute
+            from lightning_dapple.simulate.plans import check_plan_fits
 
             check_plan_fits(plan, profile, cluster)
             if args.schedule is not None and args.schedule != plan.schedule:

@@ -79,11 +79,11 @@ from lightning_dapple.cluster import Cluster
 from lightning_dapple.errors import DappleConfigError
 from lightning_dapple.plan.baselines import balanced_variant, data_parallel_candidates, smallest_memory, straight_candidates
 from lightning_dapple.plan.choice import describe_choice, pair_for, summary
-from lightning_dapple.plan.evaluate import Scored, finish_plan, raise_no_memory, score_stages, simulate_or_none
+from lightning_dapple.plan.evaluate import Scored, finish_plan, raise_no_memory, score_stages
 from lightning_dapple.plan.partial import RawStages, TopPlans
 from lightning_dapple.plan.plan import Plan, StagePlan
 from lightning_dapple.plan.polish import polish
-from lightning_dapple.plan.request import PlanRequest
+from lightning_dapple.plan.request import PlanRequest, StepPricer
 from lightning_dapple.plan.search import SearchSettings, SharedMemo, StageSearch
 from lightning_dapple.plan.search_tables import RangeTables, p2p_ms_fast
 from lightning_dapple.profile.model_profile import ModelProfile
@@ -233,15 +233,19 @@ def plan_dapple(
     rerank: int = 4,
     keep_per_state: int | None = None,
     beam: int | None | str = "auto",
+    simulate: StepPricer | None = None,
 ) -> Plan:
     """Plan ``profile`` on all devices of ``cluster`` with DAPPLE's planner (section 4).
 
     Returns the plan JSON the runtime executes: stages, M, K_i (5.3), ``predicted`` (formula
     phases, pivot, per-device memory, simulated latency and bubble) and a one-line ``reason``.
-    Raises ``DappleConfigError`` when no plan is valid or none fits in device memory.
+    ``simulate`` prices a plan's exact schedule (``simulate.plans.simulate_plan``, which
+    ``simulate.plans.make_plan`` passes): the shortlist is re-ranked by it; without it the
+    formula alone decides. Raises ``DappleConfigError`` when no plan is valid or none fits
+    in device memory.
     """
     request = PlanRequest.build(
-        profile, cluster, global_batch_size, micro_batches, schedule, policy, num_devices, min_slice, rerank, keep_per_state, beam
+        profile, cluster, global_batch_size, micro_batches, schedule, policy, num_devices, min_slice, rerank, keep_per_state, beam, simulate
     )
     return plan_request(request)
 
@@ -318,12 +322,12 @@ def _raise_nothing_valid(request: PlanRequest) -> None:
 
 def _simulate(request: PlanRequest, pool: list[Scored]) -> dict[int, Any]:
     """Simulated step of every pooled plan (none when re-ranking is off)."""
-    if request.rerank <= 0:
+    if request.rerank <= 0 or request.simulate is None:
         return {}
     out = {}
     for index, item in enumerate(pool):
         bare = Plan(request.global_batch_size, item.micro_batches, item.stages, schedule=request.schedule, policy=request.policy)
-        out[index] = simulate_or_none(bare, request.profile, request.cluster)
+        out[index] = request.simulate(bare, request.profile, request.cluster)
     return out
 
 

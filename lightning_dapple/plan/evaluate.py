@@ -25,7 +25,7 @@ from lightning_dapple.errors import DappleConfigError, require
 from lightning_dapple.plan.costs import StageCost, dapple_latency, stage_costs, stage_memory_bytes
 from lightning_dapple.plan.plan import SCHEDULES, Plan, Prediction, StagePlan
 from lightning_dapple.profile.model_profile import ModelProfile
-from lightning_dapple.schedule.policy import warmup_counts
+from lightning_dapple.plan.warmup import warmup_counts
 
 __all__ = [
     "Scored",
@@ -35,7 +35,6 @@ __all__ = [
     "format_bytes",
     "memory_per_stage",
     "score_stages",
-    "simulate_or_none",
     "subcluster",
     "finish_plan",
 ]
@@ -180,15 +179,6 @@ def score_stages(
     return Scored(stages, micro_batches, dapple_latency(costs, micro_batches, memory), tuple(costs))
 
 
-def simulate_or_none(plan: Plan, profile: ModelProfile, cluster: Cluster) -> Any:
-    """``simulate_plan`` when the simulator is importable, else ``None`` (formula only)."""
-    try:
-        from lightning_dapple.simulate import simulate_plan
-    except ImportError:  # the simulator is optional for planning
-        return None
-    return simulate_plan(plan, profile, cluster)
-
-
 def finish_plan(
     scored: Scored,
     profile: ModelProfile,
@@ -250,5 +240,6 @@ def raise_no_memory(
         f"no plan fits in {cluster.device_memory_gib:g} GiB per device: the smallest plan ({what}) needs "
         f"{smallest_bytes / GIB:.2f} GiB per device for {profile.name}",
         "use more devices (--cluster), smaller micro-batches (more --micro-batches or a smaller global batch), "
-        "or devices with more memory (--memory-gib); recomputation is not supported yet",
+        "or devices with more memory (--memory-gib); the planner sizes every stash without recomputation, so an "
+        "explicit plan whose stages recompute (recompute='always') may still fit",
     )

@@ -40,12 +40,12 @@ from lightning_dapple.plan.evaluate import (
     finish_plan,
     raise_no_memory,
     score_stages,
-    simulate_or_none,
     subcluster,
 )
 from lightning_dapple.plan.pipedream_optimizer import Level, PipeDreamChoice, optimize
 from lightning_dapple.plan.pipedream_states import PipeDreamStates, pipedream_states
 from lightning_dapple.plan.plan import Plan, StagePlan
+from lightning_dapple.plan.request import StepPricer
 from lightning_dapple.profile.model_profile import ModelProfile
 
 __all__ = ["plan_pipedream", "pipedream_partition", "pipedream_levels", "PipeDreamResult"]
@@ -149,9 +149,10 @@ def plan_pipedream(
     policy: str = "PA",
     num_devices: int | None = None,
     min_slice: int | None = None,
-    simulate: bool = True,
+    simulate: StepPricer | None = None,
 ) -> Plan:
-    """Plan with PipeDream's optimizer (3.1), priced and scheduled like a DAPPLE plan."""
+    """Plan with PipeDream's optimizer (3.1), priced and scheduled like a DAPPLE plan;
+    ``simulate`` (``simulate.plans.simulate_plan``) adds the simulated step to the result."""
     check_inputs(schedule, policy, global_batch_size)
     cluster = subcluster(cluster, num_devices)
     floor = default_min_slice(profile, min_slice)
@@ -173,7 +174,7 @@ def plan_pipedream(
         raise_no_memory(profile, cluster, smallest.peak_memory_bytes, f"PipeDream's {smallest.kind()} plan, M={smallest.micro_batches}")
     chosen, slowest = min(fitting, key=lambda pair: (pair[0].latency_ms, pair[0].micro_batches))
     bare = Plan(global_batch_size=global_batch_size, micro_batches=chosen.micro_batches, stages=chosen.stages, schedule=schedule, policy=policy)
-    sim = simulate_or_none(bare, profile, cluster) if simulate else None
+    sim = simulate(bare, profile, cluster) if simulate is not None else None
     kind = chosen.kind()
     reason = (
         f"PipeDream 3.1: {kind} plan (layers {':'.join(str(s.end - s.start) for s in chosen.stages)}) "

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from lightning_dapple.errors import DappleConfigError, require
+from lightning_dapple.plan.warmup import warmup_counts
 
 SCHEDULES = ("dapple", "gpipe")
 POLICIES = ("PA", "PB")
@@ -114,7 +115,7 @@ class Plan:
             all(stage.warmup is not None for stage in self.stages),
             "plan.stages[].warmup",
             "is not filled in",
-            "call plan.with_warmups() (or lightning_dapple.plan.resolve_plan) before scheduling",
+            "call plan.with_warmups() before scheduling",
         )
         return tuple(int(stage.warmup) for stage in self.stages)  # type: ignore[arg-type]
 
@@ -134,8 +135,6 @@ class Plan:
 
     def with_warmups(self, policy: str | None = None) -> "Plan":
         """Fill missing K_i by policy P_A or P_B (DAPPLE 5.3); keep the ones given."""
-        from lightning_dapple.schedule.policy import warmup_counts
-
         policy = policy or self.policy
         counts = warmup_counts(self.num_stages, self.micro_batches, policy, schedule=self.schedule)
         stages = tuple(

@@ -4,12 +4,18 @@ micro-batch candidates and options (DAPPLE 4: the planner's inputs).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable
 
 from lightning_dapple.cluster import Cluster
 from lightning_dapple.plan.evaluate import candidate_micro_batches, check_inputs, default_min_slice, subcluster
+from lightning_dapple.plan.plan import Plan
 from lightning_dapple.profile.model_profile import ModelProfile
 
-__all__ = ["PlanRequest"]
+__all__ = ["PlanRequest", "StepPricer"]
+
+# Prices one step of a plan exactly (the simulator's ``simulate_plan``): given to the
+# planners by the layer above them, which owns the schedules and the simulator.
+StepPricer = Callable[[Plan, ModelProfile, Cluster], Any]
 
 
 @dataclass(frozen=True)
@@ -30,6 +36,7 @@ class PlanRequest:
     rerank: int = 4
     keep_per_state: int | None = None
     beam: int | None | str = "auto"
+    simulate: StepPricer | None = None
 
     @classmethod
     def build(
@@ -45,6 +52,7 @@ class PlanRequest:
         rerank: int = 4,
         keep_per_state: int | None = None,
         beam: int | None | str = "auto",
+        simulate: StepPricer | None = None,
     ) -> "PlanRequest":
         """Check the inputs (``DappleConfigError`` on bad ones) and resolve the defaults."""
         check_inputs(schedule, policy, global_batch_size)
@@ -52,5 +60,5 @@ class PlanRequest:
         floor = default_min_slice(profile, min_slice)
         candidates, floor = candidate_micro_batches(global_batch_size, floor, micro_batches)
         return cls(
-            profile, cluster, global_batch_size, tuple(candidates), floor, min_slice, schedule, policy, micro_batches, rerank, keep_per_state, beam
+            profile, cluster, global_batch_size, tuple(candidates), floor, min_slice, schedule, policy, micro_batches, rerank, keep_per_state, beam, simulate
         )

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 from lightning_dapple.errors import DappleConfigError, require
@@ -180,26 +179,3 @@ def profile_from_dict(data: Any, source: str = "profile") -> ModelProfile:
         estimated=bool(data.get("estimated", False)),
         meta=dict(data.get("meta", {})),
     )
-
-
-def load_profile(path: str | Path, profile_batch_size: int | None = None) -> ModelProfile:
-    """Read a profile JSON file or a PipeDream graph text file (shared/profiles/).
-
-    Graph files take their batch size from ``profile_batch_size`` or else from ``pbs-N``
-    in the file name.
-    """
-    path = Path(path)
-    require(path.is_file(), "profile", f"file {str(path)!r} does not exist", "pass the path of a profile JSON or graph.txt file")
-    text = path.read_text()
-    if text.lstrip().startswith("{"):
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise DappleConfigError(f"profile {path.name}", f"is not valid JSON ({exc.msg} at line {exc.lineno})", "fix the JSON syntax") from None
-        profile = profile_from_dict(data, source=f"profile {path.name}")
-        if profile_batch_size is not None:
-            profile = replace(profile, micro_batch_size=profile_batch_size)
-        return profile
-    from lightning_dapple.profile.graph_text import parse_graph_text
-
-    return parse_graph_text(text, name=path.name, profile_batch_size=profile_batch_size)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from lightning_dapple.errors import require
+from lightning_dapple.plan.warmup import warmup_counts
 from lightning_dapple.schedule.actions import Action, Kind
 
 
@@ -119,7 +120,6 @@ def build_schedule(name: str, num_stages: int, micro_batches: int, warmups: Sequ
     require(num_stages >= 1, "num_stages", f"is {num_stages}", "use at least one stage")
     require(micro_batches >= 1, "micro_batches", f"is {micro_batches}", "use at least one micro-batch")
     if warmups is None:
-        from lightning_dapple.schedule.policy import warmup_counts
 
         warmups = warmup_counts(num_stages, micro_batches, "PA", schedule=name)
     require(len(warmups) == num_stages, "warmups", f"has {len(warmups)} entries for {num_stages} stages", "give one K_i per stage")
@@ -130,52 +130,3 @@ def build_schedule(name: str, num_stages: int, micro_batches: int, warmups: Sequ
         for s in range(num_stages)
     )
     return Schedule(name, num_stages, micro_batches, tuple(int(min(k, micro_batches)) for k in warmups), lists)
-
-
-def schedule_for_plan(plan: "object", profile: "object | None" = None, bucket_bytes: int | None = None) -> Schedule:
-    """The schedule a plan asks for, with its K_i filled by its policy when missing.
-
-    ``plan.ooo`` adds deferred W actions (``schedule.ooo.build_ooo_schedule``: caps from
-    ``plan.extra["ooo_in_flight"]`` when the planner set them, k from ``plan.first_k``);
-    each stage's ``recompute`` mode is carried along either way. With the model's
-    ``profile`` a replicated stage's ALLREDUCE actions are the gradient buckets of
-    ``plan.buckets.bucket_layers`` (of ``bucket_bytes``, default ``BUCKET_BYTES``), the
-    ones the executor launches; without it they are one marker per stage. The compute
-    actions do not depend on either, so the executor (which ignores ALLREDUCE markers and
-    buckets by its parameters' real sizes) runs the same F, B and W as the simulator.
-    """
-    from dataclasses import replace
-
-    from lightning_dapple.plan.plan import Plan
-
-    assert isinstance(plan, Plan)
-    plan = plan.with_warmups()
-    modes = tuple(stage.recompute for stage in plan.stages)
-    if plan.ooo:
-        from lightning_dapple.schedule.ooo import build_ooo_schedule
-
-        from lightning_dapple.plan.buckets import BUCKET_BYTES
-        from lightning_dapple.profile.model_profile import ModelProfile
-
-        caps = plan.extra.get("ooo_in_flight") if isinstance(plan.extra, dict) else None
-        sizes = None
-        if profile is not None:
-            assert isinstance(profile, ModelProfile)
-            sizes = [[layer.param_bytes for layer in profile.layers[stage.start : stage.end]] for stage in plan.stages]
-        return build_ooo_schedule(
-            plan.schedule,
-            plan.num_stages,
-            plan.micro_batches,
-            plan.warmups,
-            caps=caps,
-            layer_counts=[stage.end - stage.start for stage in plan.stages],
-            replicated=[stage.replicas > 1 for stage in plan.stages],
-            first_k=plan.first_k,
-            recompute=modes,
-            param_bytes=sizes,
-            bucket_bytes=BUCKET_BYTES if bucket_bytes is None else bucket_bytes,
-        )
-    built = build_schedule(plan.schedule, plan.num_stages, plan.micro_batches, plan.warmups)
-    if any(mode != "never" for mode in modes):
-        built = replace(built, recompute=modes)
-    return built

@@ -53,6 +53,7 @@ from typing import Sequence
 
 from lightning_dapple.errors import require
 from lightning_dapple.plan.buckets import BUCKET_BYTES, bucket_layers
+from lightning_dapple.plan.warmup import warmup_counts
 from lightning_dapple.schedule.actions import Action, Kind
 from lightning_dapple.schedule.builders import Schedule, compute_order, with_communication
 
@@ -258,8 +259,6 @@ def build_ooo_schedule(
     ``bucket_bytes`` make the buckets those of ``bucket_layers``, the executor's; without
     them a replicated stage's ending phase has one bucket.
     """
-    from lightning_dapple.schedule.policy import warmup_counts
-
     require(num_stages >= 1, "num_stages", f"is {num_stages}", "use at least one stage")
     require(micro_batches >= 1, "micro_batches", f"is {micro_batches}", "use at least one micro-batch")
     if warmups is None:

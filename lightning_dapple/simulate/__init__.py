@@ -7,10 +7,9 @@ from lightning_dapple.simulate.engine import (
     SimulationResult,
     Span,
     StageResult,
-    check_plan_fits,
     simulate,
-    simulate_plan,
 )
+from lightning_dapple.simulate.plans import check_plan_fits, simulate_plan
 from lightning_dapple.simulate.timeline_png import draw_timeline
 
 __all__ = [

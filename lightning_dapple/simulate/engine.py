@@ -51,28 +51,21 @@ backward is queued behind a forward that needs this stage's own later work) rais
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Sequence
 
 from lightning_dapple.errors import require
 from lightning_dapple.plan.costs import StageCost
 from lightning_dapple.schedule.actions import Action, Kind
-from lightning_dapple.schedule.builders import Schedule, schedule_for_plan
+from lightning_dapple.schedule.builders import Schedule
 from lightning_dapple.schedule.ooo import stash_walk
-
-if TYPE_CHECKING:  # pragma: no cover - typing only
-    from lightning_dapple.cluster import Cluster
-    from lightning_dapple.plan.plan import Plan
-    from lightning_dapple.profile.model_profile import ModelProfile
 
 __all__ = [
     "ScheduleDeadlock",
     "SimulationResult",
     "Span",
     "StageResult",
-    "check_plan_fits",
     "simulate",
-    "simulate_plan",
 ]
 
 _COMM_KINDS = (Kind.RECV_ACT, Kind.SEND_ACT, Kind.RECV_GRAD, Kind.SEND_GRAD)
@@ -491,53 +484,3 @@ def _w_part_counts(actions: Sequence[Action]) -> dict[int, int]:
         if action.kind is Kind.W and action.layers is not None and action.microbatch is not None:
             counts[action.microbatch] = counts.get(action.microbatch, 0) + 1
     return counts
-
-
-# --------------------------------------------------------------------------- plans
-
-
-def check_plan_fits(plan: "Plan", profile: "ModelProfile", cluster: "Cluster") -> "Plan":
-    """Validate ``plan`` for this model and cluster: layers cover the profile exactly, the
-    ranks are 0..W-1 and W does not exceed the cluster's device count."""
-    plan.validate(num_layers=profile.num_layers, world_size=plan.world_size)
-    require(
-        plan.world_size <= cluster.num_devices,
-        "plan.stages[].devices",
-        f"use ranks up to {plan.world_size - 1} but cluster {cluster.name!r} has only {cluster.num_devices} devices",
-        f"use at most {cluster.num_devices} devices or a larger cluster",
-    )
-    return plan
-
-
-def simulate_plan(
-    plan: "Plan",
-    profile: "ModelProfile",
-    cluster: "Cluster",
-    schedule: str | None = None,
-) -> SimulationResult:
-    """Simulate one step of ``plan`` for ``profile`` on ``cluster``.
-
-    ``schedule`` ('dapple' or 'gpipe') overrides ``plan.schedule``; when it differs, the
-    plan's K_i (chosen for the other schedule) are dropped and refilled by the plan's policy.
-    K_i come from ``plan.with_warmups()`` (DAPPLE 5.3). Costs are those of ``stage_costs``,
-    the ones the planner's formula uses, so the two can be compared. The action lists are
-    those of ``schedule_for_plan``, the ones the executor runs (with the profile's gradient
-    buckets as ALLREDUCE actions): with ``plan.ooo`` the out-of-order schedule, whose W
-    work is priced from the profile's measured B/W split or, for profiles without one, the
-    estimate of ``plan.recompute.with_weight_split``; each stage's ``recompute`` mode adds
-    the recomputed forwards.
-    """
-    from lightning_dapple.plan.costs import stage_costs
-
-    check_plan_fits(plan, profile, cluster)
-    if schedule is not None and schedule != plan.schedule:
-        plan = replace(plan, schedule=schedule, stages=tuple(replace(stage, warmup=None) for stage in plan.stages))
-        plan.validate()
-    plan = plan.with_warmups()
-    built = schedule_for_plan(plan, profile)
-    if plan.ooo:
-        from lightning_dapple.plan.recompute import with_weight_split
-
-        profile = with_weight_split(profile)
-    costs = stage_costs(profile, cluster, plan.stages, plan.micro_batch_size)
-    return simulate(built, costs, [stage.devices for stage in plan.stages])

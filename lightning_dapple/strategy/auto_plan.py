@@ -65,7 +65,7 @@ def _plan_on_rank_zero(strategy: "DappleStrategy", module: "LightningModule", co
     from lightning_dapple.execute.slicing import take_rows
     from lightning_dapple.strategy.module_adapter import LogRecorder, capture_input
 
-    from lightning_dapple.plan.api import make_plan
+    from lightning_dapple.simulate.plans import make_plan
     from lightning_dapple.profile.profiler import profile_layers
 
     rows = batch_size_of(sample)
@@ -93,7 +93,7 @@ def _plan_on_rank_zero(strategy: "DappleStrategy", module: "LightningModule", co
     modes = strategy.recompute if strategy.recompute is not None else [stage.recompute for stage in plan.stages]
     on, why = decide_ooo(strategy.ooo, plan, profile, cluster, recompute=modes)
     if strategy.recompute == "auto":
-        from lightning_dapple.plan.recompute import apply_ooo_recompute
+        from lightning_dapple.simulate.memory_fit import apply_ooo_recompute
 
         plan = apply_ooo_recompute(plan, profile, cluster, ooo=on, recompute="auto")
     plan = with_ooo_choice(plan, on, why)

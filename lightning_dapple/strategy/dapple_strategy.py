@@ -54,7 +54,7 @@ from lightning_dapple.execute.slicing import batch_size_of
 from lightning_dapple.execute.topology import report_placement
 from lightning_dapple.execute.wires import WIRES, choose_wire
 from lightning_dapple.plan.plan import Plan, load_plan, plan_from_dict
-from lightning_dapple.schedule.builders import schedule_for_plan
+from lightning_dapple.simulate.plans import schedule_for_plan
 from lightning_dapple.strategy import checkpoint as ckpt
 from lightning_dapple.strategy.precision import DappleMixedPrecision, agree_found_inf, as_dapple_precision
 from lightning_dapple.strategy.reporting import SILENT, OneLineLauncher, install_excepthook
@@ -551,7 +551,7 @@ class DappleStrategy(DDPStrategy):
             stages = tuple(replace(stage, warmup=None) for stage in plan.stages) if {"micro_batches", "schedule", "policy"} & set(overrides) else plan.stages
             plan = replace(plan, stages=stages, **overrides)
         if self.recompute != "auto":  # "auto" was resolved by the planner (auto_plan)
-            from lightning_dapple.plan.recompute import set_options
+            from lightning_dapple.plan.options import set_options
 
             plan = set_options(plan, recompute=self.recompute)
         if self.ooo != "auto" or "ooo_choice" not in plan.extra:  # auto_plan decides with its profile

@@ -6,7 +6,7 @@ stage sooner. A single stage has no bubble to fill, and there the split only add
 (the deferred pairs are kept and revisited). So:
 
 * with a profile (``plan="auto"``), the simulator prices the plan with and without
-  out-of-order backprop (``plan.recompute.apply_ooo_recompute``: deferral caps and
+  out-of-order backprop (``simulate.memory_fit.apply_ooo_recompute``: deferral caps and
   reverse first-k chosen for the plan) and ooo is on when it is faster;
 * without one (an explicit plan), ooo is on when the plan has more than one stage.
 
@@ -47,7 +47,7 @@ def decide_ooo(setting: OooSetting, plan: Plan, profile: Any = None, cluster: An
         return False, "auto: one stage has no pipeline bubble for deferred weight gradients to fill"
     if profile is None or cluster is None:
         return True, f"auto: {plan.num_stages} stages; deferred weight gradients fill the pipeline bubbles (no profile to simulate)"
-    from lightning_dapple.plan.recompute import apply_ooo_recompute
+    from lightning_dapple.simulate.memory_fit import apply_ooo_recompute
     from lightning_dapple.simulate import simulate_plan
 
     times = {}

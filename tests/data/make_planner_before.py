@@ -49,8 +49,8 @@ def describe(plan: Any) -> dict[str, Any]:
 def record(out: Path) -> list[dict[str, Any]]:
     from lightning_dapple.cluster import load_cluster
     from lightning_dapple.errors import DappleConfigError
-    from lightning_dapple.plan.api import make_plan
-    from lightning_dapple.profile.model_profile import load_profile
+    from lightning_dapple.simulate.plans import make_plan
+    from lightning_dapple.profile.loader import load_profile
 
     rows = []
     for name, pbs, gbs in cases():

@@ -33,71 +33,17 @@ from typing import Any, Sequence
 
 from lightning_dapple.cluster import Cluster
 from lightning_dapple.errors import require
-from lightning_dapple.plan.costs import StageCost, dapple_latency, stage_costs, stage_memory_from_stash
+from lightning_dapple.plan.costs import dapple_latency
 from lightning_dapple.plan.plan import RECOMPUTE_MODES, Plan
-from lightning_dapple.profile.model_profile import LayerProfile, ModelProfile
+from lightning_dapple.profile.model_profile import ModelProfile
+from lightning_dapple.schedule.ooo import default_caps
+from lightning_dapple.simulate.engine import simulate
+from lightning_dapple.simulate.plans import stage_memory
 
-__all__ = ["apply_ooo_recompute", "set_options", "stage_memory", "with_weight_split", "WEIGHT_SPLIT_ESTIMATE"]
+__all__ = ["apply_ooo_recompute"]
 
-# Share of a parameterised layer's backward charged to W when a profile does not split
-# it (PipeDream graph texts): for a GEMM/convolution, dX and dW are products of the same
-# sizes, so each is about half of the backward. Layers without parameters have no W.
-WEIGHT_SPLIT_ESTIMATE = 0.5
 _LADDER = ("never", "except_last", "always")
 GIB = 1024.0**3
-
-
-def with_weight_split(profile: ModelProfile, fraction: float = WEIGHT_SPLIT_ESTIMATE) -> ModelProfile:
-    """``profile`` with every layer's B/W split filled in; measured splits are kept."""
-    if all(layer.backward_input_ms is not None for layer in profile.layers):
-        return profile
-    layers = []
-    for layer in profile.layers:
-        if layer.backward_input_ms is not None:
-            layers.append(layer)
-            continue
-        weight = layer.backward_ms * fraction if layer.param_bytes > 0 else 0.0
-        layers.append(_split(layer, layer.backward_ms - weight, weight))
-    meta = dict(profile.meta)
-    meta["backward_split"] = f"estimated: W = {fraction:g} x backward of layers with parameters (no measured split)"
-    return replace(profile, layers=tuple(layers), meta=meta)
-
-
-def set_options(plan: Plan, *, ooo: bool | None = None, recompute: "str | Sequence[str] | None" = None) -> Plan:
-    """``plan`` with ``ooo`` and fixed per-stage recomputation modes set, without a profile
-    (for ``"auto"``, which needs the memory model, use ``apply_ooo_recompute``). ``None``
-    keeps what the plan says."""
-    if recompute is not None:
-        modes = [recompute] * plan.num_stages if isinstance(recompute, str) else list(recompute)
-        require(len(modes) == plan.num_stages, "recompute", f"has {len(modes)} entries for {plan.num_stages} stages", "give one mode per stage or a single mode")
-        for mode in modes:
-            require(mode in RECOMPUTE_MODES, "recompute", f"is {mode!r} here", f"use one of {list(RECOMPUTE_MODES)}, or 'auto' with a profile (apply_ooo_recompute)")
-        plan = replace(plan, stages=tuple(replace(stage, recompute=mode) for stage, mode in zip(plan.stages, modes)))
-    if ooo is not None:
-        plan = replace(plan, ooo=bool(ooo))
-    return plan
-
-
-def _split(layer: LayerProfile, input_ms: float, weight_ms: float) -> LayerProfile:
-    return replace(layer, backward_input_ms=input_ms, backward_weight_ms=weight_ms)
-
-
-def stage_memory(plan: Plan, profile: ModelProfile, cluster: Cluster) -> tuple[list[float], list[float], Any, list[StageCost]]:
-    """(memory bytes per stage, peak stashed bytes per stage, schedule, costs) of ``plan``
-    as the executor would run it."""
-    from lightning_dapple.schedule.builders import schedule_for_plan
-    from lightning_dapple.schedule.ooo import stash_walk
-
-    plan = plan.with_warmups()
-    schedule = schedule_for_plan(plan, profile)
-    priced = with_weight_split(profile) if plan.ooo else profile
-    costs = stage_costs(priced, cluster, plan.stages, plan.micro_batch_size)
-    stashes, memory = [], []
-    for index, cost in enumerate(costs):
-        peak, _ = stash_walk(schedule.compute(index), schedule.recomputed(index), cost.stash_bytes, cost.input_bytes, cost.wgrad_bytes)
-        stashes.append(peak)
-        memory.append(stage_memory_from_stash(cost, peak, cluster))
-    return memory, stashes, schedule, costs
 
 
 def _with(plan: Plan, modes: Sequence[str], caps: Sequence[int] | None) -> Plan:
@@ -126,9 +72,6 @@ def apply_ooo_recompute(
     list with one entry ("auto" or a mode) per stage. ``memory_budget_bytes`` defaults to
     the cluster's device memory.
     """
-    from lightning_dapple.schedule.ooo import default_caps
-    from lightning_dapple.simulate.engine import simulate
-
     plan = replace(plan, ooo=bool(ooo)).with_warmups()
     num = plan.num_stages
     requested = [recompute] * num if isinstance(recompute, str) else list(recompute)

@@ -1,0 +1,145 @@
+"""Plan-level operations that need both the schedule builders and the simulator.
+
+A :class:`~lightning_dapple.plan.plan.Plan` says what runs where; this module turns it into
+what runs when -- the action lists the executor interprets (``schedule_for_plan``) -- and
+prices those lists: the simulated step (``simulate_plan``), the memory of each stage under
+the schedule's stash walk (``stage_memory``, DAPPLE 5.3), and the planners with their
+simulated re-ranking (``make_plan``: DAPPLE 4 searches with the closed formula, then the
+shortlist is ordered by simulating the exact schedules, which see the pivot stage's
+internal bubbles that formula 1-2 does not).
+
+It sits above ``plan``, ``schedule`` and ``simulate.engine``; the executor, the strategy and
+the command lines take plans' schedules and simulations from here.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from lightning_dapple.cluster import Cluster
+from lightning_dapple.errors import require
+from lightning_dapple.plan.buckets import BUCKET_BYTES
+from lightning_dapple.plan.costs import StageCost, stage_costs, stage_memory_from_stash
+from lightning_dapple.plan.dapple_planner import plan_dapple
+from lightning_dapple.plan.options import with_weight_split
+from lightning_dapple.plan.pipedream_planner import plan_pipedream
+from lightning_dapple.plan.plan import Plan
+from lightning_dapple.profile.model_profile import ModelProfile
+from lightning_dapple.schedule.builders import Schedule, build_schedule
+from lightning_dapple.schedule.ooo import build_ooo_schedule, stash_walk
+from lightning_dapple.simulate.engine import SimulationResult, simulate
+
+__all__ = ["PLANNERS", "check_plan_fits", "make_plan", "schedule_for_plan", "simulate_plan", "stage_memory"]
+
+PLANNERS = ("dapple", "pipedream")
+
+
+def schedule_for_plan(plan: Plan, profile: ModelProfile | None = None, bucket_bytes: int | None = None) -> Schedule:
+    """The schedule a plan asks for, with its K_i filled by its policy when missing.
+
+    ``plan.ooo`` adds deferred W actions (``schedule.ooo.build_ooo_schedule``: caps from
+    ``plan.extra["ooo_in_flight"]`` when the planner set them, k from ``plan.first_k``);
+    each stage's ``recompute`` mode is carried along either way. With the model's
+    ``profile`` a replicated stage's ALLREDUCE actions are the gradient buckets of
+    ``plan.buckets.bucket_layers`` (of ``bucket_bytes``, default ``BUCKET_BYTES``), the
+    ones the executor launches; without it they are one marker per stage. The compute
+    actions do not depend on either, so the executor (which ignores ALLREDUCE markers and
+    buckets by its parameters' real sizes) runs the same F, B and W as the simulator.
+    """
+    plan = plan.with_warmups()
+    modes = tuple(stage.recompute for stage in plan.stages)
+    if plan.ooo:
+        caps = plan.extra.get("ooo_in_flight") if isinstance(plan.extra, dict) else None
+        sizes = None
+        if profile is not None:
+            sizes = [[layer.param_bytes for layer in profile.layers[stage.start : stage.end]] for stage in plan.stages]
+        return build_ooo_schedule(
+            plan.schedule,
+            plan.num_stages,
+            plan.micro_batches,
+            plan.warmups,
+            caps=caps,
+            layer_counts=[stage.end - stage.start for stage in plan.stages],
+            replicated=[stage.replicas > 1 for stage in plan.stages],
+            first_k=plan.first_k,
+            recompute=modes,
+            param_bytes=sizes,
+            bucket_bytes=BUCKET_BYTES if bucket_bytes is None else bucket_bytes,
+        )
+    built = build_schedule(plan.schedule, plan.num_stages, plan.micro_batches, plan.warmups)
+    if any(mode != "never" for mode in modes):
+        built = replace(built, recompute=modes)
+    return built
+
+
+def check_plan_fits(plan: Plan, profile: ModelProfile, cluster: Cluster) -> Plan:
+    """Validate ``plan`` for this model and cluster: layers cover the profile exactly, the
+    ranks are 0..W-1 and W does not exceed the cluster's device count."""
+    plan.validate(num_layers=profile.num_layers, world_size=plan.world_size)
+    require(
+        plan.world_size <= cluster.num_devices,
+        "plan.stages[].devices",
+        f"use ranks up to {plan.world_size - 1} but cluster {cluster.name!r} has only {cluster.num_devices} devices",
+        f"use at most {cluster.num_devices} devices or a larger cluster",
+    )
+    return plan
+
+
+def simulate_plan(
+    plan: Plan,
+    profile: ModelProfile,
+    cluster: Cluster,
+    schedule: str | None = None,
+) -> SimulationResult:
+    """Simulate one step of ``plan`` for ``profile`` on ``cluster``.
+
+    ``schedule`` ('dapple' or 'gpipe') overrides ``plan.schedule``; when it differs, the
+    plan's K_i (chosen for the other schedule) are dropped and refilled by the plan's policy.
+    K_i come from ``plan.with_warmups()`` (DAPPLE 5.3). Costs are those of ``stage_costs``,
+    the ones the planner's formula uses, so the two can be compared. The action lists are
+    those of ``schedule_for_plan``, the ones the executor runs (with the profile's gradient
+    buckets as ALLREDUCE actions): with ``plan.ooo`` the out-of-order schedule, whose W
+    work is priced from the profile's measured B/W split or, for profiles without one, the
+    estimate of ``plan.options.with_weight_split``; each stage's ``recompute`` mode adds
+    the recomputed forwards.
+    """
+    check_plan_fits(plan, profile, cluster)
+    if schedule is not None and schedule != plan.schedule:
+        plan = replace(plan, schedule=schedule, stages=tuple(replace(stage, warmup=None) for stage in plan.stages))
+        plan.validate()
+    plan = plan.with_warmups()
+    built = schedule_for_plan(plan, profile)
+    if plan.ooo:
+        profile = with_weight_split(profile)
+    costs = stage_costs(profile, cluster, plan.stages, plan.micro_batch_size)
+    return simulate(built, costs, [stage.devices for stage in plan.stages])
+
+
+def stage_memory(plan: Plan, profile: ModelProfile, cluster: Cluster) -> tuple[list[float], list[float], Any, list[StageCost]]:
+    """(memory bytes per stage, peak stashed bytes per stage, schedule, costs) of ``plan``
+    as the executor would run it."""
+    plan = plan.with_warmups()
+    schedule = schedule_for_plan(plan, profile)
+    priced = with_weight_split(profile) if plan.ooo else profile
+    costs = stage_costs(priced, cluster, plan.stages, plan.micro_batch_size)
+    stashes, memory = [], []
+    for index, cost in enumerate(costs):
+        peak, _ = stash_walk(schedule.compute(index), schedule.recomputed(index), cost.stash_bytes, cost.input_bytes, cost.wgrad_bytes)
+        stashes.append(peak)
+        memory.append(stage_memory_from_stash(cost, peak, cluster))
+    return memory, stashes, schedule, costs
+
+
+def make_plan(
+    profile: ModelProfile, cluster: Cluster, global_batch_size: int, planner: str = "dapple", simulate: bool = True, **kwargs: Any
+) -> Plan:
+    """Plan ``profile`` for ``cluster`` and a global batch with ``planner``: ``dapple`` is
+    DAPPLE's planner (section 4), ``pipedream`` PipeDream's partitioner (3.1), the baseline,
+    priced and scheduled the same way so the two can be compared. With ``simulate`` the
+    candidates are re-ranked (DAPPLE) and the result annotated by ``simulate_plan``.
+    kwargs go to the planner (micro_batches, schedule, policy, num_devices, min_slice, ...)."""
+    require(planner in PLANNERS, "planner", f"is {planner!r}", f"use one of {list(PLANNERS)}")
+    pricer = simulate_plan if simulate else None
+    if planner == "pipedream":
+        return plan_pipedream(profile, cluster, global_batch_size, simulate=pricer, **kwargs)
+    return plan_dapple(profile, cluster, global_batch_size, simulate=pricer, **kwargs)
