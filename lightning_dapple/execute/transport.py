@@ -29,6 +29,10 @@ round trip per transfer, with as few tensor operations as possible. Between the 
 gloo calls of a loaded step each operation costs far more than alone
 (``benchmarks/step_breakdown.py --clock cpu``).
 
+Transfers are named by a hashable key: the executor's ``keys.TransferKey`` (boundary,
+micro-batch, direction), equal on both ends. Pending sends are waited by key (``settle``) and
+receives posted ahead are filed by key; ``str()`` of the key labels wait messages.
+
 A gradient transfer is one message: its receiver already knows the shapes (it sent the
 activations) and only leaves that require grad travel back. A lone gradient is sent as it
 is and received straight into a tensor of its dtype and shape, unless the wire has no such
@@ -40,7 +44,7 @@ import os
 import pickle
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Hashable, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -263,15 +267,15 @@ class Transport:
         )
         self._typed = self.wire.typed
         # batched wires collect a transfer's messages here and issue them together
-        self._batch: list[tuple[torch.Tensor, int, str, Any]] | None = [] if self.wire.batched else None
+        self._batch: list[tuple[torch.Tensor, int, Any, Hashable]] | None = [] if self.wire.batched else None
         # per peer: the layout of the last activation sent to / received from it
         self._layout_sent: dict[int, tuple[tuple[LeafMeta, ...], Any]] = {}
         self._layout_received: dict[int, tuple[tuple[LeafMeta, ...], Any]] = {}
-        # sends not yet waited: (work or None, what to keep until then, what, key); ``settle``
-        # and ``flush`` wait them
-        self._pending_sends: list[tuple[Any, Any, str, Any]] = []
-        # receives posted ahead of their action, by transfer name
-        self._posted: dict[str, list[Incoming]] = {}
+        # sends not yet waited: (work or None, what to keep until then, label, settle key);
+        # ``settle`` and ``flush`` wait them
+        self._pending_sends: list[tuple[Any, Any, Any, Hashable]] = []
+        # receives posted ahead of their action, by transfer key
+        self._posted: dict[Hashable, list[Incoming]] = {}
         self.bytes_sent = 0
         self.messages_sent = 0
 
@@ -283,9 +287,12 @@ class Transport:
 
     # -- sending -------------------------------------------------------------
     def send_activation(
-        self, structure: Any, my_rows: tuple[int, int], peers: Sequence[Peer], what: str, key: Any = None
+        self, structure: Any, my_rows: tuple[int, int], peers: Sequence[Peer], transfer: Hashable, key: Hashable = None
     ) -> None:
-        """Send the rows of ``structure`` each peer holds; ``key`` names the transfer for ``settle``."""
+        """Send the rows of ``structure`` each peer holds; ``settle`` finds the sends by ``key``
+        (``transfer`` when not given)."""
+        if key is None:
+            key = transfer
         leaves, spec = flatten(structure)
         for leaf in leaves:
             if leaf.dim() == 0 or leaf.shape[0] != my_rows[1] - my_rows[0]:
@@ -300,44 +307,56 @@ class Transport:
             for peer in peers:
                 rows = overlap(my_rows, peer.rows)
                 if rows is not None:
-                    self._send_rows(leaves, metas, spec, rows[0] - my_rows[0], rows[1] - my_rows[0], peer.rank, what, key)
+                    self._send_rows(leaves, metas, spec, rows[0] - my_rows[0], rows[1] - my_rows[0], peer.rank, transfer, key)
         finally:
             if self._batch:
                 self._issue("activation")
 
     def _send_rows(
-        self, leaves: list[torch.Tensor], metas: tuple[LeafMeta, ...], spec: Any, lo: int, hi: int, peer: int, what: str, key: Any
+        self,
+        leaves: list[torch.Tensor],
+        metas: tuple[LeafMeta, ...],
+        spec: Any,
+        lo: int,
+        hi: int,
+        peer: int,
+        transfer: Hashable,
+        key: Hashable,
     ) -> None:
         """The messages of one activation transfer to one peer (see the module docstring)."""
         data = _rows_of(leaves, lo, hi)
         known = self._layout_sent.get(peer)
         if known == (metas, spec):
             if self.short and _payload_bytes(metas, hi - lo):
-                self._isend(as_message(data, self._typed), peer, what, key)  # the receiver's flag byte stays "same"
+                self._isend(as_message(data, self._typed), peer, transfer, key)  # the receiver's flag byte stays "same"
             else:
-                self._isend(pack(data, FLAG_SAME_LAYOUT), peer, what, key)
+                self._isend(pack(data, FLAG_SAME_LAYOUT), peer, transfer, key)
             return
         if known is not None:  # the receiver expects the old layout's size: tell it to read a header
             filler = torch.zeros(_payload_bytes(known[0], hi - lo) + 1, dtype=torch.uint8)
             filler[-1] = FLAG_NEW_LAYOUT
-            self._isend(filler, peer, f"layout change of {what}", key)
+            self._isend(filler, peer, f"layout change of {transfer}", key)
         header, spec_bytes = self._header(metas, spec, send_spec=known is None or known[1] != spec)
         self._layout_sent[peer] = (metas, spec)
-        self._isend(header, peer, f"header of {what}", key)
+        self._isend(header, peer, f"header of {transfer}", key)
         if spec_bytes is not None:
-            self._isend(spec_bytes, peer, f"structure of {what}", key)
-        self._isend(pack(data), peer, what, key)
+            self._isend(spec_bytes, peer, f"structure of {transfer}", key)
+        self._isend(pack(data), peer, transfer, key)
 
     def send_gradient(
-        self, grads: Sequence[torch.Tensor], my_rows: tuple[int, int], peers: Sequence[Peer], what: str, key: Any = None
+        self, grads: Sequence[torch.Tensor], my_rows: tuple[int, int], peers: Sequence[Peer], transfer: Hashable, key: Hashable = None
     ) -> None:
+        """Send the rows of ``grads`` each peer holds; ``settle`` finds the sends by ``key``
+        (``transfer`` when not given)."""
+        if key is None:
+            key = transfer
         try:
             for peer in peers:
                 rows = overlap(my_rows, peer.rows)
                 if rows is None:
                     continue
                 lo, hi = rows[0] - my_rows[0], rows[1] - my_rows[0]
-                self._isend(as_message(_rows_of(grads, lo, hi), self._typed), peer.rank, what, key)
+                self._isend(as_message(_rows_of(grads, lo, hi), self._typed), peer.rank, transfer, key)
         finally:
             if self._batch:
                 self._issue("gradient")
@@ -356,13 +375,14 @@ class Transport:
         header[: len(ints)] = torch.tensor(ints, dtype=torch.int64)
         return header, spec_bytes
 
-    def _isend(self, tensor: torch.Tensor, peer: int, what: str, key: Any = None) -> None:
-        """Send one message now, or (batched wires) add it to the transfer's batch."""
+    def _isend(self, tensor: torch.Tensor, peer: int, label: Any, key: Hashable) -> None:
+        """Send one message now, or (batched wires) add it to the transfer's batch; ``label``
+        (a transfer key or a string) names it in wait messages."""
         if self._batch is not None:
-            self._batch.append((tensor, peer, what, key))
+            self._batch.append((tensor, peer, label, key))
             return
         work, kept = self.wire.send_one(tensor, peer)
-        self._pending_sends.append((work, kept, what, key))
+        self._pending_sends.append((work, kept, label, key))
         self.bytes_sent += tensor.numel() * tensor.element_size()
         self.messages_sent += 1
 
@@ -370,8 +390,8 @@ class Transport:
         """Issue the batch of messages collected for one transfer."""
         batch, self._batch = self._batch or [], []
         sent = self.wire.send([(tensor, peer) for tensor, peer, _, _ in batch], direction)
-        for (work, kept), (tensor, _, what, key) in zip(sent, batch):
-            self._pending_sends.append((work, kept, what, key))
+        for (work, kept), (tensor, _, label, key) in zip(sent, batch):
+            self._pending_sends.append((work, kept, label, key))
             self.bytes_sent += tensor.numel() * tensor.element_size()
         self.messages_sent += len(batch)
 
@@ -391,16 +411,16 @@ class Transport:
             self._pending_sends = [item for item in self._pending_sends if item[3] not in keys]
             self._wait_sends(due)
 
-    def _wait_sends(self, pending: list[tuple[Any, Any, str, Any]]) -> None:
+    def _wait_sends(self, pending: list[tuple[Any, Any, Any, Hashable]]) -> None:
         if pending:
-            what = pending[0][2] if len(pending) == 1 else f"{len(pending)} sends ({pending[0][2]} ... {pending[-1][2]})"
+            what = str(pending[0][2]) if len(pending) == 1 else f"{len(pending)} sends ({pending[0][2]} ... {pending[-1][2]})"
             works = [item[0] for item in pending if item[0] is not None]
             self.failure.wait_all(flat_works(works) if self.wire.batched else works, what)
             if self.wire.pooled:
                 self.wire.release([item[1] for item in pending])
 
     # -- receiving -----------------------------------------------------------
-    def _recv_now(self, spec: BufferSpec, peer: int, what: str, control: bool = False) -> torch.Tensor:
+    def _recv_now(self, spec: BufferSpec, peer: int, what: Any, control: bool = False) -> torch.Tensor:
         """One message of an activation transfer from ``peer``, received now (``control``:
         a header or structure, read on the host)."""
         incoming = self.wire.post([(peer, spec, False)], "activation", control)
@@ -416,15 +436,15 @@ class Transport:
     # transfer ahead, so receives from one peer are matched in order. Wires that match a
     # pair's operations by order on one stream (NCCL) never post ahead: there posting is a
     # no-op and the receive is posted when due.
-    def post_activation(self, my_rows: tuple[int, int], peers: Sequence[Peer], what: str) -> bool:
-        """Post the receives of activation ``what`` now; False if a layout is still unknown
+    def post_activation(self, my_rows: tuple[int, int], peers: Sequence[Peer], transfer: Hashable) -> bool:
+        """Post the receives of activation ``transfer`` now; False if a layout is still unknown
         (or the wire does not post ahead)."""
         if not self.wire.posts_ahead:
             return False
         specs = self._activation_specs(my_rows, peers)
         if specs is None:
             return False
-        self._post(what, specs, "activation")
+        self._post(transfer, specs, "activation")
         return True
 
     def _activation_specs(self, my_rows: tuple[int, int], peers: Sequence[Peer]) -> list[tuple[int, BufferSpec, bool]] | None:
@@ -440,11 +460,11 @@ class Transport:
             specs.append((peer.rank, _activation_buffer(known[0], rows[1] - rows[0]), True))
         return specs
 
-    def post_gradient(self, like: Sequence[torch.Tensor], my_rows: tuple[int, int], peers: Sequence[Peer], what: str) -> None:
-        """Post the receives of gradient ``what`` (for this rank's outputs ``like``) now
+    def post_gradient(self, like: Sequence[torch.Tensor], my_rows: tuple[int, int], peers: Sequence[Peer], transfer: Hashable) -> None:
+        """Post the receives of gradient ``transfer`` (for this rank's outputs ``like``) now
         (nothing on a wire that does not post ahead)."""
         if self.wire.posts_ahead:
-            self._post(what, self._gradient_specs([_meta_of(t) for t in like], my_rows, peers)[0], "gradient")
+            self._post(transfer, self._gradient_specs([_meta_of(t) for t in like], my_rows, peers)[0], "gradient")
 
     def _gradient_specs(
         self, metas: Sequence[LeafMeta], my_rows: tuple[int, int], peers: Sequence[Peer]
@@ -459,15 +479,16 @@ class Transport:
                 counts.append(rows[1] - rows[0])
         return specs, counts
 
-    def _post(self, what: str, specs: list[tuple[int, BufferSpec, bool]], direction: str) -> None:
-        if what in self._posted:
-            raise RuntimeError(f"receives of {what} were already posted")
-        self._posted[what] = self.wire.post(specs, direction)
+    def _post(self, transfer: Hashable, specs: list[tuple[int, BufferSpec, bool]], direction: str) -> None:
+        if transfer in self._posted:
+            raise RuntimeError(f"receives of {transfer} were already posted")
+        self._posted[transfer] = self.wire.post(specs, direction)
 
-    def is_posted(self, what: str) -> bool:
-        return what in self._posted
+    def is_posted(self, transfer: Hashable) -> bool:
+        """Whether the receives of ``transfer`` were posted ahead and not yet taken."""
+        return transfer in self._posted
 
-    def recv_activation(self, my_rows: tuple[int, int], peers: Sequence[Peer], what: str) -> Any:
+    def recv_activation(self, my_rows: tuple[int, int], peers: Sequence[Peer], transfer: Hashable) -> Any:
         """Receive and concatenate the rows ``my_rows`` of a boundary; grads enabled on
         floating leaves that required grad on the sender.
 
@@ -479,11 +500,11 @@ class Transport:
             rows = overlap(my_rows, peer.rows)
             if rows is not None:
                 parts.append((peer.rank, rows[1] - rows[0], self._layout_received.get(peer.rank)))
-        posted = self._posted.pop(what, None)
+        posted = self._posted.pop(transfer, None)
         if posted is None:
             specs = [(rank, _activation_buffer(known[0], count), True) for rank, count, known in parts if known is not None]
             posted = self.wire.post(specs, "activation") if specs else []
-        received = iter(self.wire.wait(posted, _from(what, posted)) if posted else ())
+        received = iter(self.wire.wait(posted, _from(transfer, posted)) if posted else ())
         pieces: list[list[torch.Tensor]] = []
         metas: Sequence[LeafMeta] = ()
         spec = None
@@ -494,8 +515,8 @@ class Transport:
                 if flag == FLAG_SAME_LAYOUT:
                     buffer = message  # unpack reads the leaves' bytes and leaves the flag byte
             if buffer is None:
-                known = self._recv_layout(rank, known, what)
-                buffer = self._recv_now(BufferSpec((_payload_bytes(known[0], count),), torch.uint8), rank, what)
+                known = self._recv_layout(rank, known, transfer)
+                buffer = self._recv_now(BufferSpec((_payload_bytes(known[0], count),), torch.uint8), rank, transfer)
             metas, spec = known
             pieces.append(unpack(buffer, metas, count))
         leaves = [parts[0] if len(pieces) == 1 else torch.cat(parts) for parts in zip(*pieces)]
@@ -504,7 +525,7 @@ class Transport:
                 leaf.requires_grad_(True)
         return unflatten(leaves, spec)
 
-    def _recv_layout(self, peer: int, known: tuple[tuple[LeafMeta, ...], Any] | None, what: str) -> tuple[tuple[LeafMeta, ...], Any]:
+    def _recv_layout(self, peer: int, known: tuple[tuple[LeafMeta, ...], Any] | None, what: Any) -> tuple[tuple[LeafMeta, ...], Any]:
         """Receive a header (and the structure if it changed) and remember the layout."""
         header = self._recv_now(BufferSpec((HEADER_INTS,), torch.int64), peer, f"header of {what}", control=True)
         metas, spec_len = self._parse_header(header.cpu())
@@ -519,15 +540,17 @@ class Transport:
         self._layout_received[peer] = layout
         return layout
 
-    def recv_gradient(self, like: Sequence[torch.Tensor], my_rows: tuple[int, int], peers: Sequence[Peer], what: str) -> list[torch.Tensor]:
+    def recv_gradient(
+        self, like: Sequence[torch.Tensor], my_rows: tuple[int, int], peers: Sequence[Peer], transfer: Hashable
+    ) -> list[torch.Tensor]:
         """Gradients for the leaves ``like`` (this rank's outputs that require grad)."""
         metas = [_meta_of(t) for t in like]
         typed = _typed_gradient(metas, self._typed)
         specs, counts = self._gradient_specs(metas, my_rows, peers)
-        posted = self._posted.pop(what, None)
+        posted = self._posted.pop(transfer, None)
         if posted is None:
             posted = self.wire.post(specs, "gradient")
-        received = self.wire.wait(posted, _from(what, posted)) if posted else []
+        received = self.wire.wait(posted, _from(transfer, posted)) if posted else []
         pieces = [[buffer] if typed else unpack(buffer, metas, count) for (buffer, _), count in zip(received, counts)]
         return [parts[0] if len(pieces) == 1 else torch.cat(parts) for parts in zip(*pieces)]
 
@@ -543,8 +566,8 @@ class Transport:
         return metas, spec_len
 
 
-def _from(what: str, incoming: Sequence[Incoming]) -> str:
-    """``what`` and the ranks it comes from, for wait messages."""
+def _from(what: Any, incoming: Sequence[Incoming]) -> str:
+    """``what`` (a transfer key or a string) and the ranks it comes from, for wait messages."""
     if len(incoming) == 1:
         return f"{what} from rank {incoming[0].peer}"
     return f"{what} from ranks {', '.join(str(item.peer) for item in incoming)}"
