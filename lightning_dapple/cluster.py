@@ -17,10 +17,13 @@ transfer the same way:
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Iterable, Sequence
+
+from omegaconf import OmegaConf
 
 from lightning_dapple.errors import DappleConfigError, require
 
@@ -198,8 +201,6 @@ def load_cluster(spec: "str | Path | Cluster | dict[str, Any]", **overrides: Any
 def _cluster_from_file(path: Path) -> Cluster:
     text = path.read_text()
     if path.suffix in (".yaml", ".yml"):
-        from omegaconf import OmegaConf
-
         try:
             data = OmegaConf.to_container(OmegaConf.create(text))
         except Exception as exc:  # omegaconf raises several parser error types
@@ -223,8 +224,6 @@ CPU_LINKS = {"intra_bandwidth_gbps": 40.0, "inter_bandwidth_gbps": 10.0}
 
 
 def _host_memory_gib() -> float:
-    import os
-
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / GIB
 
 
@@ -238,7 +237,7 @@ def detect_cluster(machines: int, devices_per_machine: int, accelerator: str = "
     memory. Link speeds are assumptions (``GPU_LINKS``/``CPU_LINKS``): the planner
     (DAPPLE 4) needs them, the driver does not report them.
     """
-    import torch
+    import torch  # only here: the planning CLIs read clusters without loading torch
 
     require(machines >= 1 and devices_per_machine >= 1, "cluster", f"detected for {machines} x {devices_per_machine} devices", "use at least one device")
     wants_gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())

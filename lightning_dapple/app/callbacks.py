@@ -7,24 +7,33 @@ run directory given at construction, atomically (temp file + rename).
 """
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import socket
 import statistics
+import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
+from rich.console import Console
 
 from lightning_dapple.app.report import plan_table, render_text, write_text
+from lightning_dapple.app.timelines import MeasuredTimeline, draw_measured_timeline
+from lightning_dapple.cluster import load_cluster
+from lightning_dapple.plan import explain
+from lightning_dapple.profile.model_profile import profile_from_dict
+from lightning_dapple.simulate import draw_timeline, simulate_plan
 
 __all__ = ["PipelineReport", "StepTimer", "WorkerSetup", "gather_to_zero", "quiet_warnings"]
 
 
 def _world() -> tuple[int, int]:
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
@@ -32,8 +41,6 @@ def _world() -> tuple[int, int]:
 
 def gather_to_zero(obj: Any) -> list[Any] | None:
     """Every rank's ``obj`` on rank 0 (``None`` elsewhere). A collective: call on all ranks."""
-    import torch.distributed as dist
-
     rank, world = _world()
     if world == 1:
         return [obj]
@@ -54,8 +61,6 @@ QUIET_WARNINGS = (
 
 
 def quiet_warnings() -> None:
-    import warnings
-
     for pattern in QUIET_WARNINGS:
         warnings.filterwarnings("ignore", message=pattern)
 
@@ -68,8 +73,6 @@ class WorkerSetup(Callback):
         self.threads = threads
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        import torch
-
         quiet_warnings()
         if self.threads > 0:
             torch.set_num_threads(self.threads)
@@ -179,8 +182,6 @@ class PipelineReport(Callback):
     def _load_profile(self, run_dir: Path) -> Any:
         """The layer profile of this run: measured by the app for an explicit plan, or the
         one plan="auto" measured (``dapple_profile.json``, else the profile cache)."""
-        from lightning_dapple.profile.model_profile import profile_from_dict
-
         if self.profile is not None:
             return profile_from_dict(self.profile)
         files = [run_dir / "dapple_profile.json"]
@@ -197,10 +198,6 @@ class PipelineReport(Callback):
     def _write_table(self, plan: Any, profile: Any, run_dir: Path) -> None:
         """The project's plan table (lightning_dapple.plan.explain) when a profile is at hand,
         else the app's own; printed and written to ``dapple_plan.txt``."""
-        import sys
-
-        from rich.console import Console
-
         parts: list[Any] = []
         if profile is not None:
             try:
@@ -216,9 +213,6 @@ class PipelineReport(Callback):
         write_text(run_dir / "dapple_plan.txt", "".join(render_text(part, width=160) for part in parts))
 
     def _simulate(self, plan: Any, profile: Any, run_dir: Path) -> None:
-        from lightning_dapple.cluster import load_cluster
-        from lightning_dapple.simulate import draw_timeline, simulate_plan
-
         if profile is None:
             self._note(run_dir, "simulated timeline not drawn: no layer profile")
             return
@@ -243,8 +237,6 @@ class PipelineReport(Callback):
         plan = getattr(trainer.strategy, "plan", None)
         if plan is None or not self.measured:
             return
-        import torch.distributed as dist
-
         runner = getattr(trainer.strategy, "runner", None)
         spans = list(getattr(getattr(runner, "stats", None), "timeline", []) or [])
         if dist.is_available() and dist.is_initialized():
@@ -253,8 +245,6 @@ class PipelineReport(Callback):
         gathered = gather_to_zero({"spans": spans, "reference": reference, "host": socket.gethostname()})
         if gathered is None:
             return
-        from lightning_dapple.app.timelines import MeasuredTimeline, draw_measured_timeline
-
         run_dir = Path(self.run_dir)
         timeline = MeasuredTimeline.from_gathered(gathered, plan)
         write_text(run_dir / "timeline_measured.json", json.dumps(timeline.to_dict(), indent=1) + "\n")
@@ -269,11 +259,6 @@ class PipelineReport(Callback):
 
 def _explained(plan: Any, profile: Any, cluster: dict[str, Any]) -> list[Any]:
     """plan.explain's table and summary (the summary's signature varies between versions)."""
-    import inspect
-
-    from lightning_dapple.cluster import load_cluster
-    from lightning_dapple.plan import explain
-
     resolved = load_cluster(cluster)
     parts: list[Any] = [explain.plan_table(plan, profile, resolved)]
     summary_fn = getattr(explain, "plan_summary", None)

@@ -15,9 +15,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from importlib.resources import files
 from typing import Any, Dict, Optional
 
+from hydra import compose, initialize_config_module
 from hydra.core.config_store import ConfigStore
+from hydra.core.global_hydra import GlobalHydra
 from omegaconf import MISSING
 
 __all__ = [
@@ -200,9 +203,6 @@ def compose_recipe(name: str, overrides: list[str] | tuple[str, ...] = ()) -> An
     Used by ``recipe_profile`` and tests. Inside a running Hydra app the global Hydra
     state already exists; it is then saved and restored around the compose.
     """
-    from hydra import compose, initialize_config_module
-    from hydra.core.global_hydra import GlobalHydra
-
     register_configs()
     instance = GlobalHydra.instance()
     saved = instance.hydra if instance.is_initialized() else None
@@ -218,7 +218,5 @@ def compose_recipe(name: str, overrides: list[str] | tuple[str, ...] = ()) -> An
 
 def recipe_names() -> list[str]:
     """The recipes shipped in ``lightning_dapple/conf/recipe``."""
-    from importlib.resources import files
-
     folder = files(CONFIG_MODULE).joinpath("recipe")
     return sorted(entry.name[: -len(".yaml")] for entry in folder.iterdir() if entry.name.endswith(".yaml"))

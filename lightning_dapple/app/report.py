@@ -7,6 +7,9 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from rich.console import Console
+from rich.table import Table
+
 __all__ = ["format_bytes", "plan_table", "render_text", "summary_table", "write_text"]
 
 
@@ -45,8 +48,6 @@ def format_bytes(num: float | None) -> str:
 
 def plan_table(plan: Any, title: str | None = None) -> Any:
     """One row per stage: layers, devices (global ranks), replicas, K_i, recomputation."""
-    from rich.table import Table
-
     head = f"M={plan.micro_batches}, micro-batch {plan.micro_batch_size}, schedule {plan.schedule}, policy {plan.policy}"
     if getattr(plan, "ooo", False):
         head += ", out-of-order backprop"
@@ -89,8 +90,6 @@ def _ranks(devices: Sequence[int]) -> str:
 
 def summary_table(rows: Iterable[dict[str, Any]], columns: Sequence[tuple[str, str]], title: str) -> Any:
     """A rich table of ``rows`` (dicts) with ``columns`` as (key, header) pairs."""
-    from rich.table import Table
-
     table = Table(title=title)
     for _, header in columns:
         table.add_column(header)
@@ -101,8 +100,6 @@ def summary_table(rows: Iterable[dict[str, Any]], columns: Sequence[tuple[str, s
 
 def render_text(renderable: Any, width: int = 120) -> str:
     """Plain text of a rich renderable (no colour codes)."""
-    from rich.console import Console
-
     console = Console(file=io.StringIO(), width=width, record=True, color_system=None)
     console.print(renderable)
     return console.export_text()

@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from lightning_dapple.simulate.engine import Span
+from lightning_dapple.simulate import timeline_png
+from lightning_dapple.simulate.timeline_png import TimelineRow
 
 __all__ = ["MeasuredSpan", "MeasuredTimeline", "draw_measured_timeline"]
 
@@ -88,8 +90,6 @@ def draw_measured_timeline(timeline: MeasuredTimeline, path: str | Path, title: 
 
     Drawn by ``lightning_dapple.simulate.timeline_png.draw_rows``, like the simulated step.
     """
-    from lightning_dapple.simulate.timeline_png import TimelineRow, draw_rows
-
     rows = [
         TimelineRow(f"rank {rank} (s{timeline.stage_of_rank.get(rank, '?')})", timeline.spans[rank])
         for rank in sorted(timeline.spans)
@@ -98,4 +98,4 @@ def draw_measured_timeline(timeline: MeasuredTimeline, path: str | Path, title: 
         f"measured (last step): {timeline.schedule}, M={timeline.micro_batches}, "
         f"{timeline.span_ms:.2f} ms from first to last compute, busy {100 * timeline.busy_fraction():.1f}%"
     )
-    return draw_rows(rows, path, title or default, span_ms=timeline.span_ms)
+    return timeline_png.draw_rows(rows, path, title or default, span_ms=timeline.span_ms)

@@ -35,8 +35,10 @@ not fit the model) ends with one ``dapple-train: error: ...`` line on stderr and
 """
 from __future__ import annotations
 
+import csv
 import inspect
 import json
+import logging
 import os
 import re
 import shutil
@@ -49,12 +51,35 @@ from pathlib import Path
 from typing import Any
 
 import hydra
+import lightning as L
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException
+from hydra.types import RunMode
+from hydra.utils import to_absolute_path
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import RichProgressBar
+from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+from rich.console import Console
+from rich.table import Table
 
+from lightning_dapple.app.callbacks import PipelineReport, StepTimer, WorkerSetup, quiet_warnings
 from lightning_dapple.app.config import enum_value, register_configs
-from lightning_dapple.app.report import write_text
+from lightning_dapple.app.report import format_bytes, write_text
+from lightning_dapple.app.summary import RESULTS
+from lightning_dapple.cluster import detect_cluster
+from lightning_dapple.data import DATAMODULES
 from lightning_dapple.errors import DappleConfigError, require
+from lightning_dapple.execute.slicing import take_rows
+from lightning_dapple.models import MODELS
+from lightning_dapple.plan.plan import Plan, plan_from_dict
+from lightning_dapple.profile.profiler import profile_layers
+from lightning_dapple.strategy import DappleStrategy
+from lightning_dapple.strategy.module_adapter import LogRecorder, capture_input, find_layers
 from lightning_dapple.strategy.ooo_choice import check_ooo
+from lightning_dapple.strategy.resolve import PlanArguments, resolve_plan
 
 __all__ = ["main", "prepare", "run_job"]
 
@@ -97,9 +122,6 @@ def main() -> None:
 
 
 def _is_hydra_config_error(exc: BaseException) -> bool:
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
     return isinstance(exc, (HydraException, OmegaConfBaseException))
 
 
@@ -146,12 +168,6 @@ class Job:
 
 def run_job(cfg: DictConfig) -> dict[str, Any] | None:
     """The Hydra task: validate, train, write the run's outputs; returns the result record."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
-    from lightning_dapple.app.callbacks import quiet_warnings
-    from lightning_dapple.app.summary import RESULTS
-
     quiet_warnings()
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
@@ -192,8 +208,6 @@ def run_job(cfg: DictConfig) -> dict[str, Any] | None:
 
 
 def _config_failure(line: str, record: dict[str, Any], run_dir: Path, initial: set[str]) -> dict[str, Any]:
-    from lightning_dapple.app.summary import RESULTS
-
     print(f"{PROG}: error: {line}", file=sys.stderr, flush=True)
     remove_run_dir(run_dir, initial)
     record.update(status="config error", error=line, run_dir=None)
@@ -274,8 +288,6 @@ def _resolve_launcher(requested: str, accelerator: str) -> str:
 def _accelerator(name: str) -> str:
     name = str(name).lower()
     if name == "auto":
-        import torch
-
         return "gpu" if torch.cuda.is_available() else "cpu"
     return "gpu" if name == "cuda" else name
 
@@ -285,8 +297,6 @@ def _explicit_plan(spec: Any, cfg: DictConfig) -> dict[str, Any] | None:
     if isinstance(spec, DictConfig):
         return OmegaConf.to_container(spec, resolve=True)  # type: ignore[return-value]
     if isinstance(spec, str) and spec != "auto":
-        from hydra.utils import to_absolute_path
-
         path = Path(to_absolute_path(spec))
         require(path.is_file(), "strategy.plan", f"{spec!r} is neither 'auto' nor a plan file", "give 'auto' or the path of a plan JSON (dapple-plan --json --out FILE)")
         try:
@@ -302,22 +312,83 @@ def prepare(cfg: DictConfig, run_dir: Path) -> Job:
 
     Raises DappleConfigError (one line: what, problem, fix) on bad configuration.
     """
-    import torch
-
-    from lightning_dapple.data import DATAMODULES
-    from lightning_dapple.models import MODELS
-
     threads = int(cfg.threads)
     require(threads >= 0, "threads", f"is {threads}", "use 1 (one torch thread per process) or more; 0 keeps torch's default")
     if threads > 0:
         torch.set_num_threads(threads)
     strategy_name = enum_value(cfg.strategy.name)
     dapple = strategy_name == "dapple"
-
     model_cls, model_kwargs = _kwargs(cfg.model, MODELS, "model")
     data_cls, data_kwargs = _kwargs(cfg.data, DATAMODULES, "data")
+    where = _devices(cfg, dapple)
+    batch = data_kwargs.get("batch_size")
+    require(isinstance(batch, int) and batch > 0, "data.batch_size", f"is {batch!r}", "give the global batch of one optimizer step")
+    arguments = _plan_arguments(cfg, batch) if dapple else PlanArguments()
+    plan_dict = _explicit_plan(cfg.strategy.plan, cfg) if dapple else None
+    launcher = _resolve_launcher(enum_value(cfg.strategy.launcher), where.accelerator) if dapple else "none"
 
-    # devices: what the run asks for against what the machine and the cluster have
+    notes: list[str] = []
+    model, datamodule = _model_and_data(cfg, model_cls, model_kwargs, data_cls, data_kwargs, notes)
+    layers_path = str(cfg.strategy.layers)
+    plan = _checked_plan(plan_dict, arguments, model, layers_path, where.world, batch) if plan_dict is not None else None
+
+    tcfg = _trainer_options(cfg, where, data_kwargs, batch)
+    callbacks: list[Any] = [WorkerSetup(threads), StepTimer(str(run_dir), int(cfg.outputs.warmup_steps))]
+    if tcfg.get("enable_progress_bar", True):
+        callbacks.append(RichProgressBar(leave=True))
+    strategy: Any = "auto"
+    if dapple:
+        os.environ.pop("MASTER_PORT", None)  # a fresh port per job (a sweep runs many in one process)
+        profile = None
+        if plan is not None and cfg.outputs.simulated_timeline:
+            profile = _profile_for_plan(model, datamodule, layers_path, plan.micro_batch_size)
+        callbacks.append(
+            PipelineReport(
+                str(run_dir),
+                cluster=where.cluster,
+                profile=profile,
+                table=bool(cfg.outputs.plan_table),
+                simulated=bool(cfg.outputs.simulated_timeline),
+                measured=bool(cfg.outputs.measured_timeline),
+            )
+        )
+        strategy = DappleStrategy(
+            plan=plan_dict if plan_dict is not None else "auto",
+            micro_batches=arguments.micro_batches,
+            schedule=arguments.schedule,
+            policy=arguments.policy,
+            recompute=arguments.recompute,
+            ooo=arguments.ooo,
+            wire=cfg.strategy.wire,
+            cluster=where.cluster,
+            layers=layers_path,
+            loss_reduction=str(cfg.strategy.loss_reduction),
+            timeout_s=float(cfg.strategy.timeout_s),
+            start_method=launcher,
+        )
+    try:
+        trainer = Trainer(strategy=strategy, logger=_logger(cfg, run_dir), callbacks=callbacks, default_root_dir=str(run_dir), **tcfg)
+    except (ValueError, TypeError) as exc:  # Lightning's MisconfigurationException is a ValueError
+        if isinstance(exc, DappleConfigError):
+            raise
+        raise DappleConfigError("trainer", str(exc).splitlines()[0], "fix the trainer.* option it names") from None
+    return Job(cfg, run_dir, strategy_name, model, datamodule, trainer, where.world, launcher, notes)
+
+
+@dataclass(frozen=True)
+class _Devices:
+    """Where the run goes: accelerator, processes per node, nodes, their product, and the
+    cluster (a mapping, as ``DappleStrategy(cluster=...)`` takes it) it is planned for."""
+
+    accelerator: str
+    devices: int
+    num_nodes: int
+    world: int
+    cluster: dict[str, Any]
+
+
+def _devices(cfg: DictConfig, dapple: bool) -> _Devices:
+    """What the run asks for, checked against what the machine and the cluster have."""
     accelerator = _accelerator(cfg.trainer.accelerator)
     devices = int(cfg.trainer.devices) if dapple else 1
     num_nodes = int(cfg.trainer.num_nodes) if dapple else 1
@@ -341,12 +412,13 @@ def prepare(cfg: DictConfig, run_dir: Path) -> Job:
             f"asks for {world} devices ({num_nodes} node(s) x {devices}) but cluster {cluster.get('name')!r} has {capacity}",
             f"use at most {capacity} devices or a larger cluster (cluster=...)",
         )
+    return _Devices(accelerator, devices, num_nodes, world, cluster)
 
-    # batch and micro-batches
-    batch = data_kwargs.get("batch_size")
-    require(isinstance(batch, int) and batch > 0, "data.batch_size", f"is {batch!r}", "give the global batch of one optimizer step")
+
+def _plan_arguments(cfg: DictConfig, batch: int) -> PlanArguments:
+    """The ``strategy`` group's plan arguments, the ones ``DappleStrategy`` takes."""
     micro = cfg.strategy.micro_batches
-    if dapple and micro is not None:
+    if micro is not None:
         require(micro >= 1, "strategy.micro_batches", f"is {micro}", "use a positive number of micro-batches")
         require(
             batch % micro == 0,
@@ -354,30 +426,23 @@ def prepare(cfg: DictConfig, run_dir: Path) -> Job:
             f"{micro} does not divide the global batch {batch} (data.batch_size)",
             f"use one of {_divisors(batch)}",
         )
+    return PlanArguments(
+        micro_batches=micro,
+        schedule=enum_value(cfg.strategy.schedule),
+        policy=enum_value(cfg.strategy.policy),
+        recompute=enum_value(cfg.strategy.recompute),
+        ooo=check_ooo(cfg.strategy.ooo),
+    )
 
-    # the plan
-    plan_dict = _explicit_plan(cfg.strategy.plan, cfg) if dapple else None
-    launcher = _resolve_launcher(enum_value(cfg.strategy.launcher), accelerator) if dapple else "none"
 
-    notes: list[str] = []
-    extra: dict[str, Any] = {}
-    if dapple:  # handed over even when false: the plan must say what the run does
-        extra["ooo"] = check_ooo(cfg.strategy.ooo)
-        extra["wire"] = cfg.strategy.wire
-        recompute = enum_value(cfg.strategy.recompute)
-        if recompute is not None:
-            extra["recompute"] = recompute
-
-    # model and data (their constructors check values)
-    import lightning as L
-
+def _model_and_data(cfg: DictConfig, model_cls: Any, model_kwargs: dict, data_cls: Any, data_kwargs: dict, notes: list[str]) -> tuple[Any, Any]:
+    """The model and data module (their constructors check their values), seeded."""
     L.seed_everything(int(cfg.seed), verbose=False)
     try:
         model = model_cls(**model_kwargs)
         datamodule = data_cls(**data_kwargs)
     except TypeError as exc:
         raise DappleConfigError("model/data", str(exc), "check the option names and types") from None
-
     clash = sorted(k for k in set(model_kwargs) & set(data_kwargs) if model_kwargs[k] != data_kwargs[k])
     if clash:
         # Legitimate (e.g. generated data using fewer word ids or classes than the model has),
@@ -385,93 +450,41 @@ def prepare(cfg: DictConfig, run_dir: Path) -> Job:
         # run's config.yaml records both sides anyway.
         datamodule._log_hyperparams = False
         notes.append(f"data hparams not logged (differ from the model's: {', '.join(clash)})")
+    return model, datamodule
 
-    layers_path = str(cfg.strategy.layers)
-    if dapple and plan_dict is not None:
-        from lightning_dapple.plan.plan import plan_from_dict
-        from lightning_dapple.strategy.module_adapter import find_layers
 
-        num_layers = len(find_layers(model, layers_path))
-        if micro is not None:
-            plan_dict["micro_batches"] = micro
-        for key in ("schedule", "policy"):
-            value = enum_value(cfg.strategy[key])
-            if value is not None and not (key == "policy" and value == "auto"):
-                plan_dict[key] = value
-        if micro is not None or cfg.strategy.schedule is not None or cfg.strategy.policy is not None:
-            for stage in plan_dict.get("stages", []):
-                stage.pop("warmup", None)
-        plan = plan_from_dict(plan_dict, source="strategy.plan")
-        plan.validate(num_layers=num_layers, world_size=world)
-        require(
-            plan.global_batch_size == batch,
-            "strategy.plan.global_batch_size",
-            f"is {plan.global_batch_size} but data.batch_size is {batch}",
-            "make them equal: the DataLoader's batch is the global batch of one step",
-        )
+def _checked_plan(plan_dict: dict[str, Any], arguments: PlanArguments, model: Any, layers_path: str, world: int, batch: int) -> Plan:
+    """An explicit plan as the strategy will run it (``resolve_plan``), checked against the
+    model's layers, the world size and the global batch before anything starts."""
+    plan = resolve_plan(plan_from_dict(plan_dict, source="strategy.plan"), arguments)
+    plan.validate(num_layers=len(find_layers(model, layers_path)), world_size=world)
+    require(
+        plan.global_batch_size == batch,
+        "strategy.plan.global_batch_size",
+        f"is {plan.global_batch_size} but data.batch_size is {batch}",
+        "make them equal: the DataLoader's batch is the global batch of one step",
+    )
+    return plan
 
-    # Lightning objects
-    from lightning.pytorch import Trainer
-    from lightning.pytorch.callbacks import RichProgressBar
 
-    from lightning_dapple.app.callbacks import PipelineReport, StepTimer, WorkerSetup
-
+def _trainer_options(cfg: DictConfig, where: _Devices, data_kwargs: dict[str, Any], batch: int) -> dict[str, Any]:
     tcfg = OmegaConf.to_container(cfg.trainer, resolve=True)
     assert isinstance(tcfg, dict)
-    tcfg.update(devices=devices, num_nodes=num_nodes)
+    tcfg.update(devices=where.devices, num_nodes=where.num_nodes)
     if tcfg.get("max_epochs") is None and (tcfg.get("max_steps") or -1) > 0 and data_kwargs.get("path") is None:
         # generated data: an epoch has num_samples // batch_size steps (drop_last); saying
         # so gives Lightning a finite epoch count (its progress bar shows "Epoch 0/-2" else)
         per_epoch = int(data_kwargs.get("num_samples", batch)) // batch
         if per_epoch > 0:
             tcfg["max_epochs"] = -(-int(tcfg["max_steps"]) // per_epoch)
-    callbacks: list[Any] = [WorkerSetup(threads), StepTimer(str(run_dir), int(cfg.outputs.warmup_steps))]
-    if tcfg.get("enable_progress_bar", True):
-        callbacks.append(RichProgressBar(leave=True))
-    strategy: Any = "auto"
-    if dapple:
-        os.environ.pop("MASTER_PORT", None)  # a fresh port per job (a sweep runs many in one process)
-        profile = None
-        if plan_dict is not None and cfg.outputs.simulated_timeline:
-            profile = _profile_for_plan(model, datamodule, layers_path, plan.micro_batch_size)
-        callbacks.append(
-            PipelineReport(
-                str(run_dir),
-                cluster=cluster,
-                profile=profile,
-                table=bool(cfg.outputs.plan_table),
-                simulated=bool(cfg.outputs.simulated_timeline),
-                measured=bool(cfg.outputs.measured_timeline),
-            )
-        )
-        from lightning_dapple.strategy import DappleStrategy
+    return tcfg
 
-        strategy = DappleStrategy(
-            plan=plan_dict if plan_dict is not None else "auto",
-            micro_batches=micro,
-            schedule=enum_value(cfg.strategy.schedule),
-            policy=enum_value(cfg.strategy.policy),
-            cluster=cluster,
-            layers=layers_path,
-            loss_reduction=str(cfg.strategy.loss_reduction),
-            timeout_s=float(cfg.strategy.timeout_s),
-            start_method=launcher,
-            **extra,
-        )
-    logger: Any = False
+
+def _logger(cfg: DictConfig, run_dir: Path) -> Any:
     if cfg.logger.name == "csv":
-        from lightning.pytorch.loggers import CSVLogger
-
-        logger = CSVLogger(save_dir=str(run_dir), name="", version="", flush_logs_every_n_steps=int(cfg.logger.flush_logs_every_n_steps))
-    else:
-        require(cfg.logger.name == "none", "logger.name", f"is {cfg.logger.name!r}", "use csv or none")
-    try:
-        trainer = Trainer(strategy=strategy, logger=logger, callbacks=callbacks, default_root_dir=str(run_dir), **tcfg)
-    except (ValueError, TypeError) as exc:  # Lightning's MisconfigurationException is a ValueError
-        if isinstance(exc, DappleConfigError):
-            raise
-        raise DappleConfigError("trainer", str(exc).splitlines()[0], "fix the trainer.* option it names") from None
-    return Job(cfg, run_dir, strategy_name, model, datamodule, trainer, world, launcher, notes)
+        return CSVLogger(save_dir=str(run_dir), name="", version="", flush_logs_every_n_steps=int(cfg.logger.flush_logs_every_n_steps))
+    require(cfg.logger.name == "none", "logger.name", f"is {cfg.logger.name!r}", "use csv or none")
+    return False
 
 
 def _cluster(cfg: DictConfig, num_nodes: int, devices: int, accelerator: str) -> dict[str, Any]:
@@ -481,20 +494,12 @@ def _cluster(cfg: DictConfig, num_nodes: int, devices: int, accelerator: str) ->
     assert isinstance(cluster, dict)
     if cluster.get("name") != "auto":
         return cluster
-    from lightning_dapple.cluster import detect_cluster
-
     return detect_cluster(num_nodes, devices, accelerator).to_dict()
 
 
 def _profile_for_plan(model: Any, datamodule: Any, layers_path: str, rows: int) -> dict[str, Any]:
     """Profile the layers on one micro-batch of ``rows`` samples, as plan="auto" would (for
     drawing the simulated timeline of an explicit plan)."""
-    import torch
-
-    from lightning_dapple.execute.slicing import take_rows
-    from lightning_dapple.profile.profiler import profile_layers
-    from lightning_dapple.strategy.module_adapter import LogRecorder, capture_input, find_layers
-
     datamodule.setup("fit")
     batch = next(iter(datamodule.train_dataloader()))
     piece = take_rows(batch, 0, max(1, rows))
@@ -509,16 +514,12 @@ def _profile_for_plan(model: Any, datamodule: Any, layers_path: str, rows: int) 
 
 
 def execute(job: Job, record: dict[str, Any]) -> dict[str, Any]:
-    from lightning_dapple.app.callbacks import quiet_warnings
-
     cfg, run_dir = job.cfg, job.run_dir
     resolved = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(resolved, dict)
     if job.strategy_name == "single":
         resolved["trainer"].update(devices=1, num_nodes=1)
     write_text(run_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(resolved)))
-    import logging
-
     # torch logs a warning per sibling it terminates after a worker failed; the failure
     # itself is reported (one line for bad configuration, a traceback otherwise)
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
@@ -553,8 +554,6 @@ def _plan_summary(path: Path) -> dict[str, Any] | None:
     data = _read_json(path)
     if data is None:
         return None
-    from lightning_dapple.plan.plan import plan_from_dict
-
     plan = plan_from_dict(data)
     return {
         "kind": plan.kind(),
@@ -568,8 +567,6 @@ def _plan_summary(path: Path) -> dict[str, Any] | None:
 
 def _loss_curve(path: Path) -> list[float]:
     """``train_loss`` per logged step from Lightning's metrics.csv."""
-    import csv
-
     if not path.is_file():
         return []
     out: list[tuple[int, float]] = []
@@ -581,11 +578,6 @@ def _loss_curve(path: Path) -> list[float]:
 
 
 def _print_run_summary(result: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    from lightning_dapple.app.report import format_bytes
-
     plan = result.get("plan") or {}
     table = Table(title=f"{result.get('name')}: {result.get('run_dir')}", show_header=False)
     table.add_column("what")

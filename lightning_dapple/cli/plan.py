@@ -15,7 +15,14 @@ import argparse
 import sys
 from typing import Sequence
 
+from rich.console import Console
+
+from lightning_dapple.app.recipe_profile import recipe_global_batch, recipe_profile
+from lightning_dapple.cluster import load_cluster
 from lightning_dapple.errors import DappleConfigError
+from lightning_dapple.plan.explain import plan_summary, plan_table
+from lightning_dapple.profile.loader import load_profile
+from lightning_dapple.simulate.plans import make_plan
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,16 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
-    from lightning_dapple.cluster import load_cluster
-    from lightning_dapple.simulate.plans import make_plan
-    from lightning_dapple.plan.explain import plan_summary, plan_table
-    from lightning_dapple.profile.loader import load_profile
-
     if args.recipe:
-        from lightning_dapple.app.recipe_profile import recipe_global_batch, recipe_profile
-
         profile = recipe_profile(args.recipe, device=args.device)
         global_batch = args.global_batch_size or recipe_global_batch(args.recipe)
     else:

@@ -23,15 +23,21 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace as _replace
 from typing import Sequence
+
+from rich.console import Console
+from rich.table import Table
 
 from lightning_dapple.cluster import load_cluster
 from lightning_dapple.errors import DappleConfigError
 from lightning_dapple.plan.costs import dapple_latency
-from lightning_dapple.plan.plan import Plan, SCHEDULES, load_plan
+from lightning_dapple.plan.plan import SCHEDULES, Plan, load_plan
 from lightning_dapple.profile.loader import load_profile
 from lightning_dapple.simulate.engine import ScheduleDeadlock, SimulationResult
-from lightning_dapple.simulate.plans import simulate_plan
+from lightning_dapple.simulate.memory_fit import apply_ooo_recompute
+from lightning_dapple.simulate.plans import check_plan_fits, simulate_plan
+from lightning_dapple.simulate.timeline_png import draw_timeline
 
 __all__ = ["build_parser", "main", "print_result"]
 
@@ -78,11 +84,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise DappleConfigError("--memory-gib", f"is {args.memory_gib}", "give a positive number of GiB")
         baseline = None
         if args.ooo or args.recompute is not None:
-            from dataclasses import replace as _replace
-
-            from lightning_dapple.simulate.memory_fit import apply_ooo_recompute
-            from lightning_dapple.simulate.plans import check_plan_fits
-
             check_plan_fits(plan, profile, cluster)
             if args.schedule is not None and args.schedule != plan.schedule:
                 plan = _replace(plan, schedule=args.schedule, stages=tuple(_replace(s, warmup=None) for s in plan.stages)).validate()
@@ -97,8 +98,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             result = simulate_plan(plan, profile, cluster, schedule=args.schedule)
         if args.png:
-            from lightning_dapple.simulate.timeline_png import draw_timeline
-
             draw_timeline(result, args.png, title=f"{profile.name}: {args.schedule or plan.schedule}, M={plan.micro_batches}")
     except (DappleConfigError, ScheduleDeadlock) as exc:
         return _error(str(exc))
@@ -125,9 +124,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def print_result(result: SimulationResult, plan: Plan) -> None:
     """A rich table per stage, then latency, bubble fraction and the planner formula's estimate."""
-    from rich.console import Console
-    from rich.table import Table
-
     table = Table(title=f"{result.schedule} schedule, M = {result.micro_batches}")
     # K_i: warm-up forwards (5.3); F/B: per micro-batch slice on one device; send: one
     # boundary to the next stage; AR: gradient AllReduce (in brackets the part the backward does not hide); peak: micro-batches in flight.
@@ -182,8 +178,6 @@ def print_result(result: SimulationResult, plan: Plan) -> None:
 
 def print_ooo_difference(result: SimulationResult, baseline: SimulationResult) -> None:
     """One line each: latency, bubble fraction and peak stash with vs without ooo."""
-    from rich.console import Console
-
     console = Console()
     gain = (baseline.latency_ms - result.latency_ms) / baseline.latency_ms if baseline.latency_ms > 0 else 0.0
     console.print(

@@ -27,6 +27,7 @@ from typing import Sequence
 
 import lightning as L
 import torch
+from PIL import Image
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from lightning_dapple.errors import require
@@ -166,8 +167,6 @@ def split_indices(count: int, val_fraction: float, generator: torch.Generator) -
 
 def load_image_folder(path: str | Path, image_size: int) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
     """Images of ``path/<class>/*.png|jpg`` resized to ``image_size`` squares, scaled to [-1, 1]."""
-    from PIL import Image  # pillow ships with matplotlib
-
     root = Path(path)
     require(root.is_dir(), "path", f"{str(path)!r} is not a folder", "point path at a folder with one subfolder of images per class")
     classes = sorted(entry.name for entry in root.iterdir() if entry.is_dir())

@@ -18,6 +18,10 @@ import traceback
 from datetime import timedelta
 from typing import Any, Callable
 
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
 ERRORS_KEY = "__errors__"
 
 
@@ -29,9 +33,6 @@ def free_port() -> int:
 
 
 def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, results: Any, timeout_s: float) -> None:
-    import torch
-    import torch.distributed as dist
-
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
@@ -55,8 +56,6 @@ def run_ranks(
     ``fn`` and ``args`` must be picklable (a module-level function). Raises
     ``TimeoutError`` when the ranks have not all reported within ``timeout_s``.
     """
-    import torch.multiprocessing as mp
-
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
+from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_dapple.errors import DappleConfigError, require
 
@@ -52,8 +54,6 @@ def launch_shape(environment: Any, num_nodes: int, devices: int, env: dict[str, 
 
     Raises ``DappleConfigError`` when the launcher started another shape than the Trainer
     was told (the planner would price links that do not exist)."""
-    from lightning.fabric.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
-
     env = dict(os.environ) if env is None else env
     world = int(environment.world_size())
     if isinstance(environment, TorchElasticEnvironment) and env.get("LOCAL_WORLD_SIZE", "").isdigit():
@@ -109,8 +109,6 @@ def placement_lines(plan: "Plan", topology: Topology) -> list[str]:
 def report_placement(strategy: Any) -> Topology:
     """Launch shape and rank -> node map of a strategy's job, checked; rank 0 logs the
     plan's placement. Called by every rank after the plan is known (a collective)."""
-    from lightning.pytorch.utilities.rank_zero import rank_zero_info
-
     environment = strategy.cluster_environment
     shape = launch_shape(environment, strategy.num_nodes, strategy.num_processes)
     topology = gather_topology(shape, int(environment.node_rank()))

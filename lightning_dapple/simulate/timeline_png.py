@@ -76,11 +76,9 @@ def draw_rows(rows: Sequence[TimelineRow], path: str | Path, title: str, span_ms
 
     ``span_ms`` is the length of the x axis; by default the last end of any span.
     """
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    from matplotlib import pyplot as plt
-    from matplotlib.patches import Patch
+    # matplotlib loads only when a picture is drawn; an Agg canvas of our own leaves
+    # pyplot's global figure list and backend alone
+    import matplotlib.backends.backend_agg, matplotlib.figure, matplotlib.patches  # noqa: E401
 
     path = Path(path)
     ends = [s.end_ms for row in rows for s in row.spans]
@@ -89,57 +87,56 @@ def draw_rows(rows: Sequence[TimelineRow], path: str | Path, title: str, span_ms
     width = min(max(8.0, 0.25 * count / max(len(rows), 1)), 30.0)
     height = max(1.6, 0.45 * len(rows) + 1.2)
 
-    fig, ax = plt.subplots(figsize=(width, height), dpi=DPI, layout="constrained")
-    try:
-        title = _wrap_title(fig, title, TITLE_SIZE)
-        extra_lines = title.count("\n")
-        if extra_lines:
-            fig.set_figheight(height + 0.22 * extra_lines)
-        axes_px = fig.get_figwidth() * fig.dpi * 0.75  # room left of the legend, right of the tick labels
-        used: list[str] = []
-        for index, row in enumerate(rows):
-            blocks: dict[str, list[tuple[float, float]]] = {}
-            for span in row.spans:
-                length = span.end_ms - span.start_ms
-                if length <= 0:
-                    continue
-                blocks.setdefault(span.kind, []).append((span.start_ms, length))
-                label = _block_label(span)
-                # only label blocks wide enough to hold the text (~7 px per character)
-                if label and length / total * axes_px >= 7 * len(label) + 2:
-                    ax.text(
-                        span.start_ms + length / 2,
-                        index,
-                        label,
-                        ha="center",
-                        va="center",
-                        fontsize=7,
-                        color="black" if span.kind == "W" else "white",
-                    )
-            for kind, ranges in blocks.items():
-                if kind not in used:
-                    used.append(kind)
-                ax.broken_barh(
-                    ranges,
-                    (index - 0.4, 0.8),
-                    facecolors=COLOURS.get(kind, OTHER_COLOUR),
-                    edgecolors="white",
-                    linewidth=0.5,
+    fig = matplotlib.figure.Figure(figsize=(width, height), dpi=DPI, layout="constrained")
+    matplotlib.backends.backend_agg.FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    title = _wrap_title(fig, title, TITLE_SIZE)
+    extra_lines = title.count("\n")
+    if extra_lines:
+        fig.set_figheight(height + 0.22 * extra_lines)
+    axes_px = fig.get_figwidth() * fig.dpi * 0.75  # room left of the legend, right of the tick labels
+    used: list[str] = []
+    for index, row in enumerate(rows):
+        blocks: dict[str, list[tuple[float, float]]] = {}
+        for span in row.spans:
+            length = span.end_ms - span.start_ms
+            if length <= 0:
+                continue
+            blocks.setdefault(span.kind, []).append((span.start_ms, length))
+            label = _block_label(span)
+            # only label blocks wide enough to hold the text (~7 px per character)
+            if label and length / total * axes_px >= 7 * len(label) + 2:
+                ax.text(
+                    span.start_ms + length / 2,
+                    index,
+                    label,
+                    ha="center",
+                    va="center",
+                    fontsize=7,
+                    color="black" if span.kind == "W" else "white",
                 )
-        ax.set_yticks(range(len(rows)))
-        ax.set_yticklabels([row.label for row in rows])
-        ax.set_ylim(len(rows) - 0.5, -0.5)  # first row on top
-        ax.set_xlim(0, total)
-        ax.set_xlabel("time (ms)")
-        fig.suptitle(title, fontsize=TITLE_SIZE)
-        kinds = [k for k in COLOURS if k in used] + [k for k in used if k not in COLOURS]
-        handles = [Patch(color=COLOURS.get(k, OTHER_COLOUR), label=LABELS.get(k, k)) for k in kinds]
-        if handles:
-            fig.legend(handles=handles, loc="outside right center", fontsize=8, frameon=False)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=DPI)
-    finally:
-        plt.close(fig)
+        for kind, ranges in blocks.items():
+            if kind not in used:
+                used.append(kind)
+            ax.broken_barh(
+                ranges,
+                (index - 0.4, 0.8),
+                facecolors=COLOURS.get(kind, OTHER_COLOUR),
+                edgecolors="white",
+                linewidth=0.5,
+            )
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels([row.label for row in rows])
+    ax.set_ylim(len(rows) - 0.5, -0.5)  # first row on top
+    ax.set_xlim(0, total)
+    ax.set_xlabel("time (ms)")
+    fig.suptitle(title, fontsize=TITLE_SIZE)
+    kinds = [k for k in COLOURS if k in used] + [k for k in used if k not in COLOURS]
+    handles = [matplotlib.patches.Patch(color=COLOURS.get(k, OTHER_COLOUR), label=LABELS.get(k, k)) for k in kinds]
+    if handles:
+        fig.legend(handles=handles, loc="outside right center", fontsize=8, frameon=False)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=DPI)
     return path
 
 

@@ -14,40 +14,70 @@ trains in mixed precision, so the times are those of the precision that will run
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import torch
 import torch.distributed as dist
+from lightning.pytorch import LightningModule
+from torch import nn
 
-from lightning_dapple.cluster import Cluster, detect_cluster, load_cluster
+from lightning_dapple.cluster import Cluster
 from lightning_dapple.errors import DappleConfigError
-from lightning_dapple.execute.slicing import batch_size_of
-from lightning_dapple.plan.plan import Plan, plan_from_dict
+from lightning_dapple.execute.slicing import batch_size_of, take_rows
+from lightning_dapple.plan.plan import Plan, atomic_write_text, load_plan, plan_from_dict
+from lightning_dapple.profile.model_profile import ModelProfile
+from lightning_dapple.profile.profiler import profile_layers
+from lightning_dapple.simulate.memory_fit import apply_ooo_recompute
+from lightning_dapple.simulate.plans import make_plan
+from lightning_dapple.strategy.module_adapter import LogRecorder, capture_input
 from lightning_dapple.strategy.ooo_choice import decide_ooo, with_ooo_choice
+from lightning_dapple.strategy.resolve import PlanArguments
 
-if TYPE_CHECKING:
-    from lightning.pytorch import LightningModule, Trainer
-    from torch import nn
-
-    from lightning_dapple.strategy.dapple_strategy import DappleStrategy
+__all__ = ["AutoPlan", "PlanningContext", "PlanningInputs", "auto_plan"]
 
 
-def default_cluster(strategy: "DappleStrategy") -> Cluster:
-    """This machine, as the Trainer uses it (nodes x processes per node)."""
-    accelerator = "gpu" if strategy.root_device.type == "cuda" else "cpu"
-    return detect_cluster(max(1, strategy.num_nodes), max(1, strategy.num_processes), accelerator)
+@dataclass(frozen=True)
+class PlanningContext:
+    """What planning needs to know about the run, collected by the strategy on every rank."""
+
+    arguments: PlanArguments
+    cluster: Cluster
+    device: torch.device
+    world_size: int
+    global_rank: int
+    directory: Path
+    resuming: bool
+    profile_cache: str | None = None
+    autocast_dtype: torch.dtype | None = None
 
 
-def auto_plan(strategy: "DappleStrategy", trainer: "Trainer", module: "LightningModule", container: "nn.Module", sample: Any) -> Plan:
-    saved = Path(trainer.log_dir or trainer.default_root_dir) / "dapple_plan.json"
-    if trainer.ckpt_path and saved.is_file():
-        from lightning_dapple.plan.plan import load_plan
+@dataclass(frozen=True)
+class PlanningInputs:
+    """The measured profile and the cluster a plan was made for (rank 0 only)."""
 
-        return load_plan(saved)  # resuming reuses the plan of the run
+    profile: ModelProfile
+    cluster: Cluster
+
+
+@dataclass(frozen=True)
+class AutoPlan:
+    plan: Plan
+    inputs: PlanningInputs | None = None
+
+
+def auto_plan(context: PlanningContext, module: LightningModule, container: nn.Module, sample: Any) -> AutoPlan:
+    """The run's plan: rank 0 profiles and plans, every rank receives the same plan."""
+    saved = context.directory / "dapple_plan.json"
+    if context.resuming and saved.is_file():
+        return AutoPlan(load_plan(saved))  # resuming reuses the plan of the run
     data: Any = None
-    if strategy.global_rank == 0:
+    inputs: PlanningInputs | None = None
+    if context.global_rank == 0:
         try:
-            data = _plan_on_rank_zero(strategy, module, container, sample, saved.parent)
+            plan, inputs = _plan_on_rank_zero(context, module, container, sample)
+            data = plan.to_dict()
         except DappleConfigError as exc:  # shared with every rank so all stop with the same message
             data = {"__error__": [exc.field, exc.problem, exc.fix]}
         except Exception as exc:
@@ -58,50 +88,30 @@ def auto_plan(strategy: "DappleStrategy", trainer: "Trainer", module: "Lightning
         data = holder[0]
     if "__error__" in data:
         raise DappleConfigError(*data["__error__"])  # the planner's own what/problem/fix, once
-    return plan_from_dict(data)
+    return AutoPlan(plan_from_dict(data), inputs)
 
 
-def _plan_on_rank_zero(strategy: "DappleStrategy", module: "LightningModule", container: "nn.Module", sample: Any, directory: Path) -> dict[str, Any]:
-    from lightning_dapple.execute.slicing import take_rows
-    from lightning_dapple.strategy.module_adapter import LogRecorder, capture_input
-
-    from lightning_dapple.simulate.plans import make_plan
-    from lightning_dapple.profile.profiler import profile_layers
-
+def _plan_on_rank_zero(context: PlanningContext, module: LightningModule, container: nn.Module, sample: Any) -> tuple[Plan, PlanningInputs]:
     rows = batch_size_of(sample)
-    per_device = max(1, rows // max(1, strategy.world_size))
+    per_device = max(1, rows // max(1, context.world_size))
     piece = take_rows(sample, 0, per_device)
     with LogRecorder().recording(module, 0.0):
         x = capture_input(module, lambda: module.training_step(piece, 0))
     profile = profile_layers(
         container,
         x,
-        device=strategy.root_device,
-        cache_dir=strategy.profile_cache,
+        device=context.device,
+        cache_dir=context.profile_cache,
         name=type(module).__name__,
-        autocast_dtype=strategy.autocast_dtype(),
+        autocast_dtype=context.autocast_dtype,
     )
-    cluster = load_cluster(strategy.cluster_spec) if strategy.cluster_spec is not None else default_cluster(strategy)
-    kwargs: dict[str, Any] = {}
-    if strategy.micro_batches is not None:
-        kwargs["micro_batches"] = strategy.micro_batches
-    if strategy.schedule_name is not None:
-        kwargs["schedule"] = strategy.schedule_name
-    if strategy.policy in ("PA", "PB"):
-        kwargs["policy"] = strategy.policy
-    plan = make_plan(profile, cluster, rows, num_devices=strategy.world_size, **kwargs)
-    modes = strategy.recompute if strategy.recompute is not None else [stage.recompute for stage in plan.stages]
-    on, why = decide_ooo(strategy.ooo, plan, profile, cluster, recompute=modes)
-    if strategy.recompute == "auto":
-        from lightning_dapple.simulate.memory_fit import apply_ooo_recompute
-
+    cluster, arguments = context.cluster, context.arguments
+    plan = make_plan(profile, cluster, rows, num_devices=context.world_size, **arguments.planner_kwargs())
+    modes = arguments.recompute if arguments.recompute is not None else [stage.recompute for stage in plan.stages]
+    on, why = decide_ooo(arguments.ooo, plan, profile, cluster, recompute=modes)
+    if arguments.recompute == "auto":
         plan = apply_ooo_recompute(plan, profile, cluster, ooo=on, recompute="auto")
     plan = with_ooo_choice(plan, on, why)
-    from dataclasses import replace
-
-    from lightning_dapple.plan.plan import atomic_write_text
-
     plan = replace(plan, extra={**plan.extra, "cluster": cluster.to_dict()})
-    atomic_write_text(directory / "dapple_profile.json", profile.to_json() + "\n")
-    strategy._planning_inputs = (profile, cluster)
-    return plan.to_dict()
+    atomic_write_text(context.directory / "dapple_profile.json", profile.to_json() + "\n")
+    return plan, PlanningInputs(profile, cluster)

@@ -12,35 +12,20 @@ from __future__ import annotations
 
 import os
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from lightning_dapple.errors import DappleConfigError
 
-if TYPE_CHECKING:
-    from lightning_dapple.strategy.dapple_strategy import DappleStrategy
-
 NAMED_MARKER = "dapple_keyed_by_name"
-
-
-def key_owners(module: nn.Module, container: nn.Module, path: str) -> dict[str, int | None]:
-    """Each state-dict key of the whole module -> index of the layer owning it (None: outside)."""
-    owners: dict[str, int | None] = {}
-    prefix = f"{path}."
-    for key in module.state_dict():
-        owner = None
-        if key.startswith(prefix):
-            head = key[len(prefix) :].split(".", 1)[0]
-            if head.isdigit():
-                owner = int(head)
-        owners[key] = owner
-    return owners
 
 
 def _gather_to_zero(obj: Any) -> list[Any] | None:
@@ -51,20 +36,31 @@ def _gather_to_zero(obj: Any) -> list[Any] | None:
     return out
 
 
-def _is_stage_leader(strategy: "DappleStrategy") -> bool:
-    assert strategy.plan is not None
-    return strategy.plan.stages[strategy.stage].devices[0] == strategy.global_rank
+@dataclass(frozen=True)
+class CheckpointLayout:
+    """Where a rank's part of the whole module's state lives, fixed once the plan is set.
+
+    ``key_owner``: each state-dict key of the whole module -> the layer owning it (None:
+    outside the layer list, kept by rank 0); ``parameter_names``: the whole module's
+    parameter names in ``named_parameters`` order (what a plain run's optimizer indexes);
+    ``stage_leader``: this rank is its stage's first replica, the one that contributes
+    the stage's entries.
+    """
+
+    key_owner: dict[str, int | None]
+    parameter_names: list[str]
+    stage_leader: bool
+    global_rank: int
 
 
-def consolidated_state_dict(strategy: "DappleStrategy") -> dict[str, Any]:
+def consolidated_state_dict(module: nn.Module, layout: CheckpointLayout) -> dict[str, Any]:
     """The whole module's state dict on rank 0 (original keys and order); {} elsewhere."""
-    module = strategy.lightning_module
     local = module.state_dict()
     mine: dict[str, torch.Tensor] = {}
-    if _is_stage_leader(strategy):
+    if layout.stage_leader:
         for key, value in local.items():
-            owner = strategy._key_owner.get(key)
-            if owner is not None or strategy.global_rank == 0:
+            owner = layout.key_owner.get(key)
+            if owner is not None or layout.global_rank == 0:
                 mine[key] = value.detach().cpu()
     gathered = _gather_to_zero(mine)
     if gathered is None:
@@ -72,19 +68,19 @@ def consolidated_state_dict(strategy: "DappleStrategy") -> dict[str, Any]:
     merged: dict[str, Any] = {}
     for part in gathered:
         merged.update(part)
-    ordered = {key: merged[key] for key in strategy._key_owner if key in merged}
-    missing = [key for key in strategy._key_owner if key not in merged]
+    ordered = {key: merged[key] for key in layout.key_owner if key in merged}
+    missing = [key for key in layout.key_owner if key not in merged]
     if missing:
         raise RuntimeError(f"checkpoint consolidation lost keys {missing[:3]}")
     return ordered
 
 
-def _names_by_param(strategy: "DappleStrategy") -> dict[int, str]:
-    return {id(p): name for name, p in strategy.lightning_module.named_parameters()}
+def _names_by_param(module: nn.Module) -> dict[int, str]:
+    return {id(p): name for name, p in module.named_parameters()}
 
 
-def _named_optimizer_state(strategy: "DappleStrategy", optimizer: Any) -> dict[str, Any]:
-    names = _names_by_param(strategy)
+def _named_optimizer_state(module: nn.Module, optimizer: Any) -> dict[str, Any]:
+    names = _names_by_param(module)
     state_dict = optimizer.state_dict()
     params = [p for group in optimizer.param_groups for p in group["params"]]
     index_to_name = {index: names[id(p)] for index, p in enumerate(params)}
@@ -97,9 +93,9 @@ def _named_optimizer_state(strategy: "DappleStrategy", optimizer: Any) -> dict[s
     }
 
 
-def consolidated_optimizer_state(strategy: "DappleStrategy", optimizer: Any) -> dict[str, Any]:
+def consolidated_optimizer_state(module: nn.Module, layout: CheckpointLayout, optimizer: Any) -> dict[str, Any]:
     """Optimizer state of all stages keyed by parameter name, on rank 0; {} elsewhere."""
-    named = _named_optimizer_state(strategy, optimizer) if _is_stage_leader(strategy) else None
+    named = _named_optimizer_state(module, optimizer) if layout.stage_leader else None
     gathered = _gather_to_zero(named)
     if gathered is None:
         return {}
@@ -116,14 +112,11 @@ def consolidated_optimizer_state(strategy: "DappleStrategy", optimizer: Any) -> 
 
 
 def _to_cpu(value: Any) -> Any:
-    from torch.utils import _pytree as pytree
-
     return pytree.tree_map(lambda x: x.detach().cpu() if isinstance(x, torch.Tensor) else x, value)
 
 
-def load_local_state_dict(strategy: "DappleStrategy", state_dict: dict[str, Any], strict: bool = True) -> None:
+def load_local_state_dict(module: nn.Module, state_dict: dict[str, Any], strict: bool = True) -> None:
     """Load the entries of a consolidated state dict that this rank's module holds."""
-    module = strategy.lightning_module
     wanted = module.state_dict()
     local = {key: value for key, value in state_dict.items() if key in wanted}
     missing = [key for key in wanted if key not in local]
@@ -134,12 +127,12 @@ def load_local_state_dict(strategy: "DappleStrategy", state_dict: dict[str, Any]
     module.load_state_dict(local, strict=False)
 
 
-def load_local_optimizer_states(strategy: "DappleStrategy", states: list[dict[str, Any]]) -> None:
+def load_local_optimizer_states(module: nn.Module, layout: CheckpointLayout, optimizers: list[Any], states: list[dict[str, Any]]) -> None:
     """Give each local optimizer the saved state of the parameters it now holds."""
-    names = _names_by_param(strategy)
-    for optimizer, saved in zip(strategy.optimizers, states):
+    names = _names_by_param(module)
+    for optimizer, saved in zip(optimizers, states):
         if not saved.get(NAMED_MARKER):
-            saved = _index_keyed_to_named(strategy, saved)
+            saved = _index_keyed_to_named(layout, saved)
         by_name = saved["state"]
         local_groups = []
         local_state: dict[int, Any] = {}
@@ -157,10 +150,10 @@ def load_local_optimizer_states(strategy: "DappleStrategy", states: list[dict[st
         optimizer.load_state_dict({"state": local_state, "param_groups": local_groups})
 
 
-def _index_keyed_to_named(strategy: "DappleStrategy", saved: dict[str, Any]) -> dict[str, Any]:
+def _index_keyed_to_named(layout: CheckpointLayout, saved: dict[str, Any]) -> dict[str, Any]:
     """A checkpoint of plain (non-dapple) training: positions follow the full module's
     parameter order, as ``optimizer(self.parameters())`` builds it."""
-    order = strategy._full_parameter_names
+    order = layout.parameter_names
     positions = [i for group in saved["param_groups"] for i in group["params"]]
     if len(positions) != len(order):
         raise DappleConfigError(

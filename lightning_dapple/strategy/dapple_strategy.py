@@ -34,30 +34,35 @@ from pathlib import Path
 from typing import Any, Callable, ContextManager, Generator, Literal
 
 import torch
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import DoublePrecision, Precision
 from lightning.pytorch.plugins.precision.half import HalfPrecision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from lightning.pytorch.trainer.connectors.data_connector import _request_dataloader
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from rich.console import Console
 from torch import nn
+from torch.utils import _pytree as pytree
 from typing_extensions import override
 
+from lightning_dapple.cluster import detect_cluster, load_cluster
 from lightning_dapple.errors import DappleConfigError, require
 from lightning_dapple.execute.clipping import clip_grad_norm_global
 from lightning_dapple.execute.failure import FailureChannel
 from lightning_dapple.execute.groups import PlanGroups, build_groups
 from lightning_dapple.execute.runner import StageRunner
 from lightning_dapple.execute.shutdown import destroy_groups_at_exit
-from lightning_dapple.execute.slicing import batch_size_of
+from lightning_dapple.execute.slicing import batch_size_of, take_rows
 from lightning_dapple.execute.topology import report_placement
 from lightning_dapple.execute.wires import WIRES, choose_wire
-from lightning_dapple.plan.plan import Plan, load_plan, plan_from_dict
+from lightning_dapple.plan.explain import plan_summary, plan_table
+from lightning_dapple.plan.plan import Plan, atomic_write_text, load_plan, plan_from_dict
 from lightning_dapple.simulate.plans import schedule_for_plan
 from lightning_dapple.strategy import checkpoint as ckpt
-from lightning_dapple.strategy.precision import DappleMixedPrecision, agree_found_inf, as_dapple_precision
-from lightning_dapple.strategy.reporting import SILENT, OneLineLauncher, install_excepthook
+from lightning_dapple.strategy.auto_plan import PlanningContext, PlanningInputs, auto_plan
 from lightning_dapple.strategy.batch_guard import check_training_batch, check_training_loss
 from lightning_dapple.strategy.module_adapter import (
     FreedLayer,
@@ -72,7 +77,9 @@ from lightning_dapple.strategy.module_adapter import (
     module_home,
     replay_logs,
 )
-from lightning_dapple.strategy.ooo_choice import check_ooo, decide_ooo, with_ooo_choice
+from lightning_dapple.strategy.precision import DappleMixedPrecision, agree_found_inf, as_dapple_precision
+from lightning_dapple.strategy.reporting import SILENT, OneLineLauncher, install_excepthook
+from lightning_dapple.strategy.resolve import PlanArguments, resolve_plan
 
 log = logging.getLogger(__name__)
 
@@ -128,8 +135,6 @@ class _EvalCallbacks:
 
 
 def _to_cpu(value: Any) -> Any:
-    from torch.utils import _pytree as pytree
-
     return pytree.tree_map(lambda x: x.detach().cpu() if isinstance(x, torch.Tensor) else x, value)
 
 
@@ -220,34 +225,16 @@ class DappleStrategy(DDPStrategy):
     ) -> None:
         super().__init__(start_method=start_method, timeout=timedelta(seconds=timeout_s), **kwargs)
         require(loss_reduction in ("mean", "sum"), "loss_reduction", f"is {loss_reduction!r}", "use 'mean' or 'sum'")
-        require(schedule in (None, "dapple", "gpipe"), "schedule", f"is {schedule!r}", "use 'dapple' or 'gpipe'")
-        require(policy in (None, "PA", "PB", "auto"), "policy", f"is {policy!r}", "use 'PA', 'PB' or 'auto'")
-        require(
-            micro_batches is None or (isinstance(micro_batches, int) and micro_batches > 0),
-            "micro_batches",
-            f"is {micro_batches!r}",
-            "use a positive integer or leave it out",
-        )
-        require(
-            recompute is None or recompute == "auto" or isinstance(recompute, (str, list, tuple)),
-            "recompute",
-            f"is {recompute!r}",
-            "use 'never', 'always', 'except_last', 'auto' or one mode per stage",
-        )
+        self.plan_arguments = PlanArguments(micro_batches, schedule, policy, recompute, ooo)
         require(
             recompute != "auto" or plan == "auto",
             "recompute",
             "is 'auto' but the plan is given explicitly; 'auto' needs the profile that plan='auto' measures",
             "use plan='auto', or name a mode per stage (never/always/except_last)",
         )
-        self.ooo = check_ooo(ooo)
         require(wire in WIRES, "wire", f"is {wire!r}", f"use one of {', '.join(WIRES)}")
         self.wire = wire
-        self.recompute = recompute
         self.plan_spec = plan
-        self.micro_batches = micro_batches
-        self.schedule_name = schedule
-        self.policy = policy
         self.cluster_spec = cluster
         self.layers_path = layers
         self.loss_reduction = loss_reduction
@@ -258,10 +245,9 @@ class DappleStrategy(DDPStrategy):
         self.failure: FailureChannel | None = None
         self.groups: PlanGroups | None = None
         self._layer_container: nn.Module | None = None
-        self._key_owner: dict[str, int | None] = {}
-        self._full_parameter_names: list[str] = []
+        self.checkpoint_layout: ckpt.CheckpointLayout | None = None
         self._freed: dict[int, nn.Module] = {}
-        self._planning_inputs: Any = None  # (profile, cluster) on rank 0 after plan="auto"
+        self._planning_inputs: PlanningInputs | None = None  # rank 0 after plan="auto"
         self._saved_grads: list[torch.Tensor | None] | None = None
         self.last_stats: Any = None
 
@@ -370,8 +356,6 @@ class DappleStrategy(DDPStrategy):
                 mixed.check_optimizers(self.optimizers)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
-            from lightning.fabric.utilities.optimizer import _optimizers_to_device
-
             _optimizers_to_device(self.optimizers, self.root_device)
         self._install_clipping()
 
@@ -426,9 +410,13 @@ class DappleStrategy(DDPStrategy):
         self.plan = plan
         self._save_plan(trainer)
         report_placement(self)  # every rank: the launch's nodes agree with the plan; rank 0 prints them
-        self._key_owner = key_owners(module, container)
-        self._full_parameter_names = [name for name, _ in module.named_parameters()]
         stage = plan.stages[self.stage]
+        self.checkpoint_layout = ckpt.CheckpointLayout(
+            key_owner=key_owners(module, container),
+            parameter_names=[name for name, _ in module.named_parameters()],
+            stage_leader=stage.devices[0] == self.global_rank,
+            global_rank=self.global_rank,
+        )
         for index in range(len(container)):
             if not (stage.start <= index < stage.end):
                 self._freed[index] = container[index].to("meta")  # structure kept, memory released
@@ -462,8 +450,6 @@ class DappleStrategy(DDPStrategy):
         raise IndexError(index)
 
     def _sample_batch(self, trainer: Trainer, module: LightningModule) -> Any:
-        from lightning.pytorch.trainer.connectors.data_connector import _request_dataloader
-
         loop = {
             TrainerFn.FITTING: trainer.fit_loop,
             TrainerFn.VALIDATING: trainer.validate_loop,
@@ -493,8 +479,6 @@ class DappleStrategy(DDPStrategy):
             TrainerFn.TESTING: "test_step",
             TrainerFn.PREDICTING: "predict_step",
         }[trainer.state.fn]
-        from lightning_dapple.execute.slicing import take_rows
-
         sample = take_rows(batch, 0, min(2, batch_size_of(batch)))
         recorder = LogRecorder()
         with recorder.recording(module, 0.0):
@@ -512,8 +496,6 @@ class DappleStrategy(DDPStrategy):
         finally:
             module.train(was_training)
             torch.random.set_rng_state(state)
-        from torch.utils import _pytree as pytree
-
         left, right = pytree.tree_leaves(expected), pytree.tree_leaves(actual)
         same = len(left) == len(right) and all(
             isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and torch.allclose(a, b, atol=1e-5, rtol=1e-4)
@@ -526,6 +508,28 @@ class DappleStrategy(DDPStrategy):
             f"make forward(x) apply only the layers of '{self.layers_path}' in order (move pre/post-processing into a layer or into the step)",
         )
 
+    def planning_context(self, trainer: Trainer) -> PlanningContext:
+        """What ``plan="auto"`` needs to know about this run (``strategy/auto_plan.py``).
+
+        The cluster is the one given to the strategy, or this machine as the Trainer uses
+        it (nodes x processes per node, ``cluster.detect_cluster``)."""
+        if self.cluster_spec is not None:
+            cluster = load_cluster(self.cluster_spec)
+        else:
+            accelerator = "gpu" if self.root_device.type == "cuda" else "cpu"
+            cluster = detect_cluster(max(1, self.num_nodes), max(1, self.num_processes), accelerator)
+        return PlanningContext(
+            arguments=self.plan_arguments,
+            cluster=cluster,
+            device=self.root_device,
+            world_size=self.world_size,
+            global_rank=self.global_rank,
+            directory=Path(trainer.log_dir or trainer.default_root_dir),  # a collective: every rank asks
+            resuming=bool(trainer.ckpt_path),
+            profile_cache=self.profile_cache,
+            autocast_dtype=self.autocast_dtype(),
+        )
+
     def _resolve_plan(self, trainer: Trainer, module: LightningModule, container: nn.Module, sample: Any) -> Plan:
         spec = self.plan_spec
         if isinstance(spec, Plan):
@@ -535,27 +539,9 @@ class DappleStrategy(DDPStrategy):
         elif isinstance(spec, (str, Path)) and str(spec) != "auto":
             plan = load_plan(spec)
         else:
-            from lightning_dapple.strategy.auto_plan import auto_plan
-
-            plan = auto_plan(self, trainer, module, container, sample)
-        from dataclasses import replace
-
-        overrides: dict[str, Any] = {}
-        if self.micro_batches is not None:
-            overrides["micro_batches"] = self.micro_batches
-        if self.schedule_name is not None:
-            overrides["schedule"] = self.schedule_name
-        if self.policy in ("PA", "PB"):
-            overrides["policy"] = self.policy
-        if overrides:
-            stages = tuple(replace(stage, warmup=None) for stage in plan.stages) if {"micro_batches", "schedule", "policy"} & set(overrides) else plan.stages
-            plan = replace(plan, stages=stages, **overrides)
-        if self.recompute != "auto":  # "auto" was resolved by the planner (auto_plan)
-            from lightning_dapple.plan.options import set_options
-
-            plan = set_options(plan, recompute=self.recompute)
-        if self.ooo != "auto" or "ooo_choice" not in plan.extra:  # auto_plan decides with its profile
-            plan = with_ooo_choice(plan, *decide_ooo(self.ooo, plan))
+            planned = auto_plan(self.planning_context(trainer), module, container, sample)
+            plan, self._planning_inputs = planned.plan, planned.inputs
+        plan = resolve_plan(plan, self.plan_arguments)
         batch_rows = batch_size_of(sample)
         require(
             plan.global_batch_size == batch_rows,
@@ -573,12 +559,7 @@ class DappleStrategy(DDPStrategy):
             return
         self.plan.save(directory / "dapple_plan.json")
         if self._planning_inputs is not None:
-            from rich.console import Console
-
-            from lightning_dapple.plan.explain import plan_summary, plan_table
-            from lightning_dapple.plan.plan import atomic_write_text
-
-            profile, cluster = self._planning_inputs
+            profile, cluster = self._planning_inputs.profile, self._planning_inputs.cluster
             console = Console(record=True, width=160)
             console.print(plan_table(self.plan, profile, cluster))
             console.print(plan_summary(self.plan))
@@ -699,20 +680,22 @@ class DappleStrategy(DDPStrategy):
     # -- checkpoints ---------------------------------------------------------------
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        assert self.plan is not None and self.runner is not None
-        return ckpt.consolidated_state_dict(self)
+        assert self.plan is not None and self.checkpoint_layout is not None
+        return ckpt.consolidated_state_dict(self.lightning_module, self.checkpoint_layout)
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        return ckpt.consolidated_optimizer_state(self, optimizer)
+        assert self.checkpoint_layout is not None
+        return ckpt.consolidated_optimizer_state(self.lightning_module, self.checkpoint_layout, optimizer)
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        ckpt.load_local_state_dict(self, checkpoint["state_dict"], strict=strict)
+        ckpt.load_local_state_dict(self.lightning_module, checkpoint["state_dict"], strict=strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        ckpt.load_local_optimizer_states(self, checkpoint["optimizer_states"])
+        assert self.checkpoint_layout is not None
+        ckpt.load_local_optimizer_states(self.lightning_module, self.checkpoint_layout, self.optimizers, checkpoint["optimizer_states"])
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
@@ -753,7 +736,8 @@ class DappleStrategy(DDPStrategy):
         """
         if self.plan is None or self.plan.num_stages == 1:
             return
-        state = ckpt.consolidated_state_dict(self)
+        assert self.checkpoint_layout is not None
+        state = ckpt.consolidated_state_dict(self.lightning_module, self.checkpoint_layout)
         if self.global_rank != 0 or self._layer_container is None:
             return
         prefix = f"{self.layers_path}."

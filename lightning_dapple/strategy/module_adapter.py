@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
+from torchmetrics import Metric
 
 from lightning_dapple.errors import DappleConfigError
 
@@ -201,8 +202,6 @@ class LogRecorder:
             module.log_dict = original_dict  # type: ignore[method-assign]
 
     def add(self, name: str, value: Any, kwargs: dict[str, Any]) -> None:
-        from torchmetrics import Metric
-
         if isinstance(value, Metric):
             cache = getattr(value, "_forward_cache", None)
             if cache is None:

@@ -20,6 +20,8 @@ from typing import Any, Literal
 
 from lightning_dapple.errors import require
 from lightning_dapple.plan.plan import Plan
+from lightning_dapple.simulate import simulate_plan
+from lightning_dapple.simulate.memory_fit import apply_ooo_recompute
 
 OooSetting = Literal["auto"] | bool
 
@@ -47,9 +49,6 @@ def decide_ooo(setting: OooSetting, plan: Plan, profile: Any = None, cluster: An
         return False, "auto: one stage has no pipeline bubble for deferred weight gradients to fill"
     if profile is None or cluster is None:
         return True, f"auto: {plan.num_stages} stages; deferred weight gradients fill the pipeline bubbles (no profile to simulate)"
-    from lightning_dapple.simulate.memory_fit import apply_ooo_recompute
-    from lightning_dapple.simulate import simulate_plan
-
     times = {}
     for ooo in (False, True):
         priced = apply_ooo_recompute(plan, profile, cluster, ooo=ooo, recompute=recompute)

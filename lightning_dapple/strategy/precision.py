@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins.precision.amp import _optimizer_handles_unscaling
 from lightning.pytorch.plugins.precision import MixedPrecision
 from typing_extensions import override
 
@@ -91,8 +92,6 @@ class DappleMixedPrecision(MixedPrecision):
         alone whether to skip, so the pipeline could not agree; refused before training."""
         if self.scaler is None:
             return
-        from lightning.fabric.plugins.precision.amp import _optimizer_handles_unscaling
-
         for optimizer in optimizers:
             require(
                 not _optimizer_handles_unscaling(optimizer),

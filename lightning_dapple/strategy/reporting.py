@@ -22,6 +22,7 @@ from types import TracebackType
 from typing import Any, Callable
 
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from torch.multiprocessing import ProcessRaisedException
 
 from lightning_dapple.errors import DappleConfigError
 from lightning_dapple.execute.failure import PeerFailedError
@@ -133,8 +134,6 @@ class OneLineLauncher(_MultiProcessingLauncher):
             raise cause from exc
 
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
-        from torch.multiprocessing import ProcessRaisedException
-
         try:
             return super().launch(function, *args, trainer=trainer, **kwargs)
         except ProcessRaisedException as exc:

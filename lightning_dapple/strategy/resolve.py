@@ -1,0 +1,92 @@
+"""The user's plan arguments and the one function that applies them to a plan.
+
+A run gets its plan from a file, a mapping, a ``Plan`` or the planner (``plan="auto"``),
+and the user may still say how it runs: M (``micro_batches``), the schedule (DAPPLE's
+early backward or GPipe), the K_i policy (DAPPLE 5.3: P_A or P_B), per-stage
+recomputation (gpipe.txt 2.3) and out-of-order backprop (ooo-backprop sec. 3). The
+strategy's keyword arguments and the Hydra app's ``strategy`` group carry the same
+arguments; both build a :class:`PlanArguments` and call :func:`resolve_plan`, so the two
+entry points cannot disagree about what a run executes. The planner reads the same
+object (:meth:`PlanArguments.planner_kwargs`) when it makes the base plan.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Sequence
+
+from lightning_dapple.errors import require
+from lightning_dapple.plan.options import set_options
+from lightning_dapple.plan.plan import Plan
+from lightning_dapple.strategy.ooo_choice import OooSetting, check_ooo, decide_ooo, with_ooo_choice
+
+__all__ = ["PlanArguments", "resolve_plan"]
+
+
+@dataclass(frozen=True)
+class PlanArguments:
+    """What the user asked of the plan; ``None`` keeps what the plan says.
+
+    ``policy`` "auto" and ``None`` both keep the plan's policy; ``recompute`` "auto" is
+    resolved by the planner's memory model (``simulate.memory_fit``) and needs
+    ``plan="auto"``; ``ooo`` "auto" lets ``strategy.ooo_choice`` decide.
+    """
+
+    micro_batches: int | None = None
+    schedule: str | None = None
+    policy: str | None = None
+    recompute: str | Sequence[str] | None = None
+    ooo: OooSetting = "auto"
+
+    def __post_init__(self) -> None:
+        require(self.schedule in (None, "dapple", "gpipe"), "schedule", f"is {self.schedule!r}", "use 'dapple' or 'gpipe'")
+        require(self.policy in (None, "PA", "PB", "auto"), "policy", f"is {self.policy!r}", "use 'PA', 'PB' or 'auto'")
+        require(
+            self.micro_batches is None or (isinstance(self.micro_batches, int) and not isinstance(self.micro_batches, bool) and self.micro_batches > 0),
+            "micro_batches",
+            f"is {self.micro_batches!r}",
+            "use a positive integer or leave it out",
+        )
+        require(
+            self.recompute is None or isinstance(self.recompute, (str, list, tuple)),
+            "recompute",
+            f"is {self.recompute!r}",
+            "use 'never', 'always', 'except_last', 'auto' or one mode per stage",
+        )
+        object.__setattr__(self, "ooo", check_ooo(self.ooo))
+
+    @property
+    def fixed_policy(self) -> str | None:
+        """The K_i policy the user fixed ('PA'/'PB'), or None."""
+        return self.policy if self.policy in ("PA", "PB") else None
+
+    def planner_kwargs(self) -> dict[str, Any]:
+        """The arguments the planner takes from the user (``simulate.plans.make_plan``)."""
+        kwargs: dict[str, Any] = {}
+        if self.micro_batches is not None:
+            kwargs["micro_batches"] = self.micro_batches
+        if self.schedule is not None:
+            kwargs["schedule"] = self.schedule
+        if self.fixed_policy is not None:
+            kwargs["policy"] = self.fixed_policy
+        return kwargs
+
+
+def resolve_plan(base: Plan, arguments: PlanArguments) -> Plan:
+    """``base`` with the user's ``arguments`` applied: the plan the run executes.
+
+    Changing M, the schedule or the policy drops the plan's K_i (they were chosen for the
+    old values) so that ``Plan.with_warmups`` refills them by the policy (DAPPLE 5.3).
+    Fixed recomputation modes are set per stage; ``recompute="auto"`` was already resolved
+    when the planner made ``base``. The out-of-order choice is recorded with its reason,
+    unless ``ooo="auto"`` and the planner already decided it with a profile.
+    """
+    plan = base
+    overrides = arguments.planner_kwargs()
+    if overrides:
+        stages = tuple(replace(stage, warmup=None) for stage in plan.stages)
+        plan = replace(plan, stages=stages, **overrides)
+    if arguments.recompute is not None and arguments.recompute != "auto":
+        plan = set_options(plan, recompute=arguments.recompute)
+    if arguments.ooo != "auto" or "ooo_choice" not in plan.extra:
+        plan = with_ooo_choice(plan, *decide_ooo(arguments.ooo, plan))
+    return plan
