@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from rich.console import Console
+from typing_extensions import override
 
 from lightning_dapple.app.report import plan_table, render_text, write_text
 from lightning_dapple.app.timelines import MeasuredTimeline, draw_measured_timeline
@@ -72,6 +73,7 @@ class WorkerSetup(Callback):
     def __init__(self, threads: int) -> None:
         self.threads = threads
 
+    @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         quiet_warnings()
         if self.threads > 0:
@@ -95,9 +97,11 @@ class StepTimer(Callback):
         self.peak_stash_bytes = 0
         self._start: float | None = None
 
+    @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self._start = time.perf_counter()
 
+    @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self._start is None:
             return
@@ -108,6 +112,7 @@ class StepTimer(Callback):
         if stats is not None:
             self.peak_stash_bytes = max(self.peak_stash_bytes, int(getattr(stats, "peak_stash_bytes", 0)))
 
+    @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         gathered = gather_to_zero((self.times_s, self.peak_stash_bytes))
         if gathered is None:
@@ -162,6 +167,7 @@ class PipelineReport(Callback):
         self.notes: list[str] = []
 
     # -- start: plan table and simulation (rank 0) ---------------------------------------
+    @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         plan = getattr(trainer.strategy, "plan", None)
         if plan is None or trainer.global_rank != 0:
@@ -233,6 +239,7 @@ class PipelineReport(Callback):
             handle.write(text + "\n")
 
     # -- end: measured timeline (all ranks) -----------------------------------------------
+    @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         plan = getattr(trainer.strategy, "plan", None)
         if plan is None or not self.measured:

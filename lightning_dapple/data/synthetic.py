@@ -29,6 +29,7 @@ import lightning as L
 import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, TensorDataset
+from typing_extensions import override
 
 from lightning_dapple.errors import require
 from lightning_dapple.models.common import BOS_ID, EOS_ID, FIRST_WORD_ID, IGNORE_INDEX, MASK_ID, PAD_ID, UNK_ID
@@ -212,19 +213,23 @@ class _GeneratedDataModule(L.LightningDataModule):
     def generator(self, offset: int = 0) -> torch.Generator:
         return torch.Generator().manual_seed(self.seed + offset)
 
+    @override
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is None:
             self.train_set, self.val_set = self._build()
 
+    @override
     def train_dataloader(self) -> DataLoader:
         self.setup()
         require(len(self.train_set) >= self.batch_size, "batch_size", f"{self.batch_size} exceeds the {len(self.train_set)} training samples", "lower batch_size or add data")
         return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True, num_workers=0, generator=self.generator(1))
 
+    @override
     def val_dataloader(self) -> DataLoader:
         self.setup()
         return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, num_workers=0)
 
+    @override
     def predict_dataloader(self) -> DataLoader:
         return self.val_dataloader()
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
+from typing_extensions import override
 
 from lightning_dapple.errors import require
 from lightning_dapple.models.common import (
@@ -147,5 +148,6 @@ class BertMLM(ClassifierSteps, SequentialLightningModule):
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return per_sample_token_loss(logits, labels, IGNORE_INDEX)
 
+    @override
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)

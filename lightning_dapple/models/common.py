@@ -18,6 +18,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import nn
+from typing_extensions import override
 
 from lightning_dapple.errors import require
 
@@ -39,6 +40,7 @@ class SequentialLightningModule(L.LightningModule):
 
     layers: nn.Sequential
 
+    @override
     def forward(self, x: Any) -> Any:
         # Exactly the layer chain: each layer gets what the previous one returned, unpacked
         # never. The pipeline runtime replaces this method by per-stage execution.

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 from torchmetrics.text import BLEUScore
+from typing_extensions import override
 
 from lightning_dapple.errors import require
 from lightning_dapple.models.common import (
@@ -183,6 +184,7 @@ class GNMT(SequentialLightningModule):
         self.val_bleu = BLEUScore(n_gram=4)
         self.example_input_array = (example_tokens(2, src_len, vocab_size), example_tokens(2, tgt_len, vocab_size))
 
+    @override
     def forward(self, *inputs: Any) -> Any:
         # The input is one (src_ids, tgt_in_ids) pair; ``self(src, tgt)`` is accepted too
         # because Lightning's ModelSummary unpacks a tuple example_input_array into
@@ -193,6 +195,7 @@ class GNMT(SequentialLightningModule):
     def loss(self, logits: torch.Tensor, tgt_out: torch.Tensor) -> torch.Tensor:
         return per_sample_token_loss(logits, tgt_out, PAD_ID)
 
+    @override
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         src, tgt_in, tgt_out = batch
         logits = self((src, tgt_in))
@@ -202,6 +205,7 @@ class GNMT(SequentialLightningModule):
         self.log("train_acc", self.train_acc, prog_bar=True)
         return loss
 
+    @override
     def validation_step(self, batch, batch_idx: int) -> torch.Tensor:
         src, tgt_in, tgt_out = batch
         logits = self((src, tgt_in))
@@ -216,6 +220,7 @@ class GNMT(SequentialLightningModule):
         self.log("val_bleu", self.val_bleu, prog_bar=True)
         return loss
 
+    @override
     def predict_step(self, batch, batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
         """Teacher-forced argmax ids (B, T)."""
         src, tgt_in = batch[0], batch[1]
@@ -230,6 +235,7 @@ class GNMT(SequentialLightningModule):
             tgt = torch.cat([tgt, step], dim=1)
         return tgt[:, 1:]
 
+    @override
     def configure_optimizers(self):
         return torch.optim.Adam(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
 

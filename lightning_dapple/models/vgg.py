@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
+from typing_extensions import override
 
 from lightning_dapple.errors import require
 from lightning_dapple.models.common import ClassifierSteps, SequentialLightningModule, check_dropout, check_positive
@@ -110,6 +111,7 @@ class VGG19(ClassifierSteps, SequentialLightningModule):
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits, labels)
 
+    @override
     def configure_optimizers(self):
         if self.hparams.optimizer == "adam":
             return torch.optim.Adam(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)

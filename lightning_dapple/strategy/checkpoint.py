@@ -22,6 +22,7 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from torch import nn
 from torch.utils import _pytree as pytree
+from typing_extensions import override
 
 from lightning_dapple.errors import DappleConfigError
 
@@ -216,6 +217,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     target removes it. The file gets the mode a plain ``open()`` would give it.
     """
 
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
         fs = get_filesystem(path)
         protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)

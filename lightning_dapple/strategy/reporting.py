@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from torch.multiprocessing import ProcessRaisedException
+from typing_extensions import override
 
 from lightning_dapple.errors import DappleConfigError
 from lightning_dapple.execute.failure import PeerFailedError
@@ -120,6 +121,7 @@ class OneLineLauncher(_MultiProcessingLauncher):
     a rank, the root cause (the failing peer's error) is what goes back to the launching
     process; there, it becomes ``DappleRunError``."""
 
+    @override
     def _wrapping_function(self, *args: Any, **kwargs: Any) -> Any:
         try:
             return super()._wrapping_function(*args, **kwargs)
@@ -133,6 +135,7 @@ class OneLineLauncher(_MultiProcessingLauncher):
                 raise
             raise cause from exc
 
+    @override
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         try:
             return super().launch(function, *args, trainer=trainer, **kwargs)
