@@ -27,7 +27,6 @@ group set-up, cluster environments) and replaces what differs:
 """
 from __future__ import annotations
 
-import logging
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -81,9 +80,6 @@ from lightning_dapple.strategy.precision import DappleMixedPrecision, agree_foun
 from lightning_dapple.strategy.reporting import SILENT, OneLineLauncher, install_excepthook
 from lightning_dapple.strategy.resolve import PlanArguments, resolve_plan
 
-log = logging.getLogger(__name__)
-
-PlanSpec = "str | Path | Plan | dict[str, Any]"
 
 
 class _TrainCallbacks:
