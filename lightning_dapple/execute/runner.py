@@ -1,51 +1,37 @@
 """Interpreter of a schedule's action list on one rank: the multi-process executor.
 
-The runner owns nothing but the rank's own stage layers and walks the action list built
-by ``lightning_dapple.schedule`` (the same list the simulator times):
+The runner walks the action list built by ``lightning_dapple.schedule`` (the same list the
+simulator times) and hands each action to the collaborator that does it:
 
-* F: run the stage's layers on one micro-batch slice (the first stage takes it from the
-  batch via ``make_input``; the last computes the loss via ``compute_loss``), stashing
-  what backward needs (DAPPLE 3.2: at most K_i micro-batches in flight). Each F runs
-  under an RNG seed of its own (step, stage, replica, micro-batch), so dropout masks do
-  not depend on the order in which a schedule runs its forwards, and a recomputation
-  replays them exactly;
-* B: backpropagate that micro-batch, accumulating parameter gradients (5.2.3: "each
-  device produces and accumulates gradients for all micro-batches"). When the schedule
-  splits backward (out-of-order backprop, ooo-backprop sec. 3), the stage's GEMM-shaped
-  modules leave their weight gradients to W (``execute/weight_grad.py``): B is still one
-  ordinary backward that frees the graph, and the input gradient goes upstream at once
-  (gradient fast-forwarding, 5.2);
-* W: the deferred weight gradients of one micro-batch from the (input, output gradient)
-  pairs B filed. A W limited to some layers runs only those (the ending phase of reverse
-  first-k, Algorithm 2);
-* recomputation (gpipe.txt 2.3, per stage ``never``/``always``/``except_last``): the F
-  of a recomputed micro-batch keeps only the stage input; right before its B the stage
-  forward is replayed under the same seed (buffers restored), and B/W then use that
-  replay (see ``execute/replay.py`` for why this is not ``torch.utils.checkpoint``);
-* send/receive: split-concat transfers to adjacent stages (5.2.2). Sends are asynchronous;
-  a receive, once its data is in, also waits for the earlier sends ``schedule.settle``
-  names (those the peer has already posted receives for), the rest at the end of the step;
-* gradient AllReduce among the stage's replicas: bucketed and started as soon as each
-  bucket's gradients are final, overlapping the rest of the backward
-  (``execute/grad_sync.py``); the ALLREDUCE actions of the list mark where the simulator
-  expects the last of them, and the step waits for all at its end.
+* F, B, W and recomputation to the rank's ``Stage`` (``execute/stage.py``: the layers and
+  each micro-batch's autograd state, DAPPLE 3.2 and 5.2.3, ooo-backprop sec. 3, gpipe.txt
+  2.3);
+* send/receive to the ``Transport`` (``execute/transport.py``): split-concat transfers to
+  adjacent stages (DAPPLE 5.2.2), named by ``keys.TransferKey``. Sends are asynchronous; a
+  receive, once its data is in, also waits for the earlier sends ``schedule.settle`` names
+  (those the peer has already posted receives for), the rest at the end of the step. Where
+  it pays (``transport.receives_ahead_pay``), the receives of the next receive action are
+  posted before each compute action, so their data arrives meanwhile (DAPPLE 5.2: transfers
+  overlapped with compute);
+* gradient AllReduce among the stage's replicas to the ``GradientSync``
+  (``execute/grad_sync.py``): bucketed and started as soon as each bucket's gradients are
+  final, overlapping the rest of the backward; the ALLREDUCE actions of the list mark where
+  the simulator expects the last of them, and the step waits for all at its end;
+* stashed bytes to the ``StashLedger`` and their sizes to ``StashSizes``
+  (``execute/stash_ledger.py``: ``schedule.ooo.stash_walk``'s rule with measured sizes).
 
-Losses are weighted by (slice rows / global batch rows) for mean-reduced losses, so the
-accumulated gradients are exactly those of one device on the whole global batch.
-
-Stashed bytes follow ``schedule.ooo.stash_walk`` (the planner's rule) with measured
-sizes: the saved tensors of the forward (``profile/stash.py``), the kept input of a
-recomputed micro-batch, the output gradients a pending W keeps. Saved-tensor hooks cost
-Python work on every saved tensor, so the sizes are measured in the first step of each
-batch size and reused by the steps after it (what a forward saves depends on the layout
-of its input, not on its values).
+Everything that depends on the plan only is decided once, in set-up: each action becomes an
+``_Op`` (its handler, micro-batch, transfer key, the sends a receive settles, the layers of
+a W, whether W work follows, which parameters are final after it), and the receives posted
+ahead and the gradient-readiness reports become ops of their own. A step then only runs the
+ops in order; what differs between steps (the batch's rows and their routes to the peers) is
+looked up once per step.
 """
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Protocol, Sequence
+from typing import Any, Callable, ContextManager, NamedTuple, Sequence
 
 import torch
 from torch import nn
@@ -54,44 +40,21 @@ from lightning_dapple.errors import DappleConfigError
 from lightning_dapple.execute.failure import FailureChannel
 from lightning_dapple.execute.grad_sync import GradientSync
 from lightning_dapple.execute.groups import PlanGroups
-from lightning_dapple.execute.replay import (
-    discard_saved,
-    frozen_buffers,
-    reseed,
-    restore_rng,
-    save_rng,
-    tensor_bytes,
-    tensor_leaves,
-    weight_groups,
-)
+from lightning_dapple.execute.keys import TransferKey, transfer_key
+from lightning_dapple.execute.replay import restore_rng, save_rng
 from lightning_dapple.execute.results import ResultChannel
-from lightning_dapple.execute.slicing import batch_size_of, flatten, slice_rows, take_rows
+from lightning_dapple.execute.slicing import batch_size_of, slice_rows, take_rows
+from lightning_dapple.execute.stage import EvalCallbacks, Stage, StageCallbacks
+from lightning_dapple.execute.stash_ledger import KnownSizes, StashLedger, StashSizes, StepSizes
 from lightning_dapple.execute.transport import Peer, Transport, receives_ahead_pay
-from lightning_dapple.execute.weight_grad import WeightGradStore, deferrable_modules, install_deferred_weights
 from lightning_dapple.plan.buckets import BUCKET_BYTES, bucket_layers
 from lightning_dapple.plan.plan import Plan
-from lightning_dapple.profile.stash import StashMeter, parameter_storages
+from lightning_dapple.profile.stash import StashMeter
 from lightning_dapple.schedule.actions import Action, Kind
 from lightning_dapple.schedule.builders import Schedule
 from lightning_dapple.schedule.settle import settle_points
 
-
-class StageCallbacks(Protocol):
-    """How the user's code enters the pipeline (provided by the Lightning glue)."""
-
-    def make_input(self, batch: Any) -> Any:
-        """First stage: the input of layer 0 for this batch slice."""
-
-    def compute_loss(self, batch: Any, forward: Callable[..., Any]) -> torch.Tensor:
-        """Last stage: the loss of this slice; ``forward`` answers ``self(x)`` with the stage output."""
-
-
-class EvalCallbacks(Protocol):
-    def make_input(self, batch: Any) -> Any:
-        """First stage: the input of layer 0 for this batch slice."""
-
-    def compute_output(self, batch: Any, forward: Callable[..., Any], weight: float) -> Any:
-        """Last stage: the (picklable) result of the eval step on this slice."""
+__all__ = ["StageRunner", "StageStats", "StageCallbacks", "EvalCallbacks"]
 
 
 @dataclass
@@ -109,31 +72,26 @@ class StageStats:
     recomputed: int = 0
 
 
-@dataclass(slots=True)
-class _MicroBatch:
+class _Op(NamedTuple):
+    """One step of the compiled action list: ``run(op)`` does it. Built once per plan."""
+
+    run: Callable[["_Op"], None]
+    mb: int = -1
+    key: TransferKey | None = None  # a transfer: the one this op sends, receives or posts
+    settle: frozenset[TransferKey] = frozenset()  # a receive: earlier sends to wait for
+    span: tuple[int, int] | None = None  # W: the layers it covers (None: all that are left)
+    replay: bool = False  # B: replay the forward first (recomputed micro-batch)
+    final: bool = False  # B: the stage's last (autograd reports finished gradients)
+    pending_w: bool = False  # B/W: W work of this micro-batch follows
+    params: Sequence[nn.Parameter] = ()  # ready: parameters whose gradient is now final
+
+
+class _Route(NamedTuple):
+    """Where one micro-batch's slice lives: this rank's rows and the adjacent stages' ranks."""
+
     rows: tuple[int, int]
-    inputs: Any = None
-    outputs: Any = None
-    loss: torch.Tensor | None = None
-    # last stage, recomputed: the detached stage outputs the loss was computed from
-    y: list[torch.Tensor] | None = None
-    w_todo: int = 0  # W actions still to come for this micro-batch
-    sent: bool = False
-
-
-@dataclass(slots=True)
-class _Step:
-    """State of one training step on this rank (what the action handlers share)."""
-
-    batch: Any
-    rows: int
-    callbacks: StageCallbacks
-    loss_scale: float
-    measure: set[int] | None  # parameter storages to leave out while measuring stash; None: reuse sizes
-    sizes: dict[Any, int]  # (micro-batch, "F" | "R") -> stashed bytes, measured or reused
-    state: dict[int, _MicroBatch] = field(default_factory=dict)
-    losses: list[torch.Tensor] = field(default_factory=list)
-    held: dict[int, int] = field(default_factory=dict)
+    upstream: list[Peer]
+    downstream: list[Peer]
 
 
 class StageRunner:
@@ -171,65 +129,49 @@ class StageRunner:
         self.groups = groups
         self.replica_groups = groups.replicas
         self.loss_reduction = loss_reduction
-        self.forward_context = forward_context or contextlib.nullcontext
         self.is_first = self.stage == 0
         self.is_last = self.stage == plan.num_stages - 1
         self.stats = StageStats()
         self.parameters = [p for layer in self.layers for p in layer.parameters() if p.requires_grad]
         self.steps_done = 0  # training steps run so far (part of every dropout seed; a resume sets it)
-        self._base_seed = torch.initial_seed()
-        self._peer_cache: dict[tuple[int, int, int], list[Peer]] = {}
-        self._stash_sizes: dict[Any, dict[Any, int]] = {}  # per (batch rows, training): measured sizes
-        self._buffers = [buffer for layer in self.layers for buffer in layer.buffers()]
+        self.ledger = StashLedger()
+        self.sizes = StashSizes(self.parameters)
+        self._routes: dict[int, list[_Route]] = {}  # per batch rows
         self._actions: list[Action] = list(schedule.actions[self.stage]) if self.stage < schedule.num_stages else []
-        compute = [a for a in self._actions if a.kind.is_compute]
-        self._plan_backward(schedule, compute)
-        self._plan_receives(schedule, settle_sends)
+        self.pipeline_stage = self._build_stage(schedule, loss_reduction, forward_context)
+        self.split = self.pipeline_stage.split
+        self.store = self.pipeline_stage.store
+        self.forward_context = self.pipeline_stage.forward_context
+        self.recomputed = schedule.recomputed(self.stage) if self.stage < schedule.num_stages else frozenset()
         self.sync = self._build_sync(bucket_bytes)
+        self._program = self._compile(settle_sends)
+        # eval transfers (forward_step): activation of micro-batch mb from upstream and downstream
+        self._eval_in = [transfer_key(Kind.RECV_ACT, self.stage, mb) for mb in range(plan.micro_batches)]
+        self._eval_out = [transfer_key(Kind.SEND_ACT, self.stage, mb) for mb in range(plan.micro_batches)]
+        # the step in progress: its routes and stash sizes (set by train_step)
+        self._step_routes: list[_Route] = []
+        self._step_sizes: StepSizes = KnownSizes({}, {})
 
     # -- set-up: everything decided once per plan ----------------------------------
-    def _plan_backward(self, schedule: Schedule, compute: list[Action]) -> None:
-        """Split backward (out-of-order backprop) or not, and what each W covers."""
+    def _build_stage(
+        self, schedule: Schedule, loss_reduction: str, forward_context: Callable[[], ContextManager[Any]] | None
+    ) -> Stage:
+        """The rank's Stage: split backward (out-of-order backprop) or not, and how many W
+        actions each micro-batch gets."""
         any_w = any(a.kind is Kind.W for acts in schedule.actions for a in acts)
-        self.split = any(a.kind is Kind.W for a in compute) or (schedule.split_backward and not any_w)
-        self.recomputed = schedule.recomputed(self.stage) if self.stage < schedule.num_stages else frozenset()
-        self.store = WeightGradStore()
-        self._final_after: dict[int, list[nn.Parameter]] = {}  # see _build_sync
-        self._last_b = -1
-        self._hooked: list[nn.Parameter] = []
-        self._deferred: list[list[nn.Parameter]] = [[] for _ in self.layers]
-        if self.split:
-            install_deferred_weights(self.layers, self.store)
-            for index, layer in enumerate(self.layers):
-                self._deferred[index] = _unique(p for m in deferrable_modules(layer) for p in m.parameters(recurse=False) if p.requires_grad)
+        split = any(a.kind is Kind.W for a in self._actions) or (schedule.split_backward and not any_w)
         self._w_count: dict[int, int] = {}
-        for action in compute:
+        for action in self._actions:
             if action.kind is Kind.W and action.microbatch is not None:
                 self._w_count[action.microbatch] = self._w_count.get(action.microbatch, 0) + 1
-        # a W limited to some layers covers whole weight groups (layers sharing a parameter)
-        groups = weight_groups(self.layers)
-        self._w_span: dict[tuple[int, int], tuple[int, int]] = {}
-        for action in compute:
-            if action.kind is Kind.W and action.layers is not None and action.layers not in self._w_span:
-                lo, hi = action.layers
-                meets = [g for g in groups if g[0] < hi and g[1] > lo]
-                self._w_span[action.layers] = (min([lo] + [g[0] for g in meets]), max([hi] + [g[1] for g in meets]))
-
-    def _plan_receives(self, schedule: Schedule, settle_sends: bool) -> None:
-        # positions of this stage's receive actions (what ``_post_ahead`` looks for)
-        self._receive_positions = [i for i, a in enumerate(self._actions) if a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD)]
-        # per receive position: the earlier sends it waits for too (schedule/settle.py);
-        # settle_sends=False leaves every send to the end of the step (the benchmarks' ablation)
-        self._settle_at = settle_points(schedule.actions)[self.stage] if settle_sends and self.stage < schedule.num_stages else {}
-        self._next_receive = [len(self._receive_positions)] * (len(self._actions) + 1)
-        upcoming = len(self._receive_positions)
-        for position in range(len(self._actions) - 1, -1, -1):
-            while upcoming > 0 and self._receive_positions[upcoming - 1] > position:
-                upcoming -= 1
-            self._next_receive[position] = upcoming
+        return Stage(
+            self.layers, self.device, self.stage, self.replica, self.plan.num_stages,
+            split=split, w_count=self._w_count, loss_reduction=loss_reduction, forward_context=forward_context,
+        )
 
     def _build_sync(self, bucket_bytes: int) -> GradientSync | None:
-        """The stage's gradient buckets and when each parameter's gradient is final."""
+        """The stage's gradient buckets; parameters that autograd reports (not deferred to W)."""
+        self._hooked: list[nn.Parameter] = []
         group = self.replica_groups.get(self.stage)
         if group is None or not self.parameters:
             return None
@@ -240,63 +182,124 @@ class StageRunner:
             seen.update(id(p) for p in owned[-1])
         sizes = [sum(p.numel() * p.element_size() for p in params) for params in owned]
         buckets = [[p for layer in range(lo, hi) for p in owned[layer]] for lo, hi in bucket_layers(sizes, 0, len(owned), bucket_bytes)]
-        deferred = {id(p) for params in self._deferred for p in params}
-        hooked = [p for p in self.parameters if id(p) not in deferred]
-        self._final_after = self._final_positions()
-        self._last_b = max((i for i, a in enumerate(self._actions) if a.kind is Kind.B), default=-1)
-        self._hooked = hooked
-        return GradientSync(buckets, hooked, group, self.failure, self.stage)
+        deferred = {id(p) for params in self.pipeline_stage.deferred for p in params}
+        self._hooked = [p for p in self.parameters if id(p) not in deferred]
+        return GradientSync(buckets, self._hooked, group, self.failure, self.stage)
 
-    def _final_positions(self) -> dict[int, list[nn.Parameter]]:
+    def _weight_spans(self) -> tuple[dict[int, tuple[int, int] | None], set[int]]:
+        """Per W position: the layers it covers (widened to weight groups; None for all that
+        is left, as the last W of its micro-batch does); and the positions of last Ws."""
+        left = dict(self._w_count)
+        spans: dict[int, tuple[int, int] | None] = {}
+        last: set[int] = set()
+        for position, action in enumerate(self._actions):
+            if action.kind is Kind.W and action.microbatch is not None:
+                left[action.microbatch] -= 1
+                if left[action.microbatch] == 0:
+                    last.add(position)
+                narrow = action.layers is not None and position not in last
+                spans[position] = self.pipeline_stage.weight_span(action.layers) if narrow else None
+        return spans, last
+
+    def _final_positions(self, spans: dict[int, tuple[int, int] | None]) -> dict[int, list[nn.Parameter]]:
         """Per action position: the deferred parameters whose last W work it does."""
         last: dict[int, int] = {}  # layer -> position of its last deferred work
         done: dict[int, set[int]] = {}  # micro-batch -> layers whose W ran
-        left = dict(self._w_count)
         every = set(range(len(self.layers)))
         for position, action in enumerate(self._actions):
             mb = action.microbatch
-            if action.kind is Kind.B and mb is not None and left.get(mb, 0) == 0:
+            if action.kind is Kind.B and mb is not None and self._w_count.get(mb, 0) == 0:
                 for layer in every:  # no W scheduled: the weight work runs right after B
                     last[layer] = position
             elif action.kind is Kind.W and mb is not None:
-                left[mb] -= 1
-                span = self._w_span.get(action.layers) if action.layers is not None and left[mb] > 0 else None
+                span = spans[position]
                 layers = set(range(*span)) if span is not None else every - done.get(mb, set())
                 done.setdefault(mb, set()).update(layers)
                 for layer in layers:
                     last[layer] = position
         final: dict[int, list[nn.Parameter]] = {}
         for layer, position in last.items():
-            final.setdefault(position, []).extend(self._deferred[layer])
+            final.setdefault(position, []).extend(self.pipeline_stage.deferred[layer])
         return final
+
+    def _compile(self, settle_sends: bool) -> list[_Op]:
+        """The action list as ops: per action its handler and everything the plan decides."""
+        actions = self._actions
+        # per receive position: the earlier sends it waits for too (schedule/settle.py);
+        # settle_sends=False leaves every send to the end of the step (the benchmarks' ablation)
+        settle_at = settle_points(self.schedule.actions)[self.stage] if settle_sends and actions else {}
+        spans, last_w = self._weight_spans()
+        final_after = self._final_positions(spans) if self.sync is not None else {}
+        last_b = max((i for i, a in enumerate(actions) if a.kind is Kind.B), default=-1)
+        receives = [i for i, a in enumerate(actions) if a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD)]
+        program: list[_Op] = []
+        upcoming = 0  # index into receives of the first receive after the current position
+        for position, action in enumerate(actions):
+            while upcoming < len(receives) and receives[upcoming] <= position:
+                upcoming += 1
+            if self.post_ahead and action.kind.is_compute and upcoming < len(receives):
+                ahead = actions[receives[upcoming]]
+                run = self._post_activation if ahead.kind is Kind.RECV_ACT else self._post_gradient
+                program.append(_Op(run, ahead.microbatch, transfer_key(ahead.kind, self.stage, ahead.microbatch)))
+            op = self._op(action, settle_at.get(position, ()), spans.get(position), position == last_b, position in last_w)
+            if op is not None:
+                program.append(op)
+            if position in final_after:
+                program.append(_Op(self._ready, params=final_after[position]))
+        return program
+
+    def _op(self, action: Action, settle: Any, span: tuple[int, int] | None, last_b: bool, last_w: bool) -> _Op | None:
+        """One action's op (None for ALLREDUCE: its buckets start when their gradients are final)."""
+        kind, mb = action.kind, action.microbatch
+        if kind is Kind.F:
+            return _Op(self._forward_keeping_input if mb in self.recomputed else self._forward, mb)
+        if kind is Kind.B:
+            return _Op(
+                self._backward, mb, replay=mb in self.recomputed, final=self.sync is not None and last_b,
+                pending_w=self.split and self._w_count.get(mb, 0) > 0,
+            )
+        if kind is Kind.W:
+            return _Op(self._weight, mb, span=span, pending_w=not last_w)
+        if kind in (Kind.RECV_ACT, Kind.SEND_ACT, Kind.RECV_GRAD, Kind.SEND_GRAD):
+            sends = frozenset(transfer_key(send_kind, self.stage, send_mb) for send_kind, send_mb in settle)
+            handler = {
+                Kind.RECV_ACT: self._recv_activation,
+                Kind.SEND_ACT: self._send_activation,
+                Kind.RECV_GRAD: self._recv_gradient,
+                Kind.SEND_GRAD: self._send_gradient,
+            }[kind]
+            return _Op(handler, mb, transfer_key(kind, self.stage, mb), settle=sends)
+        if kind is Kind.ALLREDUCE:
+            return None
+        raise NotImplementedError(f"action {action} is not supported by this executor")
 
     # -- helpers ---------------------------------------------------------------
     def _rows(self, stage: int, replica: int, batch_rows: int, microbatch: int) -> tuple[int, int]:
         return slice_rows(batch_rows, self.plan.micro_batches, microbatch, self.plan.stages[stage].replicas, replica)
 
+    def _routes_for(self, batch_rows: int) -> list[_Route]:
+        """Per micro-batch: this rank's rows and the ranks of the adjacent stages with theirs
+        (memoised per batch size: the same few answers serve every step)."""
+        routes = self._routes.get(batch_rows)
+        if routes is None:
+            routes = self._routes[batch_rows] = [
+                _Route(
+                    self._rows(self.stage, self.replica, batch_rows, mb),
+                    self._peers(self.stage - 1, batch_rows, mb) if not self.is_first else [],
+                    self._peers(self.stage + 1, batch_rows, mb) if not self.is_last else [],
+                )
+                for mb in range(self.plan.micro_batches)
+            ]
+        return routes
+
     def _peers(self, stage: int, batch_rows: int, microbatch: int) -> list[Peer]:
-        """The ranks of ``stage`` and the rows of ``microbatch`` each holds (memoised: the same
-        few answers are asked for on every step, on the per-micro-batch path)."""
-        key = (stage, batch_rows, microbatch)
-        peers = self._peer_cache.get(key)
-        if peers is None:
-            devices = self.plan.stages[stage].devices
-            peers = [Peer(rank, self._rows(stage, index, batch_rows, microbatch)) for index, rank in enumerate(devices)]
-            self._peer_cache[key] = peers
-        return peers
+        """The ranks of ``stage`` and the rows of ``microbatch`` each holds."""
+        devices = self.plan.stages[stage].devices
+        return [Peer(rank, self._rows(stage, index, batch_rows, microbatch)) for index, rank in enumerate(devices)]
 
     def run_layers(self, x: Any, meter: StashMeter | None = None) -> Any:
-        """Apply the stage's layers; with ``meter``, count what each layer stashes (the
-        layers only: the loss's own saves are not in any profile)."""
-        if meter is None:
-            for layer in self.layers:
-                x = layer(x)
-            return x
-        with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
-            for layer in self.layers:
-                meter.next_layer()
-                x = layer(x)
-        return x
+        """Apply the stage's layers; with ``meter``, count what each layer stashes."""
+        return self.pipeline_stage.run_layers(x, meter)
 
     def check_batch(self, batch_rows: int) -> None:
         widest = max(stage.replicas for stage in self.plan.stages)
@@ -306,15 +309,6 @@ class StageRunner:
                 f"has {batch_rows} samples, too few for {self.plan.micro_batches} micro-batches sliced over up to {widest} replicas",
                 "use a larger batch, fewer micro-batches, or DataLoader(drop_last=True) to avoid a short last batch",
             )
-
-    def _seed(self, microbatch: int) -> int:
-        """The RNG seed of one micro-batch's forward on this rank in this step."""
-        return hash((self._base_seed, self.steps_done, self.stage, self.replica, microbatch)) & 0x7FFF_FFFF_FFFF_FFFF
-
-    # -- stash accounting (schedule.ooo.stash_walk with measured sizes) ----------
-    def _hold(self, step: _Step, mb: int, nbytes: int) -> None:
-        step.held[mb] = step.held.get(mb, 0) + nbytes
-        self.stats.peak_stash_bytes = max(self.stats.peak_stash_bytes, sum(step.held.values()))
 
     # -- training ----------------------------------------------------------------
     def train_step(
@@ -334,240 +328,123 @@ class StageRunner:
         self.check_batch(batch_rows)
         for param in self.parameters:
             param.grad = None
-        self.stats = StageStats()
-        layout = (batch_rows, bool(self.layers) and self.layers[0].training)
-        known = self._stash_sizes.get(layout)
-        step = _Step(
-            batch, batch_rows, callbacks, float(loss_scale),
-            measure=parameter_storages(self.parameters) if known is None else None,
-            sizes=known if known is not None else {},
-        )
+        self.stats = stats = StageStats()
+        sizes = self._step_sizes = self.sizes.for_step((batch_rows, bool(self.layers) and self.layers[0].training))
+        routes = self._step_routes = self._routes_for(batch_rows)
+        self.ledger.start()
+        stats.stash_bytes = self.ledger.stash_bytes
         if self.sync is not None:
             self.sync.start_step()
         self.results.post()
         rng = save_rng(self.device)  # every F reseeds; the caller's RNG stream is put back when the step ends
-        self._base_seed = torch.initial_seed()  # before any reseed changes what initial_seed() answers
+        # the seed base is read before any reseed changes what initial_seed() answers
+        seed = (torch.initial_seed(), self.steps_done)
+        self.pipeline_stage.begin_step(batch, batch_rows, [route.rows for route in routes], callbacks, float(loss_scale), seed)
         try:
-            self._run_actions(step)
+            for op in self._program:
+                op.run(op)
             self.transport.flush()
             if self.sync is not None:
                 self.sync.finish()
         finally:
             restore_rng(rng)
-            self.store.clear()
+            losses = self.pipeline_stage.end_step()
+            stats.peak_stash_bytes = self.ledger.peak_stash_bytes
+            stats.peak_in_flight = self.ledger.peak_in_flight
             self.steps_done += 1
-        if known is None:
-            self._stash_sizes[layout] = step.sizes
-        losses = step.losses
+        sizes.finish()
         loss_sum = torch.stack(losses).to(torch.float64).sum().cpu() if losses else torch.zeros((), dtype=torch.float64)
         loss, shared = self.results.share(loss_sum, extras() if (extras is not None and self.is_last) else None)
         assert loss is not None
         return loss, shared
 
-    def _run_actions(self, step: _Step) -> None:
-        actions = self._actions
-        receives = self._receive_positions
-        final_after = self._final_after
-        for position, action in enumerate(actions):
-            kind = action.kind
-            if self.post_ahead and kind.is_compute:
-                upcoming = self._next_receive[position]
-                if upcoming < len(receives):
-                    self._post_ahead(actions[receives[upcoming]], step)
-            mb = action.microbatch
-            if kind is Kind.F:
-                self._do_forward(step, mb)
-            elif kind is Kind.B:
-                self._do_backward(step, mb, position)
-            elif kind is Kind.W:
-                self._do_weight(step, mb, action.layers)
-            elif kind is Kind.RECV_ACT:
-                rows = self._rows(self.stage, self.replica, step.rows, mb)
-                inputs = self.transport.recv_activation(rows, self._peers(self.stage - 1, step.rows, mb), f"activation {mb}")
-                step.state[mb] = _MicroBatch(rows=rows, inputs=inputs)
-                self.transport.settle(self._settle_at.get(position))
-            elif kind is Kind.SEND_ACT:
-                item = step.state[mb]
-                self.transport.send_activation(item.outputs, item.rows, self._peers(self.stage + 1, step.rows, mb), f"activation {mb}", (kind, mb))
-            elif kind is Kind.RECV_GRAD:
-                item = step.state[mb]
-                like = [leaf for leaf in flatten(item.outputs)[0] if leaf.requires_grad]
-                grads = self.transport.recv_gradient(like, item.rows, self._peers(self.stage + 1, step.rows, mb), f"gradient {mb}")
-                item.outputs = (like, grads)
-                self.transport.settle(self._settle_at.get(position))
-            elif kind is Kind.SEND_GRAD:
-                item = step.state[mb]
-                grads = [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in self._grad_inputs(item)]
-                self.transport.send_gradient(grads, item.rows, self._peers(self.stage - 1, step.rows, mb), f"gradient {mb}", (kind, mb))
-                item.inputs = None
-                item.sent = True
-                self._release(step, mb)
-            elif kind is not Kind.ALLREDUCE:  # AllReduce buckets start when their gradients are final (grad_sync)
-                raise NotImplementedError(f"action {action} is not supported by this executor")
-            if self.sync is not None and position in final_after:
-                self.sync.ready_all(final_after[position])
+    # -- op handlers: compute ---------------------------------------------------------
+    def _forward(self, op: _Op) -> None:
+        start = time.perf_counter()
+        meter = self._step_sizes.meter()
+        self.pipeline_stage.forward(op.mb, meter)
+        self.ledger.forwarded(op.mb, self._step_sizes.saved(op.mb, meter))
+        self.stats.timeline.append((start, time.perf_counter(), "F", op.mb))
 
-    def _post_ahead(self, action: Action, step: _Step) -> None:
+    def _forward_keeping_input(self, op: _Op) -> None:
+        start = time.perf_counter()
+        kept = self.pipeline_stage.forward_keeping_input(op.mb)
+        self.ledger.forwarded(op.mb, self._step_sizes.kept(op.mb, kept))
+        self.stats.timeline.append((start, time.perf_counter(), "F", op.mb))
+
+    def _backward(self, op: _Op) -> None:
+        start = time.perf_counter()
+        mb, stage = op.mb, self.pipeline_stage
+        if op.replay:
+            meter = self._step_sizes.meter()
+            stage.recompute(mb, meter)
+            self.stats.recomputed += 1
+            self.ledger.hold(mb, self._step_sizes.replayed(mb, meter))
+        if op.final:
+            sync = self.sync
+            assert sync is not None
+            sync.live = True  # the last backward: autograd reports finished gradients
+            stage.backward_input(mb)
+            sync.live = False
+            sync.ready_all(self._hooked)  # also those that got no gradient in this B
+        else:
+            stage.backward_input(mb)
+        if op.pending_w:
+            self.ledger.hold(mb, stage.weight_bytes(mb))
+        else:
+            self.ledger.drop(mb)
+        self.stats.timeline.append((start, time.perf_counter(), "B", mb))
+
+    def _weight(self, op: _Op) -> None:
+        start = time.perf_counter()
+        self.pipeline_stage.backward_weight(op.mb, op.span)
+        self.stats.timeline.append((start, time.perf_counter(), "W", op.mb))
+        if not op.pending_w:
+            self.ledger.drop(op.mb)
+
+    def _ready(self, op: _Op) -> None:
+        """Deferred parameters whose gradient of the step is final: their buckets may start."""
+        assert self.sync is not None
+        self.sync.ready_all(op.params)
+
+    # -- op handlers: transfers ---------------------------------------------------------
+    def _recv_activation(self, op: _Op) -> None:
+        route = self._step_routes[op.mb]
+        self.pipeline_stage.receive(op.mb, self.transport.recv_activation(route.rows, route.upstream, op.key))
+        self.transport.settle(op.settle)
+
+    def _send_activation(self, op: _Op) -> None:
+        route = self._step_routes[op.mb]
+        self.transport.send_activation(self.pipeline_stage.outputs(op.mb), route.rows, route.downstream, op.key)
+
+    def _recv_gradient(self, op: _Op) -> None:
+        route = self._step_routes[op.mb]
+        like = self.pipeline_stage.gradient_like(op.mb)
+        assert like is not None, f"stage {self.stage}: gradient {op.mb} received before its forward"
+        grads = self.transport.recv_gradient(like, route.rows, route.downstream, op.key)
+        self.pipeline_stage.receive_gradient(op.mb, like, grads)
+        self.transport.settle(op.settle)
+
+    def _send_gradient(self, op: _Op) -> None:
+        route = self._step_routes[op.mb]
+        self.transport.send_gradient(self.pipeline_stage.input_gradients(op.mb), route.rows, route.upstream, op.key)
+
+    def _post_activation(self, op: _Op) -> None:
         """Post the receives of the next receive action before this compute runs, so its
         data arrives meanwhile (one transfer ahead, in action order: see transport)."""
-        mb = action.microbatch
-        what = f"{'activation' if action.kind is Kind.RECV_ACT else 'gradient'} {mb}"
-        if self.transport.is_posted(what):
+        if self.transport.is_posted(op.key):
             return
-        if action.kind is Kind.RECV_ACT:
-            rows = self._rows(self.stage, self.replica, step.rows, mb)
-            self.transport.post_activation(rows, self._peers(self.stage - 1, step.rows, mb), what)
+        route = self._step_routes[op.mb]
+        self.transport.post_activation(route.rows, route.upstream, op.key)
+
+    def _post_gradient(self, op: _Op) -> None:
+        """As ``_post_activation``, for a gradient (once its forward has run: sizes known)."""
+        if self.transport.is_posted(op.key):
             return
-        item = step.state.get(mb)
-        if item is None or item.outputs is None:
-            return  # its forward has not run yet: sizes unknown
-        like = [leaf for leaf in flatten(item.outputs)[0] if leaf.requires_grad]
-        self.transport.post_gradient(like, item.rows, self._peers(self.stage + 1, step.rows, mb), what)
-
-    def _release(self, step: _Step, mb: int) -> None:
-        item = step.state.get(mb)
-        if item is not None and item.sent and item.w_todo <= 0 and item.outputs is None:
-            step.state.pop(mb)
-
-    # -- forward -----------------------------------------------------------------
-    def _do_forward(self, step: _Step, mb: int) -> None:
-        start = time.perf_counter()
-        item = step.state.get(mb)
-        if item is None:
-            item = step.state[mb] = _MicroBatch(rows=self._rows(self.stage, self.replica, step.rows, mb))
-        recompute = mb in self.recomputed
-        meter = StashMeter(step.measure) if step.measure is not None and not recompute else None
-        self.store.recording = mb if self.split and not recompute else None
-        try:
-            reseed(self._seed(mb), self.device)
-            with self.forward_context():
-                self._forward(item, take_rows(step.batch, *item.rows), step, recompute, meter)
-        finally:
-            self.store.recording = None
-        if recompute:
-            stashed = step.sizes.get((mb, "F"))
-            if stashed is None:  # measured in the first step of a batch size only
-                stashed = step.sizes[(mb, "F")] = tensor_bytes(item.inputs)
-        elif meter is not None:
-            stashed = step.sizes[(mb, "F")] = meter.bytes
-        else:
-            stashed = step.sizes.get((mb, "F"), 0)
-        self.stats.stash_bytes[mb] = stashed
-        self._hold(step, mb, stashed)
-        self.stats.peak_in_flight = max(self.stats.peak_in_flight, len(step.held))
-        self.stats.timeline.append((start, time.perf_counter(), "F", mb))
-
-    def _forward(self, item: _MicroBatch, batch_slice: Any, step: _Step, recompute: bool, meter: StashMeter | None) -> None:
-        callbacks = step.callbacks
-        if not self.is_last:
-            x = callbacks.make_input(batch_slice) if self.is_first else item.inputs
-            if recompute:
-                item.inputs = x
-                with discard_saved():
-                    item.outputs = _detached(self.run_layers(x))
-            else:
-                item.outputs = self.run_layers(x, meter)
-            return
-        received = item.inputs
-
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            x = (args[0] if len(args) == 1 else args) if self.is_first else received
-            if not recompute:
-                return self.run_layers(x, meter)
-            item.inputs = x
-            with discard_saved():
-                y = _detached(self.run_layers(x))
-            item.y = [leaf for leaf in tensor_leaves(y) if leaf.requires_grad]
-            return y
-
-        loss = callbacks.compute_loss(batch_slice, forward)
-        weight = (item.rows[1] - item.rows[0]) / step.rows if self.loss_reduction == "mean" else 1.0
-        loss = loss * weight
-        step.losses.append(loss.detach())
-        item.loss = loss * step.loss_scale if step.loss_scale != 1.0 else loss
-
-    def _recompute(self, step: _Step, mb: int, item: _MicroBatch) -> Any:
-        """Replay the stage forward of ``mb`` with autograd (same seed, buffers kept) and
-        hold what it stashes; returns the stage output with its graph."""
-        meter = StashMeter(step.measure) if step.measure is not None else None
-        self.store.recording = mb if self.split else None
-        try:
-            reseed(self._seed(mb), self.device)  # the step restores the caller's RNG state
-            with frozen_buffers(self._buffers), self.forward_context():
-                outputs = self.run_layers(item.inputs, meter)
-        finally:
-            self.store.recording = None
-        if meter is not None:
-            step.sizes[(mb, "R")] = meter.bytes
-        self.stats.recomputed += 1
-        self._hold(step, mb, step.sizes.get((mb, "R"), 0))
-        return outputs
-
-    def _grad_inputs(self, item: _MicroBatch) -> list[torch.Tensor]:
-        return [leaf for leaf in flatten(item.inputs)[0] if leaf.requires_grad]
-
-    # -- backward ------------------------------------------------------------------
-    def _roots(self, step: _Step, mb: int, item: _MicroBatch) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-        """What B starts from: the loss (last stage) or the stage outputs with the
-        gradients received for them; for a recomputed micro-batch, the replayed outputs."""
-        if mb not in self.recomputed:
-            if self.is_last:
-                assert item.loss is not None
-                return [item.loss], None
-            outputs, grads = item.outputs
-            return list(outputs), list(grads)
-        if self.is_last:
-            assert item.loss is not None and item.y is not None
-            grads = list(torch.autograd.grad(item.loss, item.y, allow_unused=True)) if item.y else []
-            grads = [g if g is not None else torch.zeros_like(y) for g, y in zip(grads, item.y)]
-            like: list[torch.Tensor] = item.y
-        else:
-            like, grads = item.outputs
-        replayed = [leaf for leaf in tensor_leaves(self._recompute(step, mb, item)) if leaf.requires_grad]
-        if len(replayed) != len(like):
-            raise RuntimeError(
-                f"stage {self.stage}: the recomputed forward of micro-batch {mb} has {len(replayed)} outputs that require grad, "
-                f"the original had {len(like)}; recomputation needs a forward that depends only on its input and the RNG"
-            )
-        return replayed, list(grads)
-
-    def _do_backward(self, step: _Step, mb: int, position: int) -> None:
-        start = time.perf_counter()
-        item = step.state[mb]
-        roots, root_grads = self._roots(step, mb, item)
-        item.loss = None
-        item.y = None
-        final = self.sync is not None and position == self._last_b
-        if final:
-            self.sync.live = True  # the last backward: autograd reports finished gradients
-        if roots:
-            torch.autograd.backward(roots, root_grads)
-        if final:
-            self.sync.live = False
-            self.sync.ready_all(self._hooked)  # also those that got no gradient in this B
-        item.outputs = None
-        item.w_todo = self._w_count.get(mb, 0) if self.split else 0
-        if item.w_todo > 0:
-            self._hold(step, mb, self.store.held_bytes(mb))
-        else:
-            self.store.run(mb)  # split but no W scheduled for it: the weight work runs now
-            step.held.pop(mb, None)
-        self.stats.timeline.append((start, time.perf_counter(), "B", mb))
-        if self.is_first:
-            item.sent = True
-        self._release(step, mb)
-
-    def _do_weight(self, step: _Step, mb: int, layers: tuple[int, int] | None) -> None:
-        """W: the deferred weight gradients of ``mb`` (those of ``layers`` unless this is its
-        last W, which does all that is left)."""
-        start = time.perf_counter()
-        item = step.state[mb]
-        item.w_todo -= 1
-        self.store.run(mb, self._w_span.get(layers) if layers is not None and item.w_todo > 0 else None)
-        self.stats.timeline.append((start, time.perf_counter(), "W", mb))
-        if item.w_todo <= 0:
-            step.held.pop(mb, None)
-            self._release(step, mb)
+        like = self.pipeline_stage.gradient_like(op.mb)
+        if like is not None:
+            route = self._step_routes[op.mb]
+            self.transport.post_gradient(like, route.rows, route.downstream, op.key)
 
     def finish(self) -> None:
         """Wait for every send still pending (the last results hand-off), so that no send
@@ -580,55 +457,28 @@ class StageRunner:
         return self.results.share(None, obj)[1]
 
     # -- forward only (validation, test, predict) -------------------------------
-    def forward_step(self, batch: Any, callbacks: "EvalCallbacks") -> list[Any]:
+    def forward_step(self, batch: Any, callbacks: EvalCallbacks) -> list[Any]:
         """GPipe-style forward of every micro-batch; returns the last stage's per-slice
         results ordered by (micro-batch, replica), on every rank."""
         batch_rows = batch_size_of(batch)
         self.check_batch(batch_rows)
+        routes = self._routes_for(batch_rows)
+        stage = self.pipeline_stage
         results: list[Any] = []
         self.results.post()
-        with torch.no_grad(), self.forward_context():
-            for mb in range(self.plan.micro_batches):
-                rows = self._rows(self.stage, self.replica, batch_rows, mb)
-                batch_slice = take_rows(batch, *rows)
+        with torch.no_grad(), stage.forward_context():
+            for mb, route in enumerate(routes):
+                batch_slice = take_rows(batch, *route.rows)
                 if self.is_first:
                     received = None if self.is_last else callbacks.make_input(batch_slice)
                 else:
-                    received = self.transport.recv_activation(rows, self._peers(self.stage - 1, batch_rows, mb), f"activation {mb}")
+                    received = self.transport.recv_activation(route.rows, route.upstream, self._eval_in[mb])
                 if self.is_last:
-                    first_input = received
-
-                    def forward(*args: Any, **kwargs: Any) -> Any:
-                        if self.is_first:
-                            return self.run_layers(args[0] if len(args) == 1 else args)
-                        return self.run_layers(first_input)
-
-                    results.append(callbacks.compute_output(batch_slice, forward, (rows[1] - rows[0]) / batch_rows))
+                    weight = (route.rows[1] - route.rows[0]) / batch_rows
+                    results.append(stage.evaluate(batch_slice, received, callbacks, weight))
                 else:
-                    outputs = self.run_layers(received)
-                    self.transport.send_activation(outputs, rows, self._peers(self.stage + 1, batch_rows, mb), f"activation {mb}")
+                    self.transport.send_activation(stage.run_layers(received), route.rows, route.downstream, self._eval_out[mb])
         self.transport.flush()
         gathered = self.share_extras(results if self.is_last else None)
         replicas = self.plan.stages[-1].replicas
         return [gathered[replica][mb] for mb in range(self.plan.micro_batches) for replica in range(replicas)]
-
-
-def _unique(params: Any) -> list[nn.Parameter]:
-    out, seen = [], set()
-    for param in params:
-        if id(param) not in seen:
-            seen.add(id(param))
-            out.append(param)
-    return out
-
-
-def _detached(value: Any) -> Any:
-    """``value`` with every tensor detached, keeping which of them require grad."""
-    from torch.utils import _pytree as pytree
-
-    def cut(leaf: Any) -> Any:
-        if isinstance(leaf, torch.Tensor):
-            return leaf.detach().requires_grad_(leaf.requires_grad)
-        return leaf
-
-    return pytree.tree_map(cut, value)

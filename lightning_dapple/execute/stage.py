@@ -1,0 +1,379 @@
+"""One rank's pipeline stage: its layers and the autograd work of each micro-batch.
+
+The runner (``execute/runner.py``) walks a schedule's action list and calls the stage for
+the compute actions; the stage keeps what each micro-batch needs between them:
+
+* F (``forward``): run the stage's layers on one micro-batch slice (the first stage takes it
+  from the batch via ``make_input``; the last computes the loss via ``compute_loss``),
+  stashing what backward needs (DAPPLE 3.2: at most K_i micro-batches in flight). Each F
+  runs under an RNG seed of its own (step, stage, replica, micro-batch), so dropout masks do
+  not depend on the order in which a schedule runs its forwards, and a recomputation
+  replays them exactly. Losses are weighted by (slice rows / global batch rows) for
+  mean-reduced losses, so the accumulated gradients are exactly those of one device on the
+  whole global batch;
+* B (``backward_input``): backpropagate that micro-batch, accumulating parameter gradients
+  (DAPPLE 5.2.3: "each device produces and accumulates gradients for all micro-batches").
+  When the schedule splits backward (out-of-order backprop, ooo-backprop sec. 3), the
+  stage's GEMM-shaped modules leave their weight gradients to W
+  (``execute/weight_grad.py``): B is still one ordinary backward that frees the graph, and
+  the input gradient can go upstream at once (gradient fast-forwarding, DAPPLE 5.2);
+* W (``backward_weight``): the deferred weight gradients of one micro-batch from the
+  (input, output gradient) pairs B filed. A W limited to some layers runs only those,
+  widened to whole weight groups (the ending phase of reverse first-k, ooo-backprop
+  Algorithm 2);
+* recomputation (gpipe.txt 2.3, per stage ``never``/``always``/``except_last``): the F of a
+  recomputed micro-batch (``forward_keeping_input``) keeps only the stage input; right
+  before its B the stage forward is replayed (``recompute``) under the same seed, buffers
+  restored, and B/W then use that replay (see ``execute/replay.py`` for why this is not
+  ``torch.utils.checkpoint``).
+
+Which micro-batches are recomputed, whether backward is split and how many W actions each
+micro-batch gets are facts of the plan: the runner decides them once and calls the matching
+method, so none of these methods switches on a mode. Stash sizes are the caller's concern
+(``execute/stash_ledger.py``): a stashing forward takes an optional ``StashMeter``.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Mapping, Protocol, Sequence
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from lightning_dapple.execute.replay import discard_saved, frozen_buffers, reseed, tensor_leaves, weight_groups
+from lightning_dapple.execute.slicing import flatten, take_rows
+from lightning_dapple.execute.weight_grad import WeightGradStore, deferrable_modules, install_deferred_weights
+from lightning_dapple.profile.stash import StashMeter
+
+__all__ = ["Stage", "StageCallbacks", "EvalCallbacks"]
+
+
+class StageCallbacks(Protocol):
+    """How the user's code enters the pipeline (provided by the Lightning glue)."""
+
+    def make_input(self, batch: Any) -> Any:
+        """First stage: the input of layer 0 for this batch slice."""
+
+    def compute_loss(self, batch: Any, forward: Callable[..., Any]) -> torch.Tensor:
+        """Last stage: the loss of this slice; ``forward`` answers ``self(x)`` with the stage output."""
+
+
+class EvalCallbacks(Protocol):
+    def make_input(self, batch: Any) -> Any:
+        """First stage: the input of layer 0 for this batch slice."""
+
+    def compute_output(self, batch: Any, forward: Callable[..., Any], weight: float) -> Any:
+        """Last stage: the (picklable) result of the eval step on this slice."""
+
+
+@dataclass(slots=True)
+class _MicroBatch:
+    """What one micro-batch keeps on this stage between its actions."""
+
+    rows: tuple[int, int]
+    inputs: Any = None
+    # the stage output after F; (outputs that require grad, their gradients) after RECV_GRAD
+    outputs: Any = None
+    loss: torch.Tensor | None = None
+    # last stage, recomputed: the detached stage outputs the loss was computed from
+    y: list[torch.Tensor] | None = None
+    # recomputed: (replayed outputs, their gradients), from ``recompute`` until B
+    replayed: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+    w_todo: int = 0  # W actions still to come
+    sent: bool = False  # the input gradient went upstream (or there is no upstream)
+
+
+class Stage:
+    """The layers of one stage on one rank, and the forward/backward work of its micro-batches.
+
+    ``index``/``replica`` name the rank's place in the plan (part of every dropout seed);
+    ``recomputed`` are the micro-batches whose F keeps only its input; ``split`` defers the
+    weight gradients of the GEMM-shaped modules to W, of which micro-batch mb gets
+    ``w_count[mb]``.
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[nn.Module],
+        device: torch.device,
+        index: int,
+        replica: int,
+        num_stages: int,
+        split: bool = False,
+        w_count: Mapping[int, int] | None = None,
+        loss_reduction: str = "mean",
+        forward_context: Callable[[], ContextManager[Any]] | None = None,
+    ) -> None:
+        self.layers = list(layers)
+        self.device = device
+        self.index = index
+        self.replica = replica
+        self.is_first = index == 0
+        self.is_last = index == num_stages - 1
+        self.split = split
+        self.loss_reduction = loss_reduction
+        self.forward_context = forward_context or contextlib.nullcontext
+        self.store = WeightGradStore()
+        self._w_count = dict(w_count or {}) if split else {}
+        self._buffers = [buffer for layer in self.layers for buffer in layer.buffers()]
+        self._groups = weight_groups(self.layers)
+        # per layer: the parameters whose gradients W computes (empty unless split)
+        self.deferred: list[list[nn.Parameter]] = [[] for _ in self.layers]
+        if split:
+            install_deferred_weights(self.layers, self.store)
+            for index_, layer in enumerate(self.layers):
+                self.deferred[index_] = _unique(p for m in deferrable_modules(layer) for p in m.parameters(recurse=False) if p.requires_grad)
+        self._state: dict[int, _MicroBatch] = {}
+        self._begin(None, 0, (), None, 1.0, ())
+
+    def _begin(self, batch: Any, batch_rows: int, rows: Sequence[tuple[int, int]], callbacks: Any, loss_scale: float, seed: tuple) -> None:
+        self._batch = batch
+        self._batch_rows = batch_rows
+        self._rows = rows
+        self._callbacks = callbacks
+        self._loss_scale = loss_scale
+        self._seed_key = seed
+        self._losses: list[torch.Tensor] = []
+
+    # -- the step ---------------------------------------------------------------------
+    def begin_step(
+        self,
+        batch: Any,
+        batch_rows: int,
+        rows: Sequence[tuple[int, int]],
+        callbacks: StageCallbacks,
+        loss_scale: float,
+        seed: tuple,
+    ) -> None:
+        """Start a training step on ``batch`` (``batch_rows`` rows; micro-batch mb's slice on
+        this rank is ``rows[mb]``); every forward's seed hashes ``seed`` with the stage,
+        replica and micro-batch."""
+        self._state.clear()
+        self._begin(batch, batch_rows, rows, callbacks, loss_scale, (*seed, self.index, self.replica))
+
+    def end_step(self) -> list[torch.Tensor]:
+        """End the step (also one that failed): drop every micro-batch's state and pending
+        weight work; returns the (detached, weighted) losses of the last stage's slices."""
+        losses = self._losses
+        self._state.clear()
+        self.store.clear()
+        self._begin(None, 0, (), None, 1.0, ())
+        return losses
+
+    def weight_span(self, layers: tuple[int, int]) -> tuple[int, int]:
+        """``layers`` (stage-local, half-open) widened to whole weight groups: a W covers
+        every use of a parameter that layers share."""
+        lo, hi = layers
+        meets = [g for g in self._groups if g[0] < hi and g[1] > lo]
+        return min([lo] + [g[0] for g in meets]), max([hi] + [g[1] for g in meets])
+
+    def run_layers(self, x: Any, meter: StashMeter | None = None) -> Any:
+        """Apply the stage's layers; with ``meter``, count what each layer stashes (the
+        layers only: the loss's own saves are not in any profile)."""
+        if meter is None:
+            for layer in self.layers:
+                x = layer(x)
+            return x
+        with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+            for layer in self.layers:
+                meter.next_layer()
+                x = layer(x)
+        return x
+
+    def _seed(self, microbatch: int) -> int:
+        """The RNG seed of one micro-batch's forward on this rank in this step."""
+        return hash((*self._seed_key, microbatch)) & 0x7FFF_FFFF_FFFF_FFFF
+
+    # -- boundaries ----------------------------------------------------------------------
+    def receive(self, microbatch: int, inputs: Any) -> None:
+        """The stage input of ``microbatch`` arrived from upstream."""
+        self._state[microbatch] = _MicroBatch(rows=self._rows[microbatch], inputs=inputs)
+
+    def outputs(self, microbatch: int) -> Any:
+        """The stage output of ``microbatch`` (what goes downstream)."""
+        return self._state[microbatch].outputs
+
+    def gradient_like(self, microbatch: int) -> list[torch.Tensor] | None:
+        """The outputs of ``microbatch`` that require grad (what a gradient from downstream
+        is for); None before its forward ran."""
+        item = self._state.get(microbatch)
+        if item is None or item.outputs is None:
+            return None
+        return [leaf for leaf in flatten(item.outputs)[0] if leaf.requires_grad]
+
+    def receive_gradient(self, microbatch: int, like: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        """The gradients of the outputs ``like`` arrived from downstream."""
+        self._state[microbatch].outputs = (like, grads)
+
+    def input_gradients(self, microbatch: int) -> list[torch.Tensor]:
+        """The gradients of the inputs of ``microbatch`` that require grad (zeros where B gave
+        none), handed upstream: the stage keeps no reference to its inputs after this."""
+        item = self._state[microbatch]
+        grads = [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in flatten(item.inputs)[0] if leaf.requires_grad]
+        item.inputs = None
+        item.sent = True
+        self._release(microbatch, item)
+        return grads
+
+    def _item(self, microbatch: int) -> _MicroBatch:
+        item = self._state.get(microbatch)
+        if item is None:
+            item = self._state[microbatch] = _MicroBatch(rows=self._rows[microbatch])
+        return item
+
+    def _release(self, microbatch: int, item: _MicroBatch) -> None:
+        if item.sent and item.w_todo <= 0 and item.outputs is None:
+            self._state.pop(microbatch, None)
+
+    # -- forward -----------------------------------------------------------------------
+    def forward(self, microbatch: int, meter: StashMeter | None = None) -> None:
+        """F of ``microbatch``, stashing for its B (counted by ``meter`` if given)."""
+        item = self._item(microbatch)
+        self.store.recording = microbatch if self.split else None
+        try:
+            reseed(self._seed(microbatch), self.device)
+            with self.forward_context():
+                self._forward(item, take_rows(self._batch, *item.rows), False, meter)
+        finally:
+            self.store.recording = None
+
+    def forward_keeping_input(self, microbatch: int) -> Any:
+        """F of a recomputed ``microbatch``: the graph is recorded (so each output knows whether
+        it requires grad) but only the stage input is kept; returns that input."""
+        item = self._item(microbatch)
+        reseed(self._seed(microbatch), self.device)
+        with self.forward_context():
+            self._forward(item, take_rows(self._batch, *item.rows), True, None)
+        return item.inputs
+
+    def _run(self, item: _MicroBatch, x: Any, keep_input: bool, meter: StashMeter | None) -> Any:
+        if not keep_input:
+            return self.run_layers(x, meter)
+        item.inputs = x
+        with discard_saved():
+            return _detached(self.run_layers(x))
+
+    def _forward(self, item: _MicroBatch, batch_slice: Any, keep_input: bool, meter: StashMeter | None) -> None:
+        callbacks = self._callbacks
+        if not self.is_last:
+            x = callbacks.make_input(batch_slice) if self.is_first else item.inputs
+            item.outputs = self._run(item, x, keep_input, meter)
+            return
+        received = item.inputs
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            x = (args[0] if len(args) == 1 else args) if self.is_first else received
+            y = self._run(item, x, keep_input, meter)
+            if keep_input:
+                item.y = [leaf for leaf in tensor_leaves(y) if leaf.requires_grad]
+            return y
+
+        loss = callbacks.compute_loss(batch_slice, forward)
+        weight = (item.rows[1] - item.rows[0]) / self._batch_rows if self.loss_reduction == "mean" else 1.0
+        loss = loss * weight
+        self._losses.append(loss.detach())
+        item.loss = loss * self._loss_scale if self._loss_scale != 1.0 else loss
+
+    def recompute(self, microbatch: int, meter: StashMeter | None = None) -> None:
+        """Replay the stage forward of a recomputed ``microbatch`` with autograd (same seed,
+        buffers kept), right before its B; B then starts from the replayed outputs."""
+        item = self._state[microbatch]
+        if self.is_last:
+            assert item.loss is not None and item.y is not None
+            grads = list(torch.autograd.grad(item.loss, item.y, allow_unused=True)) if item.y else []
+            grads = [g if g is not None else torch.zeros_like(y) for g, y in zip(grads, item.y)]
+            like: list[torch.Tensor] = item.y
+        else:
+            like, grads = item.outputs
+        self.store.recording = microbatch if self.split else None
+        try:
+            reseed(self._seed(microbatch), self.device)  # the step restores the caller's RNG state
+            with frozen_buffers(self._buffers), self.forward_context():
+                outputs = self.run_layers(item.inputs, meter)
+        finally:
+            self.store.recording = None
+        replayed = [leaf for leaf in tensor_leaves(outputs) if leaf.requires_grad]
+        if len(replayed) != len(like):
+            raise RuntimeError(
+                f"stage {self.index}: the recomputed forward of micro-batch {microbatch} has {len(replayed)} outputs that "
+                f"require grad, the original had {len(like)}; recomputation needs a forward that depends only on its input and the RNG"
+            )
+        item.replayed = (replayed, list(grads))
+
+    # -- backward ----------------------------------------------------------------------
+    def _roots(self, item: _MicroBatch) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """What B starts from: the replay (recomputed), the loss (last stage) or the stage
+        outputs with the gradients received for them."""
+        if item.replayed is not None:
+            return item.replayed
+        if self.is_last:
+            assert item.loss is not None
+            return [item.loss], None
+        outputs, grads = item.outputs
+        return list(outputs), list(grads)
+
+    def backward_input(self, microbatch: int) -> None:
+        """B of ``microbatch``: one backward that frees its graph. Split, the deferrable
+        weight gradients are filed for W (run at once when no W is scheduled for it)."""
+        item = self._state[microbatch]
+        roots, root_grads = self._roots(item)
+        item.loss = None
+        item.y = None
+        item.replayed = None
+        if roots:
+            torch.autograd.backward(roots, root_grads)
+        del roots, root_grads
+        item.outputs = None
+        item.w_todo = self._w_count.get(microbatch, 0)
+        if item.w_todo <= 0:
+            self.store.run(microbatch)  # split but no W scheduled for it: the weight work runs now
+        if self.is_first:
+            item.sent = True
+        self._release(microbatch, item)
+
+    def weight_bytes(self, microbatch: int) -> int:
+        """Bytes of the output gradients kept for the W of ``microbatch``."""
+        return self.store.held_bytes(microbatch)
+
+    def backward_weight(self, microbatch: int, layers: tuple[int, int] | None = None) -> None:
+        """W of ``microbatch``: its deferred weight gradients, those of ``layers`` (a
+        ``weight_span``) only when given."""
+        item = self._state[microbatch]
+        item.w_todo -= 1
+        self.store.run(microbatch, layers)
+        if item.w_todo <= 0:
+            self._release(microbatch, item)
+
+    # -- forward only (validation, test, predict) ----------------------------------------
+    def evaluate(self, batch_slice: Any, received: Any, callbacks: EvalCallbacks, weight: float) -> Any:
+        """The last stage's eval result on one slice (``received``: the stage input from
+        upstream; on a single-stage plan the callbacks make it)."""
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if self.is_first:
+                return self.run_layers(args[0] if len(args) == 1 else args)
+            return self.run_layers(received)
+
+        return callbacks.compute_output(batch_slice, forward, weight)
+
+
+def _unique(params: Any) -> list[nn.Parameter]:
+    out, seen = [], set()
+    for param in params:
+        if id(param) not in seen:
+            seen.add(id(param))
+            out.append(param)
+    return out
+
+
+def _detached(value: Any) -> Any:
+    """``value`` with every tensor detached, keeping which of them require grad."""
+
+    def cut(leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor):
+            return leaf.detach().requires_grad_(leaf.requires_grad)
+        return leaf
+
+    return pytree.tree_map(cut, value)
