@@ -46,9 +46,6 @@ class SequentialLightningModule(L.LightningModule):
         # never. The pipeline runtime replaces this method by per-stage execution.
         return self.layers(x)
 
-    def num_parameters(self) -> int:
-        return count_parameters(self)
-
 
 class ClassifierSteps:
     """Training/validation/predict steps of a model whose batch is ``(inputs, labels)``

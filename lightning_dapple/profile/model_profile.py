@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from lightning_dapple.errors import DappleConfigError, require
@@ -107,9 +107,6 @@ class ModelProfile:
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)
-
-    def with_layers(self, layers: list[LayerProfile]) -> "ModelProfile":
-        return replace(self, layers=tuple(layers))
 
 
 _REQUIRED_LAYER_FIELDS = ("name", "forward_ms", "backward_ms", "output_bytes", "param_bytes", "stash_bytes")

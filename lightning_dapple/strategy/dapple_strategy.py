@@ -245,7 +245,6 @@ class DappleStrategy(DDPStrategy):
         self._freed: dict[int, nn.Module] = {}
         self._planning_inputs: PlanningInputs | None = None  # rank 0 after plan="auto"
         self._saved_grads: list[torch.Tensor | None] | None = None
-        self.last_stats: Any = None
 
     # -- set-up ------------------------------------------------------------------
     @property
@@ -622,7 +621,6 @@ class DappleStrategy(DDPStrategy):
         self._saved_grads = [p.grad for p in params]
         for p, grad in zip(params, previous):
             p.grad = grad
-        self.last_stats = self.runner.stats
         dtype = next((p.dtype for p in params), torch.float32)
         replay_logs(module, _merge_logs(logs), callbacks.batch_rows, dtype)
         return {"loss": loss.to(dtype)}
