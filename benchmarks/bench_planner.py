@@ -35,8 +35,9 @@ from lightning_dapple.cluster import load_cluster
 from lightning_dapple.errors import DappleConfigError
 from lightning_dapple.plan.dapple_planner import data_parallel_candidates, straight_candidates
 from lightning_dapple.plan.plan import Plan
-from lightning_dapple.profile.model_profile import LayerProfile, ModelProfile
+from lightning_dapple.plan.request import PlanRequest
 from lightning_dapple.profile.loader import load_profile
+from lightning_dapple.profile.model_profile import LayerProfile, ModelProfile
 from lightning_dapple.simulate import simulate_plan
 from lightning_dapple.simulate.plans import make_plan
 
@@ -103,9 +104,9 @@ def compare(model: str, filename: str, gbs: int, cluster_name: str) -> dict[str,
         row["pipedream_plan"] = _describe(pipedream)
     except DappleConfigError as exc:
         row["pipedream"], row["pipedream_plan"] = None, f"none ({exc.problem[:40]})"
-    dp = [item for item in data_parallel_candidates(profile, cluster, gbs) if item.fits(cluster)]
+    dp = [item for item in data_parallel_candidates(PlanRequest.build(profile, cluster, gbs)) if item.fits(cluster)]
     row["dp"] = simulate_plan(_plan_of(dp[0], gbs), profile, cluster).latency_ms if dp else None
-    straight = straight_candidates(profile, cluster, gbs)
+    straight = straight_candidates(PlanRequest.build(profile, cluster, gbs))
     row["straight"] = simulate_plan(_plan_of(straight[0], gbs), profile, cluster).latency_ms if straight else None
     others = [row[k] for k in ("pipedream", "dp", "straight") if row[k] is not None]
     row["ok"] = row["dapple"] is not None and all(row["dapple"] <= other * (1 + 1e-9) for other in others)

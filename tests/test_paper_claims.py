@@ -9,16 +9,16 @@ comparison as a table next to the paper's own plans.
 """
 from __future__ import annotations
 
-
 import pytest
+from conftest import shared_profiles
 
 from lightning_dapple.cluster import load_cluster
 from lightning_dapple.plan.dapple_planner import data_parallel_candidates, straight_candidates
 from lightning_dapple.plan.plan import Plan
+from lightning_dapple.plan.request import PlanRequest
 from lightning_dapple.profile.loader import load_profile
 from lightning_dapple.simulate import simulate_plan
 from lightning_dapple.simulate.plans import make_plan
-from conftest import shared_profiles
 
 PROFILES = shared_profiles() / "dapple"
 MODELS = [
@@ -39,10 +39,10 @@ def test_dapple_never_slower_than_the_baselines(filename: str, gbs: int) -> None
         ours = dapple.predicted.simulated_latency_ms
         assert ours is not None
         others: dict[str, float] = {"pipedream": make_plan(profile, cluster, gbs, planner="pipedream").predicted.simulated_latency_ms}
-        dp = [item for item in data_parallel_candidates(profile, cluster, gbs) if item.fits(cluster)]
+        dp = [item for item in data_parallel_candidates(PlanRequest.build(profile, cluster, gbs)) if item.fits(cluster)]
         if dp:
             others["DP"] = simulate_plan(Plan(gbs, dp[0].micro_batches, dp[0].stages), profile, cluster).latency_ms
-        straight = straight_candidates(profile, cluster, gbs)
+        straight = straight_candidates(PlanRequest.build(profile, cluster, gbs))
         if straight:
             others["straight"] = simulate_plan(Plan(gbs, straight[0].micro_batches, straight[0].stages), profile, cluster).latency_ms
         for other, latency in others.items():

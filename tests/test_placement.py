@@ -16,7 +16,7 @@ import torch
 from lightning.pytorch import Callback
 
 import lightning_dapple  # noqa: F401
-from lightning_dapple.strategy import DappleStrategy
+from lightning_dapple.strategy import DappleStrategy, auto_plan
 from lightning_dapple.strategy.module_adapter import FreedLayer
 from lightning_toys import quiet_trainer, MLPModule, TrackedMLPModule, mlp_loader, single_device_run
 
@@ -66,15 +66,13 @@ def test_setup_runs_its_checks_where_the_module_lives_not_on_the_device(tmp_path
     strategy = _MetaDeviceStrategy(plan=plan, timeout_s=20, micro_batches=2 if plan == "auto" else None)
     strategy_profile = {}
     if plan == "auto":  # the profiler moves one layer at a time to the device: on meta, record instead of timing
-        from lightning_dapple.profile import profiler
-
-        real = profiler.profile_layers
+        real = auto_plan.profile_layers
 
         def recording_profile(layers, x, device="cpu", **kwargs):
             strategy_profile["device"] = str(device)
             return real(layers, x, device="cpu", **kwargs)
 
-        monkeypatch.setattr(profiler, "profile_layers", recording_profile)
+        monkeypatch.setattr(auto_plan, "profile_layers", recording_profile)
     trainer = quiet_trainer(
         strategy=strategy,
         accelerator="cpu",

@@ -22,8 +22,9 @@ from lightning_dapple.app.recipe_profile import recipe_global_batch, recipe_prof
 from lightning_dapple.cluster import load_cluster
 from lightning_dapple.errors import require
 from lightning_dapple.plan.dapple_planner import data_parallel_candidates, straight_candidates
-from lightning_dapple.plan.evaluate import candidate_micro_batches, default_min_slice, score_stages
+from lightning_dapple.plan.evaluate import score_stages
 from lightning_dapple.plan.plan import Plan, StagePlan
+from lightning_dapple.plan.request import PlanRequest
 from lightning_dapple.profile.loader import load_profile
 from lightning_dapple.simulate.plans import make_plan, simulate_plan
 
@@ -132,19 +133,17 @@ def paper_choice(profile: Any, cluster: Any, global_batch: int, paper_plan: str)
     DP and straight are the planner's own DP and straight candidates; a P:Q plan is the
     best two-stage plan with P then Q devices over every cut and every M.
     """
-
+    request = PlanRequest.build(profile, cluster, global_batch)
     if paper_plan == "DP":
-        fitting = [item for item in data_parallel_candidates(profile, cluster, global_batch) if item.fits(cluster)]
+        fitting = [item for item in data_parallel_candidates(request) if item.fits(cluster)]
         return fitting[0] if fitting else None
     if paper_plan == "straight":
-        found = straight_candidates(profile, cluster, global_batch)
+        found = straight_candidates(request)
         return found[0] if found else None
     p, q = (int(v) for v in paper_plan.split(":"))
-    floor = default_min_slice(profile, None)
-    micro, floor = candidate_micro_batches(global_batch, floor, None)
     best = None
-    for m in micro:
-        if max(p, q) > (global_batch // m) // floor:
+    for m in request.micro_batches:
+        if max(p, q) > (global_batch // m) // request.floor:
             continue
         for cut in range(1, profile.num_layers):
             stages = (StagePlan((0, cut), tuple(range(p))), StagePlan((cut, profile.num_layers), tuple(range(p, p + q))))

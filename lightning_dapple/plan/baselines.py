@@ -10,11 +10,11 @@ import numpy as np
 
 from lightning_dapple.cluster import Cluster
 from lightning_dapple.plan.costs import slice_size
-from lightning_dapple.plan.evaluate import Scored, candidate_micro_batches, default_min_slice, score_stages
+from lightning_dapple.plan.evaluate import Scored, score_stages
 from lightning_dapple.plan.plan import StagePlan
+from lightning_dapple.plan.request import PlanRequest
 from lightning_dapple.plan.search import SearchSettings, StageSearch
 from lightning_dapple.plan.search_tables import RangeTables, p2p_ms_fast
-from lightning_dapple.profile.model_profile import ModelProfile
 
 __all__ = ["balanced_variant", "data_parallel_candidates", "smallest_memory", "straight_candidates"]
 
@@ -56,14 +56,7 @@ def _balanced_cuts(tables: RangeTables, cluster: Cluster, devices: Sequence[tupl
     return cuts[::-1]
 
 
-def balanced_variant(
-    profile: ModelProfile,
-    cluster: Cluster,
-    item: Scored,
-    global_batch_size: int,
-    policy: str = "PA",
-    schedule: str = "dapple",
-) -> Scored | None:
+def balanced_variant(request: PlanRequest, item: Scored) -> Scored | None:
     """The same stages on the same devices with evenly balanced layer cuts
     (``_balanced_cuts``), or None if that is the same plan or does not fit in memory.
 
@@ -72,6 +65,7 @@ def balanced_variant(
     (4.4); the simulator, which re-ranks the candidates, sometimes prefers the evenly
     balanced cut. Offering both lets the simulation decide.
     """
+    profile, cluster, global_batch_size = request.profile, request.cluster, request.global_batch_size
     stages = item.stages
     if len(stages) < 2:
         return None
@@ -82,42 +76,24 @@ def balanced_variant(
     new = tuple(StagePlan(layers=(cuts[s], cuts[s + 1]), devices=stage.devices) for s, stage in enumerate(stages))
     if new == stages:
         return None
-    scored = score_stages(profile, cluster, new, global_batch_size, item.micro_batches, policy, schedule)
+    scored = score_stages(profile, cluster, new, global_batch_size, item.micro_batches, request.policy, request.schedule)
     return scored if scored.fits(cluster) else None
 
 
-def data_parallel_candidates(
-    profile: ModelProfile,
-    cluster: Cluster,
-    global_batch_size: int,
-    micro_batches: int | None = None,
-    schedule: str = "dapple",
-    policy: str = "PA",
-    min_slice: int | None = None,
-) -> list[Scored]:
+def data_parallel_candidates(request: PlanRequest) -> list[Scored]:
     """DP (one stage on all devices) at every valid M, fitting or not, best first."""
-    floor = default_min_slice(profile, min_slice)
-    candidates, floor = candidate_micro_batches(global_batch_size, floor, micro_batches)
+    profile, cluster, global_batch_size, floor = request.profile, request.cluster, request.global_batch_size, request.floor
     g = cluster.num_devices
     stage = (StagePlan(layers=(0, profile.num_layers), devices=tuple(range(g))),)
     out = [
-        score_stages(profile, cluster, stage, global_batch_size, m, policy, schedule)
-        for m in candidates
+        score_stages(profile, cluster, stage, global_batch_size, m, request.policy, request.schedule)
+        for m in request.micro_batches
         if g <= min((global_batch_size // m) // floor, global_batch_size // m)
     ]
     return sorted(out, key=lambda item: (not item.fits(cluster), item.latency_ms, item.micro_batches))
 
 
-def straight_candidates(
-    profile: ModelProfile,
-    cluster: Cluster,
-    global_batch_size: int,
-    micro_batches: int | None = None,
-    schedule: str = "dapple",
-    policy: str = "PA",
-    min_slice: int | None = None,
-    keep: int = 1,
-) -> list[Scored]:
+def straight_candidates(request: PlanRequest, keep: int = 1) -> list[Scored]:
     """The straight pipeline (G stages, one device each, ranks in order) that fits in memory.
 
     For every candidate M the layers are cut to minimise the slowest stage
@@ -126,15 +102,14 @@ def straight_candidates(
     formula's best straight cut instead; it is slower and the simulator often prefers the
     balanced one.)
     """
+    profile, cluster, global_batch_size, floor = request.profile, request.cluster, request.global_batch_size, request.floor
     g = cluster.num_devices
     if profile.num_layers < g:
         return []
-    floor = default_min_slice(profile, min_slice)
-    candidates, floor = candidate_micro_batches(global_batch_size, floor, micro_batches)
     tables = RangeTables(profile)
     devices = [(rank,) for rank in range(g)]
     out = []
-    for m in candidates:
+    for m in request.micro_batches:
         mbs = global_batch_size // m
         if mbs // floor < 1:
             continue
@@ -142,14 +117,14 @@ def straight_candidates(
         if cuts is None:
             continue
         stages = tuple(StagePlan(layers=(cuts[s], cuts[s + 1]), devices=devices[s]) for s in range(g))
-        item = score_stages(profile, cluster, stages, global_batch_size, m, policy, schedule)
+        item = score_stages(profile, cluster, stages, global_batch_size, m, request.policy, request.schedule)
         if item.fits(cluster):
             out.append(item)
     out.sort(key=lambda item: (item.latency_ms, item.micro_batches))
     return out[:keep]
 
 
-def smallest_memory(profile: ModelProfile, cluster: Cluster, global_batch_size: int, micro_batches: int | None, schedule: str, policy: str, min_slice: int | None) -> tuple[float, str]:
+def smallest_memory(request: PlanRequest) -> tuple[float, str]:
     """Peak per-device memory of the least memory-hungry plan we can name cheaply.
 
     Over every M and every number of stages S <= min(N, G): the straight partition whose
@@ -157,13 +132,12 @@ def smallest_memory(profile: ModelProfile, cluster: Cluster, global_batch_size: 
     is smallest, found by a bottleneck DP built from the last stage backwards (K_i depends on
     how many stages follow). Spare devices would only add replicas, which never add memory.
     """
-    floor = default_min_slice(profile, min_slice)
-    candidates, floor = candidate_micro_batches(global_batch_size, floor, micro_batches)
+    profile, cluster, global_batch_size, floor = request.profile, request.cluster, request.global_batch_size, request.floor
     tables = RangeTables(profile)
     n, g = tables.n, cluster.num_devices
     best = (_INF, "")
-    for m in candidates:
-        search = StageSearch(tables, cluster, global_batch_size, m, floor, SearchSettings(policy, schedule, 1))
+    for m in request.micro_batches:
+        search = StageSearch(tables, cluster, global_batch_size, m, floor, SearchSettings(request.policy, request.schedule, 1))
         s1 = search.scale(1)
         # cost[t][a]: min over partitions of layers [a, n) into t stages of the peak memory
         prev = [_INF] * (n + 1)

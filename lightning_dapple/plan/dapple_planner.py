@@ -253,9 +253,9 @@ def plan_dapple(
 def plan_request(request: PlanRequest) -> Plan:
     """``plan_dapple`` for a built request: search, add DP, straight and balanced twins,
     re-rank by simulation, explain."""
-    dp_all = _baseline_args(request, data_parallel_candidates)
+    dp_all = data_parallel_candidates(request)
     dp = [item for item in dp_all if item.fits(request.cluster)][:1]
-    straight = _baseline_args(request, straight_candidates)
+    straight = straight_candidates(request)
     pool = _candidate_pool(request, dp, straight)
     simulations = _simulate(request, pool)
     chosen_index = _choose(pool, simulations)
@@ -277,12 +277,6 @@ def _setting_floor(request: PlanRequest) -> int:
     return request.min_slice if request.min_slice is not None else request.profile.micro_batch_size
 
 
-def _baseline_args(request: PlanRequest, make: Any) -> list[Scored]:
-    return make(
-        request.profile, request.cluster, request.global_batch_size, request.fixed_micro_batches, request.schedule, request.policy, request.min_slice
-    )
-
-
 def _candidate_pool(request: PlanRequest, dp: list[Scored], straight: list[Scored]) -> list[Scored]:
     """The search's best, the straight pipeline, their balanced twins and DP, without
     duplicates; ``DappleConfigError`` when there is none."""
@@ -290,9 +284,7 @@ def _candidate_pool(request: PlanRequest, dp: list[Scored], straight: list[Score
     best = search(request, keep=max(rerank, 1))
     shortlist = [*best[: max(rerank, 1)], *straight]
     if rerank > 0:
-        balanced = [
-            balanced_variant(request.profile, request.cluster, item, request.global_batch_size, request.policy, request.schedule) for item in shortlist
-        ]
+        balanced = [balanced_variant(request, item) for item in shortlist]
         shortlist += [item for item in balanced if item is not None]
     pool: list[Scored] = []
     seen: set[tuple[int, tuple[StagePlan, ...]]] = set()
@@ -308,9 +300,7 @@ def _candidate_pool(request: PlanRequest, dp: list[Scored], straight: list[Score
 
 def _raise_nothing_valid(request: PlanRequest) -> None:
     profile, cluster = request.profile, request.cluster
-    need, what = smallest_memory(
-        profile, cluster, request.global_batch_size, request.fixed_micro_batches, request.schedule, request.policy, request.min_slice
-    )
+    need, what = smallest_memory(request)
     if need == _INF:
         raise DappleConfigError(
             "global_batch_size",

@@ -32,14 +32,9 @@ from typing import Iterator
 
 from lightning_dapple.cluster import Cluster
 from lightning_dapple.plan.costs import StageCost, dapple_latency, stage_costs
-from lightning_dapple.plan.evaluate import (
-    Scored,
-    candidate_micro_batches,
-    check_inputs,
-    default_min_slice,
-    memory_per_stage,
-)
+from lightning_dapple.plan.evaluate import Scored, memory_per_stage
 from lightning_dapple.plan.plan import StagePlan
+from lightning_dapple.plan.request import PlanRequest
 from lightning_dapple.profile.model_profile import ModelProfile
 
 __all__ = ["EnumerationResult", "enumerate_best", "MAX_LAYERS", "MAX_DEVICES"]
@@ -93,16 +88,14 @@ def enumerate_best(
     prune: bool = True,
 ) -> EnumerationResult:
     """The plan with the lowest formula-2 latency that fits in memory, by brute force."""
-    check_inputs(schedule, policy, global_batch_size)
     n, g = profile.num_layers, cluster.num_devices
     if n > MAX_LAYERS or g > MAX_DEVICES:
         raise ValueError(f"enumerate_best is for at most {MAX_LAYERS} layers and {MAX_DEVICES} devices, got {n} and {g}")
-    floor = default_min_slice(profile, min_slice)
-    candidates, floor = candidate_micro_batches(global_batch_size, floor, micro_batches)
+    request = PlanRequest.build(profile, cluster, global_batch_size, micro_batches, schedule, policy, min_slice=min_slice)
     walk = _Enumeration(profile, cluster, schedule, policy, prune)
-    for m in candidates:
+    for m in request.micro_batches:
         mbs = global_batch_size // m
-        rmax = min(mbs // floor, mbs)
+        rmax = min(mbs // request.floor, mbs)
         if rmax >= 1:
             walk.run(m, mbs, rmax)
     return EnumerationResult(walk.best, walk.scored)

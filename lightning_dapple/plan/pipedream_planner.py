@@ -32,20 +32,11 @@ from dataclasses import dataclass
 
 from lightning_dapple.cluster import Cluster
 from lightning_dapple.errors import DappleConfigError
-from lightning_dapple.plan.evaluate import (
-    Scored,
-    candidate_micro_batches,
-    check_inputs,
-    default_min_slice,
-    finish_plan,
-    raise_no_memory,
-    score_stages,
-    subcluster,
-)
+from lightning_dapple.plan.evaluate import Scored, finish_plan, raise_no_memory, score_stages
 from lightning_dapple.plan.pipedream_optimizer import Level, PipeDreamChoice, optimize
 from lightning_dapple.plan.pipedream_states import PipeDreamStates, pipedream_states
 from lightning_dapple.plan.plan import Plan, StagePlan
-from lightning_dapple.plan.request import StepPricer
+from lightning_dapple.plan.request import PlanRequest, StepPricer
 from lightning_dapple.profile.model_profile import ModelProfile
 
 __all__ = ["plan_pipedream", "pipedream_partition", "pipedream_levels", "PipeDreamResult"]
@@ -123,20 +114,19 @@ def _plan_stages(choice: PipeDreamChoice, states: PipeDreamStates, num_layers: i
     return tuple(stages)
 
 
-def _scored(
-    profile: ModelProfile, cluster: Cluster, global_batch_size: int, candidates: list[int], floor: int, policy: str, schedule: str,
-    states: PipeDreamStates, memory: float | None,
-) -> list[tuple[Scored, float]]:
+def _scored(request: PlanRequest, states: PipeDreamStates, memory: float | None) -> list[tuple[Scored, float]]:
     """PipeDream's partition for every candidate M, scored with the shared cost model."""
+    profile, cluster, global_batch_size = request.profile, request.cluster, request.global_batch_size
     scored = []
-    for m in candidates:
+    for m in request.micro_batches:
         mbs = global_batch_size // m
-        rmax = min(mbs // floor, mbs)
+        rmax = min(mbs // request.floor, mbs)
         if rmax < 1:
             continue
         result = pipedream_partition(profile, cluster, mbs, rmax, states, memory)
         if result is not None:
-            scored.append((score_stages(profile, cluster, result.stages, global_batch_size, m, policy, schedule), result.slowest_stage_ms))
+            item = score_stages(profile, cluster, result.stages, global_batch_size, m, request.policy, request.schedule)
+            scored.append((item, result.slowest_stage_ms))
     return scored
 
 
@@ -153,19 +143,17 @@ def plan_pipedream(
 ) -> Plan:
     """Plan with PipeDream's optimizer (3.1), priced and scheduled like a DAPPLE plan;
     ``simulate`` (``simulate.plans.simulate_plan``) adds the simulated step to the result."""
-    check_inputs(schedule, policy, global_batch_size)
-    cluster = subcluster(cluster, num_devices)
-    floor = default_min_slice(profile, min_slice)
-    candidates, floor = candidate_micro_batches(global_batch_size, floor, micro_batches)
+    request = PlanRequest.build(profile, cluster, global_batch_size, micro_batches, schedule, policy, num_devices, min_slice, simulate=simulate)
+    cluster = request.cluster
     states = pipedream_states(profile)
-    scored = _scored(profile, cluster, global_batch_size, candidates, floor, policy, schedule, states, None)
+    scored = _scored(request, states, None)
     constrained = not any(item.fits(cluster) for item, _ in scored)
     if constrained:  # PipeDream's own memory constraint, off by default, on when nothing fits
-        scored = _scored(profile, cluster, global_batch_size, candidates, floor, policy, schedule, states, cluster.device_memory_bytes)
+        scored = _scored(request, states, cluster.device_memory_bytes)
     if not scored:
         raise DappleConfigError(
             "global_batch_size",
-            f"PipeDream finds no partition of {profile.num_layers} layers over {cluster.num_devices} devices with slices of at least {floor} samples",
+            f"PipeDream finds no partition of {profile.num_layers} layers over {cluster.num_devices} devices with slices of at least {request.floor} samples",
             "use a larger global batch or fewer devices",
         )
     fitting = [pair for pair in scored if pair[0].fits(cluster)]
