@@ -106,14 +106,14 @@ def placement_lines(plan: "Plan", topology: Topology) -> list[str]:
     return lines
 
 
-def report_placement(strategy: Any) -> Topology:
-    """Launch shape and rank -> node map of a strategy's job, checked; rank 0 logs the
-    plan's placement. Called by every rank after the plan is known (a collective)."""
-    environment = strategy.cluster_environment
-    shape = launch_shape(environment, strategy.num_nodes, strategy.num_processes)
+def report_placement(environment: Any, num_nodes: int, num_processes: int, plan: Plan | None) -> Topology:
+    """Launch shape and rank -> node map of the job (Lightning's cluster ``environment``,
+    the Trainer's nodes and processes per node), checked; rank 0 logs the plan's placement.
+    Called by every rank after the plan is known (a collective)."""
+    shape = launch_shape(environment, num_nodes, num_processes)
     topology = gather_topology(shape, int(environment.node_rank()))
     check_layout(topology)
-    if strategy.plan is not None:
-        for line in placement_lines(strategy.plan, topology):
+    if plan is not None:
+        for line in placement_lines(plan, topology):
             rank_zero_info(f"dapple {line}")
     return topology

@@ -404,7 +404,7 @@ class DappleStrategy(DDPStrategy):
         plan = plan.validate(num_layers=len(container), world_size=self.world_size).with_warmups()
         self.plan = plan
         self._save_plan(trainer)
-        report_placement(self)  # every rank: the launch's nodes agree with the plan; rank 0 prints them
+        report_placement(self.cluster_environment, self.num_nodes, self.num_processes, plan)  # every rank: the launch's nodes agree with the plan; rank 0 prints them
         stage = plan.stages[self.stage]
         self.checkpoint_layout = ckpt.CheckpointLayout(
             key_owner=key_owners(module, container),

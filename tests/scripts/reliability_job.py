@@ -117,7 +117,8 @@ def write_topology(trainer, path: Path) -> None:
     """Every rank joins; rank 0 writes the launch shape, rank -> node map and placement."""
     from lightning_dapple.execute.topology import placement_lines, report_placement
 
-    topology = report_placement(trainer.strategy)
+    strategy = trainer.strategy
+    topology = report_placement(strategy.cluster_environment, strategy.num_nodes, strategy.num_processes, strategy.plan)
     if trainer.global_rank == 0:
         lines = placement_lines(trainer.strategy.plan, topology)
         shape = topology.shape
