@@ -87,8 +87,7 @@ def test_split_backward_leaves_the_linear_weights_to_w_and_then_matches() -> Non
     assert [len(params) for params in stage.deferred] == [2, 2, 2]  # each Linear's weight and bias
     for mb in range(MICRO):
         stage.forward(mb)
-        stage.backward_input(mb)
-        assert stage.weight_bytes(mb) > 0  # output gradients kept for W
+        assert stage.backward_input(mb) == 3 * (5 + 5 + 3) * 8  # output gradients of the Linears kept for W
     linear_weights = [layers[0][0].weight, layers[1][1].weight, layers[2].weight]
     assert all(w.grad is None for w in linear_weights)  # B computed no deferred gradient
     assert layers[1][0].weight.grad is not None  # LayerNorm's gradient came with B
@@ -182,17 +181,25 @@ def test_stash_ledger_tracks_peak_and_in_flight() -> None:
 def test_stash_sizes_are_measured_once_per_layout() -> None:
     layer = nn.Linear(4, 4).double()
     sizes = StashSizes(list(layer.parameters()))
+    meters: list[Any] = []
+
+    def run(microbatch: int, meter: Any) -> None:
+        meters.append(meter)
+        if meter is None:
+            layer(torch.randn(8, 4, dtype=torch.float64))
+            return
+        with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+            layer(torch.randn(8, 4, dtype=torch.float64))
+
     step = sizes.for_step((8, True))
     assert isinstance(step, MeasuringSizes)
-    meter = step.meter()
-    with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
-        layer(torch.randn(8, 4, dtype=torch.float64))
-    measured = step.saved(0, meter)
-    assert measured == 8 * 4 * 8  # the input, not the weight
+    measured = step.forward(run, 0)
+    assert measured == 8 * 4 * 8 and meters[-1] is not None  # the input, not the weight
     assert step.kept(1, torch.zeros(8, 2)) == 8 * 2 * 4
     assert isinstance(sizes.for_step((8, True)), MeasuringSizes)  # not finished: not kept
     step.finish()
     again = sizes.for_step((8, True))
-    assert isinstance(again, KnownSizes) and again.meter() is None
-    assert again.saved(0, None) == measured and again.kept(1, None) == 8 * 2 * 4 and again.replayed(0, None) == 0
+    assert isinstance(again, KnownSizes)
+    assert again.forward(run, 0) == measured and meters[-1] is None  # no hooks after the first step
+    assert again.kept(1, None) == 8 * 2 * 4 and again.replay(run, 0) == 0
     assert isinstance(sizes.for_step((4, True)), MeasuringSizes)  # another batch size measures again

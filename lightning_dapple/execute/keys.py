@@ -42,7 +42,7 @@ class TransferKey(NamedTuple):
     boundary: int
 
     def __str__(self) -> str:
-        return f"{self.direction.value} {self.microbatch}"
+        return f"{self.direction._value_} {self.microbatch}"  # _value_: no enum property call per message
 
 
 # per communication kind: the direction, and the offset of the boundary from the acting stage

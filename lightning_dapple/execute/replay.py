@@ -6,11 +6,13 @@ The executor wants one explicit replay right before a micro-batch's B, under the
 dropout masks, with BatchNorm statistics updated once, and its memory charged at a known
 point of the schedule (the planner's memory model, ``schedule.ooo.stash_walk``).
 
-Pieces used by ``execute/runner.py``:
+Pieces used by the executor's ``Stage`` (``execute/stage.py``), its runner (the RNG) and its
+stash sizes (``tensor_bytes``):
 
 * ``discard_saved()``: a forward that records the graph (so each output knows whether it
   requires grad) but keeps none of the tensors saved for backward; used for the F of a
-  recomputed micro-batch, which keeps only the stage input;
+  recomputed micro-batch, which keeps only the stage input, and whose output ``detached``
+  cuts from that graph (its backward starts from the replay);
 * ``save_rng``/``restore_rng``/``reseed``: a training step saves the caller's RNG state
   once, reseeds before each forward (per micro-batch seeds, so a replay draws the same
   dropout masks) and puts the caller's state back at its end;
@@ -31,6 +33,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 __all__ = [
+    "detached",
     "discard_saved",
     "frozen_buffers",
     "save_rng",
@@ -53,6 +56,17 @@ def _never(_: None) -> torch.Tensor:  # pragma: no cover - the graph is never ru
 def discard_saved() -> contextlib.AbstractContextManager[Any]:
     """Record autograd graphs without keeping any tensor saved for backward."""
     return torch.autograd.graph.saved_tensors_hooks(_drop, _never)
+
+
+def detached(value: Any) -> Any:
+    """``value`` with every tensor detached, keeping which of them require grad."""
+
+    def cut(leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor):
+            return leaf.detach().requires_grad_(leaf.requires_grad)
+        return leaf
+
+    return pytree.tree_map(cut, value)
 
 
 def save_rng(device: torch.device) -> tuple[torch.Tensor, tuple[int, torch.Tensor] | None]:

@@ -361,9 +361,7 @@ class StageRunner:
     # -- op handlers: compute ---------------------------------------------------------
     def _forward(self, op: _Op) -> None:
         start = time.perf_counter()
-        meter = self._step_sizes.meter()
-        self.pipeline_stage.forward(op.mb, meter)
-        self.ledger.forwarded(op.mb, self._step_sizes.saved(op.mb, meter))
+        self.ledger.forwarded(op.mb, self._step_sizes.forward(self.pipeline_stage.forward, op.mb))
         self.stats.timeline.append((start, time.perf_counter(), "F", op.mb))
 
     def _forward_keeping_input(self, op: _Op) -> None:
@@ -376,21 +374,20 @@ class StageRunner:
         start = time.perf_counter()
         mb, stage = op.mb, self.pipeline_stage
         if op.replay:
-            meter = self._step_sizes.meter()
-            stage.recompute(mb, meter)
+            replayed = self._step_sizes.replay(stage.recompute, mb)
             self.stats.recomputed += 1
-            self.ledger.hold(mb, self._step_sizes.replayed(mb, meter))
+            self.ledger.hold(mb, replayed)
         if op.final:
             sync = self.sync
             assert sync is not None
             sync.live = True  # the last backward: autograd reports finished gradients
-            stage.backward_input(mb)
+            kept = stage.backward_input(mb)
             sync.live = False
             sync.ready_all(self._hooked)  # also those that got no gradient in this B
         else:
-            stage.backward_input(mb)
+            kept = stage.backward_input(mb)
         if op.pending_w:
-            self.ledger.hold(mb, stage.weight_bytes(mb))
+            self.ledger.hold(mb, kept)  # the output gradients its W needs
         else:
             self.ledger.drop(mb)
         self.stats.timeline.append((start, time.perf_counter(), "B", mb))

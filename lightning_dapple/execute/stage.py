@@ -40,9 +40,8 @@ from typing import Any, Callable, ContextManager, Mapping, Protocol, Sequence
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
-from lightning_dapple.execute.replay import discard_saved, frozen_buffers, reseed, tensor_leaves, weight_groups
+from lightning_dapple.execute.replay import detached, discard_saved, frozen_buffers, reseed, tensor_leaves, weight_groups
 from lightning_dapple.execute.slicing import flatten, take_rows
 from lightning_dapple.execute.weight_grad import WeightGradStore, deferrable_modules, install_deferred_weights
 from lightning_dapple.profile.stash import StashMeter
@@ -230,7 +229,9 @@ class Stage:
     # -- forward -----------------------------------------------------------------------
     def forward(self, microbatch: int, meter: StashMeter | None = None) -> None:
         """F of ``microbatch``, stashing for its B (counted by ``meter`` if given)."""
-        item = self._item(microbatch)
+        item = self._state.get(microbatch)
+        if item is None:
+            item = self._state[microbatch] = _MicroBatch(rows=self._rows[microbatch])
         self.store.recording = microbatch if self.split else None
         try:
             reseed(self._seed(microbatch), self.device)
@@ -248,26 +249,26 @@ class Stage:
             self._forward(item, take_rows(self._batch, *item.rows), True, None)
         return item.inputs
 
-    def _run(self, item: _MicroBatch, x: Any, keep_input: bool, meter: StashMeter | None) -> Any:
-        if not keep_input:
-            return self.run_layers(x, meter)
+    def _keep_input(self, item: _MicroBatch, x: Any) -> Any:
+        """The stage output of ``x`` with the graph recorded but nothing saved; keeps ``x``."""
         item.inputs = x
         with discard_saved():
-            return _detached(self.run_layers(x))
+            return detached(self.run_layers(x))
 
     def _forward(self, item: _MicroBatch, batch_slice: Any, keep_input: bool, meter: StashMeter | None) -> None:
         callbacks = self._callbacks
         if not self.is_last:
             x = callbacks.make_input(batch_slice) if self.is_first else item.inputs
-            item.outputs = self._run(item, x, keep_input, meter)
+            item.outputs = self._keep_input(item, x) if keep_input else self.run_layers(x, meter)
             return
         received = item.inputs
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             x = (args[0] if len(args) == 1 else args) if self.is_first else received
-            y = self._run(item, x, keep_input, meter)
-            if keep_input:
-                item.y = [leaf for leaf in tensor_leaves(y) if leaf.requires_grad]
+            if not keep_input:
+                return self.run_layers(x, meter)
+            y = self._keep_input(item, x)
+            item.y = [leaf for leaf in tensor_leaves(y) if leaf.requires_grad]
             return y
 
         loss = callbacks.compute_loss(batch_slice, forward)
@@ -314,9 +315,10 @@ class Stage:
         outputs, grads = item.outputs
         return list(outputs), list(grads)
 
-    def backward_input(self, microbatch: int) -> None:
+    def backward_input(self, microbatch: int) -> int:
         """B of ``microbatch``: one backward that frees its graph. Split, the deferrable
-        weight gradients are filed for W (run at once when no W is scheduled for it)."""
+        weight gradients are filed for W (run at once when no W is scheduled for it);
+        returns the bytes of the output gradients kept for its W (0 when none is pending)."""
         item = self._state[microbatch]
         roots, root_grads = self._roots(item)
         item.loss = None
@@ -327,15 +329,15 @@ class Stage:
         del roots, root_grads
         item.outputs = None
         item.w_todo = self._w_count.get(microbatch, 0)
-        if item.w_todo <= 0:
+        held = 0
+        if item.w_todo > 0:
+            held = self.store.held_bytes(microbatch)
+        else:
             self.store.run(microbatch)  # split but no W scheduled for it: the weight work runs now
         if self.is_first:
             item.sent = True
         self._release(microbatch, item)
-
-    def weight_bytes(self, microbatch: int) -> int:
-        """Bytes of the output gradients kept for the W of ``microbatch``."""
-        return self.store.held_bytes(microbatch)
+        return held
 
     def backward_weight(self, microbatch: int, layers: tuple[int, int] | None = None) -> None:
         """W of ``microbatch``: its deferred weight gradients, those of ``layers`` (a
@@ -366,14 +368,3 @@ def _unique(params: Any) -> list[nn.Parameter]:
             seen.add(id(param))
             out.append(param)
     return out
-
-
-def _detached(value: Any) -> Any:
-    """``value`` with every tensor detached, keeping which of them require grad."""
-
-    def cut(leaf: Any) -> Any:
-        if isinstance(leaf, torch.Tensor):
-            return leaf.detach().requires_grad_(leaf.requires_grad)
-        return leaf
-
-    return pytree.tree_map(cut, value)

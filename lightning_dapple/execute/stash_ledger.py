@@ -14,8 +14,8 @@ by its kept stage input until the replay before its B. The executor follows the 
   every saved tensor, so they run in the first step of each layout only -- (batch rows,
   training): what a forward saves depends on the layout of its input, not on its values --
   and the steps after it reuse the sizes. ``StashSizes.for_step`` answers with a
-  ``MeasuringSizes`` or a ``KnownSizes``; both have the same methods, so the runner's handlers
-  never ask which one they have.
+  ``MeasuringSizes`` or a ``KnownSizes``; both run a stashing forward the same way (the
+  measuring one under a meter), so the runner's handlers never ask which one they have.
 """
 from __future__ import annotations
 
@@ -52,8 +52,10 @@ class StashLedger:
     def forwarded(self, microbatch: int, nbytes: int) -> None:
         """The F of ``microbatch`` stashed ``nbytes``: it is in flight until ``drop``."""
         self.stash_bytes[microbatch] = nbytes
-        self.hold(microbatch, nbytes)
-        self.peak_in_flight = max(self.peak_in_flight, len(self.held))
+        held = self.held
+        held[microbatch] = held.get(microbatch, 0) + nbytes
+        self.peak_stash_bytes = max(self.peak_stash_bytes, sum(held.values()))
+        self.peak_in_flight = max(self.peak_in_flight, len(held))
 
     def hold(self, microbatch: int, nbytes: int) -> None:
         """``microbatch`` holds ``nbytes`` more (a replay's stash, a pending W's gradients)."""
@@ -65,35 +67,35 @@ class StashLedger:
         self.held.pop(microbatch, None)
 
 
+Stashing = Callable[[int, "StashMeter | None"], Any]  # a stashing forward of one micro-batch
+
+
 class StepSizes:
     """One step's stash sizes: measured (first step of a layout) or reused (the steps after).
 
-    ``meter()`` is the ``StashMeter`` a stashing forward runs under, or None where sizes are
-    already known; ``saved``, ``kept`` and ``replayed`` answer the bytes of a micro-batch's
-    forward stash, its kept input (recomputed micro-batches) and its replay's stash.
+    ``forward`` and ``replay`` run a stashing forward of a micro-batch (``Stage.forward``,
+    ``Stage.recompute``) and answer the bytes it stashed, measured under a ``StashMeter`` or
+    as measured before; ``kept`` answers the bytes of the stage input a recomputed
+    micro-batch keeps instead.
     """
 
-    __slots__ = ("forward", "replay")
+    __slots__ = ("forwards", "replays")
 
-    def __init__(self, forward: dict[int, int], replay: dict[int, int]) -> None:
-        self.forward = forward
-        self.replay = replay
+    def __init__(self, forwards: dict[int, int], replays: dict[int, int]) -> None:
+        self.forwards = forwards
+        self.replays = replays
 
-    def meter(self) -> StashMeter | None:
+    def forward(self, run: Stashing, microbatch: int) -> int:
         raise NotImplementedError
 
-    def saved(self, microbatch: int, meter: StashMeter | None) -> int:
+    def replay(self, run: Stashing, microbatch: int) -> int:
         raise NotImplementedError
 
     def kept(self, microbatch: int, inputs: Any) -> int:
-        """Bytes of the stage input a recomputed micro-batch keeps instead of its stash."""
-        nbytes = self.forward.get(microbatch)
+        nbytes = self.forwards.get(microbatch)
         if nbytes is None:  # measured in the first step of a layout only
-            nbytes = self.forward[microbatch] = tensor_bytes(inputs)
+            nbytes = self.forwards[microbatch] = tensor_bytes(inputs)
         return nbytes
-
-    def replayed(self, microbatch: int, meter: StashMeter | None) -> int:
-        raise NotImplementedError
 
     def finish(self) -> None:
         """The step ran to its end: keep what it measured."""
@@ -104,26 +106,25 @@ class MeasuringSizes(StepSizes):
 
     __slots__ = ("_exclude", "_keep")
 
-    def __init__(self, exclude: set[int], keep: Callable[[StepSizes], None]) -> None:
+    def __init__(self, exclude: set[int], keep: Callable[["KnownSizes"], None]) -> None:
         super().__init__({}, {})
         self._exclude = exclude
         self._keep = keep
 
-    def meter(self) -> StashMeter:
-        return StashMeter(self._exclude)
-
-    def saved(self, microbatch: int, meter: StashMeter | None) -> int:
-        assert meter is not None
-        nbytes = self.forward[microbatch] = meter.bytes
+    def forward(self, run: Stashing, microbatch: int) -> int:
+        meter = StashMeter(self._exclude)
+        run(microbatch, meter)
+        nbytes = self.forwards[microbatch] = meter.bytes
         return nbytes
 
-    def replayed(self, microbatch: int, meter: StashMeter | None) -> int:
-        assert meter is not None
-        nbytes = self.replay[microbatch] = meter.bytes
+    def replay(self, run: Stashing, microbatch: int) -> int:
+        meter = StashMeter(self._exclude)
+        run(microbatch, meter)
+        nbytes = self.replays[microbatch] = meter.bytes
         return nbytes
 
     def finish(self) -> None:
-        self._keep(KnownSizes(self.forward, self.replay))
+        self._keep(KnownSizes(self.forwards, self.replays))
 
 
 class KnownSizes(StepSizes):
@@ -131,14 +132,13 @@ class KnownSizes(StepSizes):
 
     __slots__ = ()
 
-    def meter(self) -> None:
-        return None
+    def forward(self, run: Stashing, microbatch: int) -> int:
+        run(microbatch, None)
+        return self.forwards.get(microbatch, 0)
 
-    def saved(self, microbatch: int, meter: StashMeter | None) -> int:
-        return self.forward.get(microbatch, 0)
-
-    def replayed(self, microbatch: int, meter: StashMeter | None) -> int:
-        return self.replay.get(microbatch, 0)
+    def replay(self, run: Stashing, microbatch: int) -> int:
+        run(microbatch, None)
+        return self.replays.get(microbatch, 0)
 
 
 class StashSizes:
@@ -155,8 +155,8 @@ class StashSizes:
         if known is not None:
             return known
 
-        def keep(sizes: StepSizes) -> None:
-            self._known[layout] = sizes  # type: ignore[assignment]
+        def keep(sizes: KnownSizes) -> None:
+            self._known[layout] = sizes
 
         # parameters are saved by reference, not stashed: leave their storages out
         return MeasuringSizes(parameter_storages(self._parameters), keep)

@@ -276,6 +276,9 @@ class Transport:
         self._pending_sends: list[tuple[Any, Any, Any, Hashable]] = []
         # receives posted ahead of their action, by transfer key
         self._posted: dict[Hashable, list[Incoming]] = {}
+        # str() of each transfer key, for wait messages: a key's label is made once, not per
+        # message (the executor's keys are a fixed set per plan)
+        self._labels: dict[Hashable, str] = {}
         self.bytes_sent = 0
         self.messages_sent = 0
 
@@ -413,14 +416,19 @@ class Transport:
 
     def _wait_sends(self, pending: list[tuple[Any, Any, Any, Hashable]]) -> None:
         if pending:
-            what = str(pending[0][2]) if len(pending) == 1 else f"{len(pending)} sends ({pending[0][2]} ... {pending[-1][2]})"
+            first = self._labels.get(pending[0][2]) or self._label(pending[0][2])
+            what = first if len(pending) == 1 else f"{len(pending)} sends ({first} ... {pending[-1][2]})"
             works = [item[0] for item in pending if item[0] is not None]
             self.failure.wait_all(flat_works(works) if self.wire.batched else works, what)
             if self.wire.pooled:
                 self.wire.release([item[1] for item in pending])
 
+    def _label(self, transfer: Any) -> str:
+        label = self._labels[transfer] = str(transfer)
+        return label
+
     # -- receiving -----------------------------------------------------------
-    def _recv_now(self, spec: BufferSpec, peer: int, what: Any, control: bool = False) -> torch.Tensor:
+    def _recv_now(self, spec: BufferSpec, peer: int, what: str, control: bool = False) -> torch.Tensor:
         """One message of an activation transfer from ``peer``, received now (``control``:
         a header or structure, read on the host)."""
         incoming = self.wire.post([(peer, spec, False)], "activation", control)
@@ -504,7 +512,8 @@ class Transport:
         if posted is None:
             specs = [(rank, _activation_buffer(known[0], count), True) for rank, count, known in parts if known is not None]
             posted = self.wire.post(specs, "activation") if specs else []
-        received = iter(self.wire.wait(posted, _from(transfer, posted)) if posted else ())
+        label = self._labels.get(transfer) or self._label(transfer)
+        received = iter(self.wire.wait(posted, _from(label, posted)) if posted else ())
         pieces: list[list[torch.Tensor]] = []
         metas: Sequence[LeafMeta] = ()
         spec = None
@@ -515,8 +524,8 @@ class Transport:
                 if flag == FLAG_SAME_LAYOUT:
                     buffer = message  # unpack reads the leaves' bytes and leaves the flag byte
             if buffer is None:
-                known = self._recv_layout(rank, known, transfer)
-                buffer = self._recv_now(BufferSpec((_payload_bytes(known[0], count),), torch.uint8), rank, transfer)
+                known = self._recv_layout(rank, known, label)
+                buffer = self._recv_now(BufferSpec((_payload_bytes(known[0], count),), torch.uint8), rank, label)
             metas, spec = known
             pieces.append(unpack(buffer, metas, count))
         leaves = [parts[0] if len(pieces) == 1 else torch.cat(parts) for parts in zip(*pieces)]
@@ -525,7 +534,7 @@ class Transport:
                 leaf.requires_grad_(True)
         return unflatten(leaves, spec)
 
-    def _recv_layout(self, peer: int, known: tuple[tuple[LeafMeta, ...], Any] | None, what: Any) -> tuple[tuple[LeafMeta, ...], Any]:
+    def _recv_layout(self, peer: int, known: tuple[tuple[LeafMeta, ...], Any] | None, what: str) -> tuple[tuple[LeafMeta, ...], Any]:
         """Receive a header (and the structure if it changed) and remember the layout."""
         header = self._recv_now(BufferSpec((HEADER_INTS,), torch.int64), peer, f"header of {what}", control=True)
         metas, spec_len = self._parse_header(header.cpu())
@@ -550,7 +559,8 @@ class Transport:
         posted = self._posted.pop(transfer, None)
         if posted is None:
             posted = self.wire.post(specs, "gradient")
-        received = self.wire.wait(posted, _from(transfer, posted)) if posted else []
+        label = self._labels.get(transfer) or self._label(transfer)
+        received = self.wire.wait(posted, _from(label, posted)) if posted else []
         pieces = [[buffer] if typed else unpack(buffer, metas, count) for (buffer, _), count in zip(received, counts)]
         return [parts[0] if len(pieces) == 1 else torch.cat(parts) for parts in zip(*pieces)]
 
@@ -566,8 +576,8 @@ class Transport:
         return metas, spec_len
 
 
-def _from(what: Any, incoming: Sequence[Incoming]) -> str:
-    """``what`` (a transfer key or a string) and the ranks it comes from, for wait messages."""
+def _from(what: str, incoming: Sequence[Incoming]) -> str:
+    """``what`` and the ranks it comes from, for wait messages."""
     if len(incoming) == 1:
         return f"{what} from rank {incoming[0].peer}"
     return f"{what} from ranks {', '.join(str(item.peer) for item in incoming)}"

@@ -192,7 +192,7 @@ def _deferred_forward(module: nn.Module, store: WeightGradStore, layer: int, ori
 
 def install_deferred_weights(layers: Sequence[nn.Module], store: WeightGradStore) -> int:
     """Route the deferrable modules of ``layers`` through ``store`` while it records;
-    returns how many were routed. Installed once per runner (setup, not per step)."""
+    returns how many were routed. Installed once per ``Stage`` (set-up, not per step)."""
     count = 0
     for index, layer in enumerate(layers):
         for module in deferrable_modules(layer):
