@@ -88,9 +88,10 @@ class Stage:
     """The layers of one stage on one rank, and the forward/backward work of its micro-batches.
 
     ``index``/``replica`` name the rank's place in the plan (part of every dropout seed);
-    ``recomputed`` are the micro-batches whose F keeps only its input; ``split`` defers the
-    weight gradients of the GEMM-shaped modules to W, of which micro-batch mb gets
-    ``w_count[mb]``.
+    ``split`` defers the weight gradients of the GEMM-shaped modules to W, of which
+    micro-batch mb gets ``w_count[mb]`` (none: its weight work runs right after its B).
+    Which micro-batches are recomputed the caller says by calling ``forward_keeping_input``
+    and ``recompute`` for them.
     """
 
     def __init__(
@@ -122,12 +123,13 @@ class Stage:
         self.deferred: list[list[nn.Parameter]] = [[] for _ in self.layers]
         if split:
             install_deferred_weights(self.layers, self.store)
-            for index_, layer in enumerate(self.layers):
-                self.deferred[index_] = _unique(p for m in deferrable_modules(layer) for p in m.parameters(recurse=False) if p.requires_grad)
+            for position, layer in enumerate(self.layers):
+                self.deferred[position] = _unique(p for m in deferrable_modules(layer) for p in m.parameters(recurse=False) if p.requires_grad)
         self._state: dict[int, _MicroBatch] = {}
         self._begin(None, 0, (), None, 1.0, ())
 
     def _begin(self, batch: Any, batch_rows: int, rows: Sequence[tuple[int, int]], callbacks: Any, loss_scale: float, seed: tuple) -> None:
+        """The context every action of a step shares (emptied between steps)."""
         self._batch = batch
         self._batch_rows = batch_rows
         self._rows = rows
