@@ -3,7 +3,7 @@
 Both executors run on the schedule benchmark's model in the same two gloo ranks, alternating
 blocks of consecutive steps. Wrapped functions accumulate wall time per step:
 
-* ``compute``: the stage forward and backward (``StageRunner._forward/_backward``;
+* ``compute``: the stage forward and backward (``Stage.forward/backward_input/backward_weight/recompute``;
   ``PipelineStage.forward_one_chunk/backward_one_chunk``);
 * ``gloo calls``: the ``isend``/``irecv`` calls themselves (dapple: inside its transport and
   result channel; torch: ``_batch_p2p``), and ``blocked``: waiting on their ``Work``
@@ -76,8 +76,9 @@ def _rank_main(rank: int, world: int, cfg: dict) -> dict[str, dict[str, float]]:
     m = cfg["micro_batches"]
     ours = worker.DappleVariant("dapple", rank, cfg, m, FailureChannel(rank, timeout_s=120))
     runner = ours.runner
-    runner._forward = timed(runner._forward, "compute")
-    runner._backward = timed(runner._backward, "compute")
+    stage = runner.pipeline_stage  # its compute methods are looked up on every call
+    for name in ("forward", "forward_keeping_input", "recompute", "backward_input", "backward_weight"):
+        setattr(stage, name, timed(getattr(stage, name), "compute"))
     runner.failure.wait_all = timed(runner.failure.wait_all, "blocked")
     runner.results.share = timed(runner.results.share, "loss")
     gloo = types.SimpleNamespace(isend=timed(dist.isend, "gloo calls"), irecv=timed(dist.irecv, "gloo calls"))
