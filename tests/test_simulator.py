@@ -173,9 +173,9 @@ def test_split_backward_charges_input_and_weight_halves_and_holds_until_w() -> N
 def test_increasing_warmups_deadlock_with_a_clear_message() -> None:
     """K_0 = 1 < K_1 = 2: stage 0 waits for gradient 0 while stage 1 waits for activation 1."""
     schedule = build_schedule("dapple", 2, 2, [1, 2])
-    with pytest.raises(ScheduleDeadlock, match=r"stage 0.*recv_grad0@s0") as info:
+    with pytest.raises(ScheduleDeadlock, match=r"stage 0.*0RECV_B0") as info:
         simulate(schedule, [cost(1, 2), cost(1, 2)])
-    assert "stage 1 is stuck at recv_act1@s1" in str(info.value)
+    assert "stage 1 is stuck at 1RECV_F1" in str(info.value)
     assert isinstance(info.value, ValueError)
 
 
@@ -184,7 +184,7 @@ def test_hand_made_schedule_with_backward_before_forward_deadlocks() -> None:
     stage0 = (a(Kind.F, 0, 0), a(Kind.SEND_ACT, 0, 0), a(Kind.RECV_GRAD, 0, 0), a(Kind.B, 0, 0))
     stage1 = (a(Kind.B, 1, 0), a(Kind.SEND_GRAD, 1, 0), a(Kind.RECV_ACT, 1, 0), a(Kind.F, 1, 0))
     schedule = Schedule("bad", 2, 1, (1, 1), (stage0, stage1))
-    with pytest.raises(ValueError, match=r"stage 0, action recv_grad0@s0.*stage 1 is stuck at B0@s1 waiting for its own F0"):
+    with pytest.raises(ValueError, match=r"stage 0, action 0RECV_B0.*stage 1 is stuck at 1B0 waiting for its own F0"):
         simulate(schedule, [cost(1, 2), cost(1, 2)])
 
 

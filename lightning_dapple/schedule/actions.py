@@ -86,8 +86,8 @@ class Action:
         return cls(_KINDS[match["kind"]], int(match["stage"]), None if microbatch is None else int(microbatch), layers)
 
     def __str__(self) -> str:
-        """``label`` with the stage appended (``recv_grad0@s0``), as error messages name actions."""
-        return f"{self.label}@s{self.stage}"
+        """The text form (``0RECV_B0``), as schedules print and error messages name actions."""
+        return self.text
 
 
 # Kind tokens of the text form: torch.distributed.pipelining's F, B, W and SEND_F / RECV_F
