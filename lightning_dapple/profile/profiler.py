@@ -324,61 +324,15 @@ def profile_layers(
         keys = [str(index) for index in range(len(layer_list))]
     labels = [f"{key} ({type(layer).__name__})" for key, layer in zip(keys, layer_list)]
     dev = _device(device)
-    require(isinstance(repeats, int) and repeats >= 1, "repeats", f"must be an integer >= 1, got {repeats!r}", "use e.g. 5")
-    require(isinstance(warmup, int) and warmup >= 0, "warmup", f"must be an integer >= 0, got {warmup!r}", "use e.g. 2")
-    tensors = list(iter_tensors(sample_input))
-    require(bool(tensors), "sample_input", "contains no tensor", "pass one micro-batch: a tensor, or a tuple/dict of tensors")
-    require(
-        tensors[0].dim() >= 1,
-        "sample_input",
-        "its first tensor is 0-dimensional, so it has no batch dimension",
-        "give the first tensor a leading batch dimension",
-    )
-    batch = int(tensors[0].shape[0])
-    require(batch > 0, "sample_input", "has batch size 0", "pass at least one sample")
-
-    cache_file: Path | None = None
+    batch = _check_inputs(sample_input, repeats, warmup)
+    cache_file = None
     if cache_dir is not None:
         key = _cache_key(layer_list, sample_input, dev, batch, repeats, warmup, autocast_dtype)
         cache_file = Path(cache_dir) / f"profile-{key[:32]}.json"
-        if cache_file.is_file():
-            try:
-                cached = profile_from_dict(json.loads(cache_file.read_text()), source=f"cache {cache_file.name}")
-            except (DappleConfigError, json.JSONDecodeError, OSError):
-                cached = None  # a damaged cache entry is re-measured and overwritten
-            if cached is not None:
-                return ModelProfile(
-                    micro_batch_size=cached.micro_batch_size,
-                    layers=cached.layers,
-                    device=cached.device,
-                    name=name,
-                    input_bytes=cached.input_bytes,
-                    meta={**cached.meta, "cache": "hit"},
-                )
-
-    rng_devices = [dev.index if dev.index is not None else torch.cuda.current_device()] if dev.type == "cuda" else []
-    results: list[LayerProfile] = []
-    x = sample_input
-    home_of_input = tensors[0].device
-    with torch.random.fork_rng(devices=rng_devices):
-        for index, layer in enumerate(layer_list):
-            home = _layer_home(layer)
-            buffers = {key: b.detach().clone() for key, b in layer.named_buffers()}
-            layer.to(dev)
-            try:
-                x_dev = map_tensors(x, lambda t: t.to(dev))
-                profile, out = _measure_layer(layer, index, labels[index], x_dev, dev, repeats, warmup, autocast_dtype)
-            finally:
-                if home is not None:
-                    layer.to(home)
-                with torch.no_grad():
-                    for key, b in layer.named_buffers():
-                        if key in buffers:
-                            b.copy_(buffers[key])
-            results.append(profile)
-            x = map_tensors(out, lambda t: t.to(home_of_input))
-            del out, x_dev
-
+        cached = _cached_profile(cache_file, name)
+        if cached is not None:
+            return cached
+    results = _measure_layers(layer_list, labels, sample_input, dev, repeats, warmup, autocast_dtype)
     result = ModelProfile(
         micro_batch_size=batch,
         layers=tuple(results),
@@ -398,5 +352,78 @@ def profile_layers(
         cache_file.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache_file.with_suffix(".json.tmp")
         tmp.write_text(result.to_json())
-        tmp.replace(cache_file)
+        tmp.replace(cache_file)  # atomic: a reader sees the old entry or the whole new one
     return result
+
+
+def _check_inputs(sample_input: Any, repeats: Any, warmup: Any) -> int:
+    """The sample's batch size, after checking the arguments (``DappleConfigError``)."""
+    require(isinstance(repeats, int) and repeats >= 1, "repeats", f"must be an integer >= 1, got {repeats!r}", "use e.g. 5")
+    require(isinstance(warmup, int) and warmup >= 0, "warmup", f"must be an integer >= 0, got {warmup!r}", "use e.g. 2")
+    tensors = list(iter_tensors(sample_input))
+    require(bool(tensors), "sample_input", "contains no tensor", "pass one micro-batch: a tensor, or a tuple/dict of tensors")
+    require(
+        tensors[0].dim() >= 1,
+        "sample_input",
+        "its first tensor is 0-dimensional, so it has no batch dimension",
+        "give the first tensor a leading batch dimension",
+    )
+    batch = int(tensors[0].shape[0])
+    require(batch > 0, "sample_input", "has batch size 0", "pass at least one sample")
+    return batch
+
+
+def _cached_profile(cache_file: Path, name: str) -> ModelProfile | None:
+    """The stored profile of the same layers, input and device, or None (a damaged entry
+    counts as none: it is measured again and overwritten)."""
+    if not cache_file.is_file():
+        return None
+    try:
+        cached = profile_from_dict(json.loads(cache_file.read_text()), source=f"cache {cache_file.name}")
+    except (DappleConfigError, json.JSONDecodeError, OSError):
+        return None
+    return ModelProfile(
+        micro_batch_size=cached.micro_batch_size,
+        layers=cached.layers,
+        device=cached.device,
+        name=name,
+        input_bytes=cached.input_bytes,
+        meta={**cached.meta, "cache": "hit"},
+    )
+
+
+def _measure_layers(
+    layer_list: list[nn.Module],
+    labels: list[str],
+    sample_input: Any,
+    dev: torch.device,
+    repeats: int,
+    warmup: int,
+    autocast_dtype: torch.dtype | None,
+) -> list[LayerProfile]:
+    """Each layer in turn on ``dev`` with the previous one's output, then back home with its
+    buffers as they were (running statistics are not the profiler's to change); the RNG is
+    forked so that profiling leaves the training's random stream alone."""
+    dev_rng = [dev.index if dev.index is not None else torch.cuda.current_device()] if dev.type == "cuda" else []
+    home_of_input = next(iter(iter_tensors(sample_input))).device
+    results: list[LayerProfile] = []
+    x = sample_input
+    with torch.random.fork_rng(devices=dev_rng):
+        for index, layer in enumerate(layer_list):
+            home = _layer_home(layer)
+            buffers = {key: b.detach().clone() for key, b in layer.named_buffers()}
+            layer.to(dev)
+            try:
+                x_dev = map_tensors(x, lambda t: t.to(dev))
+                profile, out = _measure_layer(layer, index, labels[index], x_dev, dev, repeats, warmup, autocast_dtype)
+            finally:
+                if home is not None:
+                    layer.to(home)
+                with torch.no_grad():
+                    for key, b in layer.named_buffers():
+                        if key in buffers:
+                            b.copy_(buffers[key])
+            results.append(profile)
+            x = map_tensors(out, lambda t: t.to(home_of_input))
+            del out, x_dev
+    return results

@@ -92,90 +92,114 @@ def ooo_compute_orders(
         caps = default_caps(name, num_stages, micro_batches, warmups)
     require(len(caps) == num_stages, "ooo caps", f"has {len(caps)} entries for {num_stages} stages", "give one cap per stage")
     base = [compute_order(name, s, num_stages, micro_batches, warmups[s]) for s in range(num_stages)]
-    # a stage must be able to hold what its own F/B order holds before any W
-    floors = [_held_by_order(order) for order in base]
-    limit = [max(int(cap), floor) for cap, floor in zip(caps, floors)]
-    eager = [int(cap) == 0 for cap in caps]
-    whole = [int(cap) < 0 for cap in caps]
-    clock = [0.0] * num_stages
-    pc = [0] * num_stages
-    held = [0] * num_stages
-    pending: list[deque[int]] = [deque() for _ in range(num_stages)]
-    out: list[list[Action]] = [[] for _ in range(num_stages)]
-    finished = [False] * num_stages
-    act_at: list[dict[int, float]] = [{} for _ in range(num_stages)]  # activation arrival at stage s
-    grad_at: list[dict[int, float]] = [{} for _ in range(num_stages)]  # gradient arrival at stage s
-
     replayed = [frozenset() for _ in range(num_stages)] if recomputed is None else list(recomputed)
+    placement = _WPlacement(base, caps, replayed, recomputed_waiting)
+    placement.run()
+    return placement.out
 
-    def run_w(s: int, mb: int | None = None) -> None:
+
+class _WPlacement:
+    """Places the W actions into the stages' F/B orders on a unit-time clock per stage.
+
+    Every F, B and W takes one unit; an F waits for its activation from the stage before,
+    a B for its gradient from the stage after. A stage with deferred W work runs one W
+    whenever its next F/B would have to wait (the bubble it fills, ooo-backprop sec. 3) or
+    when it already holds its cap of micro-batches; cap 0 runs each W right after its B,
+    cap -1 does not split the backward. Stages decide in clock order, so the placement is
+    the one the simulator's timing of unit costs would produce.
+    """
+
+    def __init__(self, base: list[list[Action]], caps: Sequence[int], replayed: list[frozenset[int]], recomputed_waiting: int) -> None:
+        num_stages = len(base)
+        self.base = base
+        # a stage must be able to hold what its own F/B order holds before any W
+        self.limit = [max(int(cap), _held_by_order(order)) for cap, order in zip(caps, base)]
+        self.eager = [int(cap) == 0 for cap in caps]
+        self.whole = [int(cap) < 0 for cap in caps]
+        self.replayed = replayed
+        self.recomputed_waiting = recomputed_waiting
+        self.clock = [0.0] * num_stages
+        self.pc = [0] * num_stages
+        self.held = [0] * num_stages
+        self.pending: list[deque[int]] = [deque() for _ in range(num_stages)]
+        self.out: list[list[Action]] = [[] for _ in range(num_stages)]
+        self.finished = [False] * num_stages
+        self.act_at: list[dict[int, float]] = [{} for _ in range(num_stages)]  # activation arrival at stage s
+        self.grad_at: list[dict[int, float]] = [{} for _ in range(num_stages)]  # gradient arrival at stage s
+
+    def run(self) -> None:
+        num_stages = len(self.base)
+        while not all(self.finished):
+            for s in sorted(range(num_stages), key=lambda i: (self.clock[i], i)):
+                if not self.finished[s] and self._advance(s):
+                    break
+            else:  # pragma: no cover - the base orders are deadlock-free
+                raise RuntimeError("out-of-order placement made no progress; the base schedule deadlocks")
+
+    def _run_w(self, s: int, mb: int | None = None) -> None:
         if mb is None:
-            mb = pending[s].popleft()
+            mb = self.pending[s].popleft()
         else:
-            pending[s].remove(mb)
-        out[s].append(Action(Kind.W, s, mb))
-        clock[s] += 1.0
-        held[s] -= 1
+            self.pending[s].remove(mb)
+        self.out[s].append(Action(Kind.W, s, mb))
+        self.clock[s] += 1.0
+        self.held[s] -= 1
 
-    def run(s: int, action: Action, start: float) -> None:
+    def _run(self, s: int, action: Action, start: float) -> None:
         mb = action.microbatch
         assert mb is not None
-        out[s].append(action)
-        pc[s] += 1
-        clock[s] = start + 1.0
+        self.out[s].append(action)
+        self.pc[s] += 1
+        self.clock[s] = start + 1.0
         if action.kind is Kind.F:
-            held[s] += 1
-            if s + 1 < num_stages:
-                act_at[s + 1][mb] = clock[s]
-        else:
-            pending[s].append(mb)
-            if s > 0:
-                grad_at[s - 1][mb] = clock[s]
-            if eager[s]:
-                run_w(s, mb)
-            elif whole[s]:  # not split: the B above was the whole backward
-                pending[s].pop()
-                held[s] -= 1
+            self.held[s] += 1
+            if s + 1 < len(self.base):
+                self.act_at[s + 1][mb] = self.clock[s]
+            return
+        self.pending[s].append(mb)
+        if s > 0:
+            self.grad_at[s - 1][mb] = self.clock[s]
+        if self.eager[s]:
+            self._run_w(s, mb)
+        elif self.whole[s]:  # not split: the B above was the whole backward
+            self.pending[s].pop()
+            self.held[s] -= 1
 
-    def advance(s: int) -> bool:
+    def _arrival(self, s: int, action: Action) -> float | None:
+        """When the input ``action`` waits for is there (None: not yet known)."""
+        mb = action.microbatch
+        assert mb is not None
+        if action.kind is Kind.F:
+            return 0.0 if s == 0 else self.act_at[s].get(mb)
+        return 0.0 if s == len(self.base) - 1 else self.grad_at[s].get(mb)
+
+    def _advance(self, s: int) -> bool:
         """Take one decision for stage s; False when it must wait for an unknown arrival."""
-        if pc[s] >= len(base[s]):
-            if pending[s]:
-                run_w(s)
+        pending = self.pending[s]
+        if self.pc[s] >= len(self.base[s]):
+            if pending:
+                self._run_w(s)
             else:
-                finished[s] = True
+                self.finished[s] = True
             return True
-        action = base[s][pc[s]]
-        mb = action.microbatch
-        assert mb is not None
-        if action.kind is Kind.F:
-            arrival = 0.0 if s == 0 else act_at[s].get(mb)
-        else:
-            arrival = 0.0 if s == num_stages - 1 else grad_at[s].get(mb)
-        if action.kind is Kind.B and action.microbatch in replayed[s]:
-            waiting = [m for m in pending[s] if m in replayed[s]]
-            if len(waiting) >= max(1, recomputed_waiting):
-                run_w(s, waiting[0])  # free the replayed activations before replaying more
+        action = self.base[s][self.pc[s]]
+        arrival = self._arrival(s, action)
+        if action.kind is Kind.B and action.microbatch in self.replayed[s]:
+            waiting = [m for m in pending if m in self.replayed[s]]
+            if len(waiting) >= max(1, self.recomputed_waiting):
+                self._run_w(s, waiting[0])  # free the replayed activations before replaying more
                 return True
-        over_cap = action.kind is Kind.F and held[s] >= limit[s] and bool(pending[s])
-        if not over_cap and arrival is not None and arrival <= clock[s]:
-            run(s, action, clock[s])
+        over_cap = action.kind is Kind.F and self.held[s] >= self.limit[s] and bool(pending)
+        if not over_cap and arrival is not None and arrival <= self.clock[s]:
+            self._run(s, action, self.clock[s])
             return True
-        if pending[s]:
-            run_w(s)  # fill the slot the stage would otherwise idle in (or make room)
+        if pending:
+            self._run_w(s)  # fill the slot the stage would otherwise idle in (or make room)
             return True
         if arrival is not None:
-            run(s, action, arrival)
+            self._run(s, action, arrival)
             return True
         return False
-
-    while not all(finished):
-        for s in sorted(range(num_stages), key=lambda i: (clock[i], i)):
-            if not finished[s] and advance(s):
-                break
-        else:  # pragma: no cover - the base orders are deadlock-free
-            raise RuntimeError("out-of-order placement made no progress; the base schedule deadlocks")
-    return out
 
 
 def _held_by_order(order: Sequence[Action]) -> int:
