@@ -2,7 +2,8 @@
 
     .venv/bin/python benchmarks/bench_planner_speed.py [--repeats 3] [--out benchmarks/results/planner_speed.json]
 
-(a) In-process: wall and CPU time of ``plan_dapple`` after the imports, median of
+(a) In-process: wall and CPU time of ``make_plan`` (the planner with its simulated
+re-ranking, what ``dapple-plan`` runs) after the imports, median of
 ``--repeats`` runs (the first run, which also pays lazy imports, reported apart).
 (b) The CLI: wall time of ``dapple-plan --json`` for BERT-48 on paper-a in a fresh process,
 and of the same process doing only the imports the CLI needs ("start-up"); the planning
@@ -29,8 +30,8 @@ def in_process(repeats: int) -> list[dict[str, Any]]:
     from bench_planner import synthetic_profile
 
     from lightning_dapple.cluster import load_cluster
-    from lightning_dapple.plan.dapple_planner import plan_dapple
-    from lightning_dapple.profile.model_profile import load_profile
+    from lightning_dapple.profile.loader import load_profile
+    from lightning_dapple.simulate.plans import make_plan
 
     cases = [
         ("BERT-48 on paper-a", load_profile(BERT), load_cluster("paper-a"), 64, 0.5),
@@ -41,7 +42,7 @@ def in_process(repeats: int) -> list[dict[str, Any]]:
         wall, cpu = [], []
         for _ in range(repeats + 1):
             w0, c0 = time.perf_counter(), time.process_time()
-            plan = plan_dapple(profile, cluster, gbs)
+            plan = make_plan(profile, cluster, gbs)
             wall.append(time.perf_counter() - w0)
             cpu.append(time.process_time() - c0)
         rows.append({"case": name, "target_s": target, "first_wall_s": wall[0], "wall_s": statistics.median(wall[1:]),
@@ -57,7 +58,7 @@ def _wall(command: list[str]) -> float:
 
 def cli(repeats: int) -> dict[str, Any]:
     plan = [sys.executable, "-m", "lightning_dapple.cli.plan", "--profile", str(BERT), "--cluster", "paper-a", "--global-batch-size", "64", "--json"]
-    imports = "import lightning_dapple.cli.plan, lightning_dapple.plan.api, lightning_dapple.plan.dapple_planner, lightning_dapple.simulate, rich.console"
+    imports = "import lightning_dapple.cli.plan"  # everything dapple-plan imports before it plans
     startup = [sys.executable, "-c", imports]
     total = statistics.median(_wall(plan) for _ in range(repeats))
     base = statistics.median(_wall(startup) for _ in range(repeats))
