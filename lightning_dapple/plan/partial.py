@@ -9,33 +9,20 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
+
+import numpy as np
 
 from lightning_dapple.plan.costs import pivot_parts, walk_pivot
 
-__all__ = ["RawStages", "PartialPlan", "Placement", "TopPlans", "dominates", "rank", "beam_select"]
+__all__ = ["RawStages", "PartialPlan", "TopPlans", "dominates", "rank", "beam_select"]
 
 _INF = float("inf")
 _NEG = float("-inf")
 RawStages = tuple[tuple[int, int, tuple[int, ...]], ...]
 
 
-class Placement(NamedTuple):
-    """One placement of the next stage: its replicas and ranks, the ranks left for the
-    rest, all ranks then taken, the transfer time into it, the successor it came from and
-    whether the rest may stay one stage (``complete_ok``) or be split further (``extend_ok``)."""
-
-    replicas: int
-    ranks: tuple[int, ...]
-    rest: tuple[int, ...]
-    occupied: frozenset[int]
-    transfer_ms: float
-    successor: Any
-    complete_ok: bool
-    extend_ok: bool
-
-
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class PartialPlan:
     """A planned prefix: complete stages on concrete ranks plus the features the DP needs."""
 
@@ -52,6 +39,7 @@ class PartialPlan:
     lb: float
     tpl: float  # latency of this prefix with the rest as one stage (paper's T_PL), inf if none
     _records: Any = None
+    _arrays: Any = None
 
     @property
     def last(self) -> tuple[int, ...] | None:
@@ -79,6 +67,14 @@ class PartialPlan:
             after += fb[s]
         self._records = (hs, data)
         return self._records
+
+    def record_arrays(self, m1: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """``records`` as arrays (h ascending; warm-up + steady, ending, backward after the
+        pivot), built once per candidate for the search's vectorised lookups."""
+        if self._arrays is None:
+            hs, data = self.records(m1)
+            self._arrays = (np.array(hs), np.array([d[0] for d in data]), np.array([d[1] for d in data]), np.array([d[2] for d in data]))
+        return self._arrays
 
 
 def dominates(a: PartialPlan, b: PartialPlan) -> bool:

@@ -17,7 +17,7 @@ import numpy as np
 
 from lightning_dapple.cluster import Cluster
 from lightning_dapple.plan.costs import slice_size
-from lightning_dapple.plan.partial import PartialPlan, Placement, RawStages, TopPlans, beam_select, dominates, rank
+from lightning_dapple.plan.partial import PartialPlan, TopPlans, beam_select, dominates, rank
 from lightning_dapple.plan.placement import PlacementState, placement_options
 from lightning_dapple.plan.search_tables import RangeTables, p2p_ms_fast
 
@@ -43,7 +43,7 @@ class SearchSettings:
         return 4 * (self.beam or 0)
 
 
-@dataclass
+@dataclass(eq=False, slots=True)
 class Successor:
     """One placement of a next stage: its ranks, what is left, and the new state's key."""
 
@@ -52,20 +52,54 @@ class Successor:
     occupied: frozenset[int]
     rest: tuple[int, ...]
     key: Any = None  # filled when first needed
-    unit_in: float | None = None  # p2p unit from the previous stage's ranks, when first needed
+    unit_in: float = 0.0  # p2p unit from the previous stage's ranks (0 for the first stage)
     unit_rest: float | None = None  # p2p unit from these ranks to the rest, when first needed
-    ring_ranks: tuple[int, float] | None = None  # ``StageSearch.ring_key`` of the ranks
-    ring_rest: tuple[int, float] | None = None  # ... and of the rest
+    ring_ranks: int = -1  # ``SharedMemo.ring_id`` of the ranks
+    ring_rest: int = -1  # ... and of the rest
 
+
+class SuccessorBlock:
+    """Every placement offered after one placement state (occupied ranks, last stage's
+    ranks) for the replica counts asked so far, as rows in the order ``expand`` visits them
+    (replica count, then policy), with the per-row numbers it prices as arrays, so that a
+    sub-problem's successors are selected and priced without a Python loop per placement."""
+
+    __slots__ = ("by_r", "rows", "r", "unit_in", "rest_len", "ring", "ring_rest", "unit_rest")
+
+    def __init__(self) -> None:
+        self.by_r: dict[int, list[Successor]] = {}
+        self.rebuild()
+
+    def rebuild(self) -> None:
+        """Rows and arrays after replica counts were added (rows sorted by replica count)."""
+        rows = [succ for r in sorted(self.by_r) for succ in self.by_r[r]]
+        self.rows = rows
+        self.r = np.array([succ.r for succ in rows], dtype=np.intp)
+        self.unit_in = np.array([succ.unit_in for succ in rows], dtype=float)
+        self.rest_len = np.array([len(succ.rest) for succ in rows], dtype=np.intp)
+        self.ring = np.array([succ.ring_ranks for succ in rows], dtype=np.intp)
+        self.ring_rest = np.array([succ.ring_rest for succ in rows], dtype=np.intp)
+        self.unit_rest = np.array([np.nan if succ.unit_rest is None else succ.unit_rest for succ in rows], dtype=float)
 
 
 class SharedMemo:
-    """Memo tables that do not depend on M: placements offered per placement state."""
+    """Memo tables that do not depend on M: placements offered per placement state,
+    transfer units per machine pattern, ring AllReduce parameters."""
 
     def __init__(self) -> None:
-        self.successors: dict[tuple, list[Successor]] = {}
+        self.blocks: dict[tuple, SuccessorBlock] = {}
         self.p2p: dict[tuple, tuple[float, float]] = {}
         self.rings: dict[tuple[int, ...], tuple[float, float]] = {}
+        self.ring_ids: dict[tuple[int, float], int] = {}
+        self.ring_keys: list[tuple[int, float]] = []
+
+    def ring_id(self, key: tuple[int, float]) -> int:
+        """A small integer naming a ring key (``StageSearch.ring_key``), for array lookups."""
+        found = self.ring_ids.get(key)
+        if found is None:
+            found = self.ring_ids[key] = len(self.ring_keys)
+            self.ring_keys.append(key)
+        return found
 
 
 class StageSearch:
@@ -87,7 +121,11 @@ class StageSearch:
         self.lat = cluster.latency_ms
         self.per = cluster.devices_per_machine
         self._scales = [0.0] + [slice_size(self.mbs, r) / tables.pbs for r in range(1, cluster.num_devices + 1)]
+        self._scale_array = np.array(self._scales)
         self._exposed: dict[tuple[int, float], np.ndarray] = {}
+        self._exposed_ids: dict[int, np.ndarray] = {}
+        self._last = np.zeros((0, tables.n + 1))  # [ring id, J]: exposed tail of [J, n)
+        self._last_have = np.zeros(0, dtype=bool)
         self._tmax: dict[int, np.ndarray] = {}
 
     # -- cost helpers (the formulas of costs.py / cluster.py, vectorised) --------------
@@ -137,10 +175,16 @@ class StageSearch:
         """``p2p_ms`` is ``bytes * unit + latency`` for any positive byte count (memoised
         across M; equal to ``p2p_ms`` up to rounding, and plans are re-priced exactly)."""
         # the search's senders and receivers are disjoint (a stage's ranks are free when it
-        # is placed), so p2p_ms depends only on their machines in order: every split-concat
-        # piece's route and each sender's and receiver's byte sums are the same
+        # is placed), so p2p_ms depends only on which of them share a machine: every
+        # split-concat piece's route and each sender's and receiver's byte sums are the same,
+        # and the per-machine sums only trade places when machines are renamed. Machines are
+        # therefore named by first appearance (senders, then receivers).
         per = self.per
-        key = (tuple([rank // per for rank in senders]), tuple([rank // per for rank in receivers]))
+        names: dict[int, int] = {}
+        key = (
+            tuple([names.setdefault(rank // per, len(names)) for rank in senders]),
+            tuple([names.setdefault(rank // per, len(names)) for rank in receivers]),
+        )
         found = self.shared.p2p.get(key)
         if found is None:
             probe = 1e6
@@ -227,19 +271,39 @@ class StageSearch:
     def successors(self, occupied: frozenset[int], last: tuple[int, ...] | None, r: int) -> list[Successor]:
         """The placements the policies offer for r devices after ``occupied`` (DAPPLE 4.2),
         memoised across M."""
-        key = (occupied, last, r, self.settings.extended)
-        found = self.shared.successors.get(key)
+        return self.block(occupied, last, [r]).by_r[r]
+
+    def block(self, occupied: frozenset[int], last: tuple[int, ...] | None, sizes: Sequence[int]) -> SuccessorBlock:
+        """The ``SuccessorBlock`` of a placement state, holding at least the replica counts
+        ``sizes`` (memoised across M)."""
+        key = (occupied, last, self.settings.extended)
+        found = self.shared.blocks.get(key)
         if found is None:
-            state = PlacementState(self.cluster, occupied)
-            found = []
-            everyone = frozenset(range(self.cluster.num_devices))
-            extended = self.settings.extended and self.cluster.num_devices <= EXTENDED_PLACEMENT_DEVICES
-            near = last if self.settings.extended else None  # the paper's three policies alone without it
-            for _, ranks in placement_options(state, r, near=near, extended=extended):
-                taken = occupied.union(ranks)
-                rest = tuple(sorted(everyone.difference(taken)))
-                found.append(Successor(r, ranks, taken, rest))
-            self.shared.successors[key] = found
+            found = self.shared.blocks[key] = SuccessorBlock()
+        missing = [r for r in sizes if r not in found.by_r]
+        if missing:
+            for r in missing:
+                found.by_r[r] = self._offer(occupied, last, r)
+            found.rebuild()
+        return found
+
+    def _offer(self, occupied: frozenset[int], last: tuple[int, ...] | None, r: int) -> list[Successor]:
+        """The placements for r devices, each with its transfer unit from ``last`` and the
+        ring ids of its ranks and of the rest."""
+        state = PlacementState(self.cluster, occupied)
+        everyone = frozenset(range(self.cluster.num_devices))
+        extended = self.settings.extended and self.cluster.num_devices <= EXTENDED_PLACEMENT_DEVICES
+        near = last if self.settings.extended else None  # the paper's three policies alone without it
+        found = []
+        for _, ranks in placement_options(state, r, near=near, extended=extended):
+            taken = occupied.union(ranks)
+            rest = tuple(sorted(everyone.difference(taken)))
+            succ = Successor(r, ranks, taken, rest)
+            if last is not None:
+                succ.unit_in = self.p2p_unit(last, ranks)[0]
+            succ.ring_ranks = self.shared.ring_id(self.ring_key(ranks))
+            succ.ring_rest = self.shared.ring_id(self.ring_key(rest))
+            found.append(succ)
         return found
 
     def expand(self, cand: PartialPlan, free: int, states: list[dict[Any, list[PartialPlan]]], top: TopPlans) -> None:
@@ -252,15 +316,14 @@ class StageSearch:
         if not sizes:
             return
         mask = self._bracket(cand, sizes, free, top.threshold)
-        usable = {r: index for index, r in enumerate(sizes) if mask[index].any()}
-        if not usable:
+        usable = mask.any(axis=1)
+        if not usable.any():
             return
-        placements, rows = self._placements(cand, usable, free, top.threshold)
-        if not placements:
+        stage = self._new_stage(cand, free, sizes, mask, usable.tolist(), top.threshold)
+        if stage is None:
             return
-        stage = self._new_stage(cand, placements, mask[rows])
-        tpl = np.full(stage.fn.shape, _INF)
-        if stage.complete_ok.any() and cand.smax >= k + 2:
+        tpl = None
+        if stage.complete_ok.any():
             tpl = self.complete_rows(cand, stage, top)
         self._extend(cand, stage, tpl, states, top)
 
@@ -282,8 +345,9 @@ class StageSearch:
         t, n, j = self.t, self.t.n, cand.end
         if thr == _INF:
             return np.ones((len(sizes), n - 1 - j), dtype=bool)
-        s_r = np.array([self.scale(r) for r in sizes])[:, None]
-        per_rest = np.array([self.m * self.whole / (free - r) for r in sizes])[:, None]
+        replicas = np.array(sizes)
+        s_r = self._scale_array[replicas][:, None]
+        per_rest = ((self.m * self.whole) / (free - replicas))[:, None]
         room = thr - cand.sum_fb
         fbn_low = t.work[j, j + 1 : n][None, :] * s_r
         mask = (fbn_low < room) & (t.work[j + 1 : n, n][None, :] * per_rest < room)
@@ -291,144 +355,140 @@ class StageSearch:
             mask &= self.m1 * fbn_low < thr
         return mask
 
-    def _placements(self, cand: PartialPlan, usable: dict[int, int], free: int, thr: float) -> tuple[list[Placement], list[int]]:
-        """Every placement of the new stage the policies offer (4.2), with its transfer time,
-        and for each the row of its replica count in the bracket mask."""
-        j, last, k = cand.end, cand.last, len(cand.stages)
-        boundary = self.t.output[j - 1] * self.whole if j > 0 else 0.0
-        straight, rmax = self.settings.straight_only, self.rmax
-        can_extend = cand.smax >= k + 3
-        placements, rows = [], []
-        for r, index in usable.items():
-            for succ in self.successors(cand.occupied, last, r):
-                if last is not None and boundary > 0:
-                    unit = succ.unit_in
-                    if unit is None:
-                        unit = succ.unit_in = self.p2p_unit(last, succ.ranks)[0]
-                    c1 = boundary * unit + self.lat
-                else:
-                    c1 = 0.0
-                if self.m1 >= 1 and self.m1 * max(cand.max_fb, 2.0 * c1) >= thr:
-                    continue
-                rest = free - succ.r
-                complete_ok = rest <= rmax and (not straight or rest == 1)
-                placements.append(Placement(succ.r, succ.ranks, succ.rest, succ.occupied, c1, succ, complete_ok, rest >= 2 and can_extend))
-                rows.append(index)
-        return placements, rows
-
-    def _new_stage(self, cand: PartialPlan, placements: list[Placement], inside_all: np.ndarray) -> "NewStage":
-        """The new stage [j, J) for every placement (rows) and end J (columns)."""
-        t, j = self.t, cand.end
-        columns = np.nonzero(inside_all.any(axis=0))[0]
+    def _new_stage(self, cand: PartialPlan, free: int, sizes: list[int], mask: np.ndarray, usable: list[bool], thr: float) -> "NewStage | None":
+        """The new stage [j, J) for every placement the policies offer (4.2; rows) and end J
+        (columns), with the transfer into it; None when no placement passes the bound."""
+        t, j, last, k = self.t, cand.end, cand.last, len(cand.stages)
+        g = self.cluster.num_devices
+        wanted = [r for r, ok in zip(sizes, usable) if ok]
+        block = self.block(cand.occupied, last, wanted)
+        chosen = np.zeros(g + 1, dtype=bool)
+        chosen[wanted] = True
+        rows = np.flatnonzero(chosen[block.r])
+        boundary = float(t.output[j - 1] * self.whole) if j > 0 else 0.0
+        if last is not None and boundary > 0:
+            c1 = boundary * block.unit_in[rows] + self.lat
+            if self.m1 >= 1:
+                keep = self.m1 * np.maximum(cand.max_fb, 2.0 * c1) < thr
+                rows, c1 = rows[keep], c1[keep]
+        else:
+            if self.m1 >= 1 and self.m1 * max(cand.max_fb, 0.0) >= thr:
+                return None
+            c1 = np.zeros(rows.size)
+        if rows.size == 0:
+            return None
+        replicas = block.r[rows]
+        mask_row = np.zeros(g + 1, dtype=np.intp)
+        mask_row[sizes] = np.arange(len(sizes))
+        inside_all = mask[mask_row[replicas]]
+        columns = np.flatnonzero(inside_all.any(axis=0))
         lo0, hi0 = j + 1 + int(columns[0]), j + 1 + int(columns[-1])
-        col = lambda values: np.array(values, dtype=float)[:, None]  # noqa: E731
-        s_r = col([self.scale(p.replicas) for p in placements])
-        ends = slice(lo0, hi0 + 1)
-        replicas = np.array([p.replicas for p in placements])
+        s_r = self._scale_array[replicas][:, None]
+        rest = block.rest_len[rows]
+        complete_ok = rest <= self.rmax
+        if self.settings.straight_only:
+            complete_ok &= rest == 1
+        fn = t.forward[j, lo0 : hi0 + 1][None, :] * s_r
+        bn = t.backward[j, lo0 : hi0 + 1][None, :] * s_r
         return NewStage(
-            placements=placements,
+            block=block,
+            rows=rows,
             ends=np.arange(lo0, hi0 + 1),
             inside=inside_all[:, columns[0] : columns[-1] + 1],
-            fn=t.forward[j, ends][None, :] * s_r,
-            bn=t.backward[j, ends][None, :] * s_r,
-            an=np.stack([self.exposed_of(p.successor, False)[j, ends] for p in placements]),
+            fn=fn,
+            bn=bn,
+            fbn=fn + bn,
+            an=self._exposed_rows(block.ring[rows], j, lo0, hi0 + 1),
             tmax=self.tmax_table(j)[replicas, lo0 : hi0 + 1],
-            c1=col([p.transfer_ms for p in placements]),
-            s_rest=col([self.scale(len(p.rest)) if len(p.rest) <= self.rmax else 0.0 for p in placements]),
-            complete_ok=np.array([p.complete_ok for p in placements])[:, None],
-            extend_ok=np.array([p.extend_ok for p in placements])[:, None],
+            c1=c1[:, None],
+            rest=rest,
+            s_rest=np.where(rest <= self.rmax, self._scale_array[rest], 0.0)[:, None],
+            complete_ok=complete_ok[:, None],
+            extend_ok=(rest >= 2)[:, None] if cand.smax >= k + 3 else np.zeros((rows.size, 1), dtype=bool),
         )
 
-    def _extend(self, cand: PartialPlan, stage: "NewStage", tpl: np.ndarray, states: list[dict[Any, list[PartialPlan]]], top: TopPlans) -> None:
+    def _extend(self, cand: PartialPlan, stage: "NewStage", tpl: np.ndarray | None, states: list[dict[Any, list[PartialPlan]]], top: TopPlans) -> None:
         """Admit the successors that stay sub-problems (the layers after J still to split)."""
-        t, n, m1, k = self.t, self.t.n, self.m1, len(cand.stages)
-        J, fn, bn = stage.ends, stage.fn, stage.bn
-        rests = np.array([len(p.rest) for p in stage.placements], dtype=float)[:, None]
-        remaining = t.work[int(J[0]) : int(J[-1]) + 1, n][None, :] * (self.whole / rests)
-        fb1, fbn = 2.0 * stage.c1, fn + bn
+        if self.shallow:
+            return
+        t, n = self.t, self.t.n
+        J = stage.ends
+        ok = stage.inside & stage.extend_ok & (stage.tmax >= 3)
+        if J[-1] > n - 2:
+            ok &= J[None, :] <= n - 2
+        if not ok.any():
+            return
+        remaining = t.work[int(J[0]) : int(J[-1]) + 1, n][None, :] * (self.whole / stage.rest.astype(float)[:, None])
+        fb1, fbn = 2.0 * stage.c1, stage.fbn
         max_fb = np.maximum(np.maximum(cand.max_fb, fb1), fbn)
         sum_fb = cand.sum_fb + fb1 + fbn
         lb = self.bound(max_fb, sum_fb, remaining)
-        ok = stage.inside & stage.extend_ok & (stage.tmax >= 3) & (J[None, :] <= n - 2) & (lb < top.threshold)
-        if self.shallow or not ok.any():
-            return
-        if self.settings.beam is not None:
-            width = self.settings.beam_insert
-            cut = np.array([-self._pending[jj][0][0] if len(self._pending[jj]) >= width else _INF for jj in J.tolist()])
-            ok &= lb < cut[None, :]
-            if not ok.any():
-                return
-        features = Features(
-            fn=fn, bn=bn, an=stage.an, pf=cand.pf + stage.c1 + fn,
-            tail=np.maximum(np.maximum(cand.tail + stage.c1 + bn, stage.c1 + bn), stage.an + bn),
-            claim=np.maximum(np.maximum(cand.claim - fb1 - fbn, m1 * fb1 - fbn), m1 * fbn),
-            max_fb=max_fb, sum_fb=sum_fb, smax=np.minimum(cand.smax, k + stage.tmax), lb=lb, tpl=tpl,
-        )
+        ok &= lb < top.threshold
         beam = self.settings.beam is not None
-        width = self.settings.beam_insert
+        if beam:
+            width = self.settings.beam_insert
+            pending = self._pending
+            cut = np.array([-pending[jj][0][0] if len(pending[jj]) >= width else _INF for jj in J.tolist()])
+            ok &= lb < cut[None, :]
         rows, columns = np.nonzero(ok)
-        # every admitted successor's features as Python floats, gathered at once
-        shape = ok.shape
-        values = [(array if array.shape == shape else np.broadcast_to(array, shape))[rows, columns].tolist() for array in features]
-        lbs = values[Features._fields.index("lb")]
-        for index, (p, end) in enumerate(zip(rows.tolist(), J[columns].tolist())):
-            heap = self._pending[end] if beam else None
-            if beam and len(heap) >= width and lbs[index] >= -heap[0][0]:
-                continue  # the layer's heap holds lower bounds only
-            at = Features(*[column[index] for column in values])
-            pending = Pending(cand, cand.end, end, stage.placements[p], at)
-            if beam:
-                self._push(pending)
-            else:
-                self._insert_pending(pending, states)
-
-    def _push(self, pending: "Pending") -> None:
-        """A successor waits in its layer's bounded heap (lowest bounds) under a beam."""
-        heap = self._pending[pending.end]
-        value = pending.features.lb
-        width = self.settings.beam_insert
-        if len(heap) >= width and value >= -heap[0][0]:
+        if rows.size == 0:
             return
-        self._seq += 1
-        if len(heap) < width:
-            heapq.heappush(heap, (-value, self._seq, pending))
-        else:
-            heapq.heapreplace(heap, (-value, self._seq, pending))
+        # the admitted successors' numbers as Python floats, gathered at once; the rest of
+        # their features is derived from them when (if) they become sub-problems
+        gathered = [array[rows, columns].tolist() for array in (stage.fn, stage.bn, stage.an, stage.tmax, lb)]
+        gathered.append(tpl[rows, columns].tolist() if tpl is not None else [_INF] * rows.size)
+        c1 = stage.c1[:, 0].tolist()
+        succs = stage.block.rows
+        index = stage.rows.tolist()
+        start = cand.end
+        for p, end, fn, bn, an, tmax, value, tp in zip(rows.tolist(), J[columns].tolist(), *gathered):
+            pending_entry = Pending(cand, start, end, succs[index[p]], c1[p], fn, bn, an, tmax, value, tp)
+            if beam:
+                heap = pending[end]
+                if len(heap) < width:
+                    self._seq += 1
+                    heapq.heappush(heap, (-value, self._seq, pending_entry))
+                elif value < -heap[0][0]:
+                    self._seq += 1
+                    heapq.heapreplace(heap, (-value, self._seq, pending_entry))
+            else:
+                self._insert_pending(pending_entry, states)
 
     def _insert_pending(self, pending: "Pending", states: list[dict[Any, list[PartialPlan]]]) -> None:
         """Insert a successor into its sub-problem unless it ranks behind every kept one."""
-        succ = pending.placement.successor
+        succ = pending.successor
         if succ.key is None:
             succ.key = self.key(succ.occupied, succ.ranks)
         bucket = states[pending.end].get(succ.key)
-        f = pending.features
         if bucket is not None and len(bucket) >= self.settings.keep_per_state:
             worst = bucket[-1]
             # ranks behind every kept candidate and cannot dominate the worst of them
-            if f.tpl > worst.tpl and f.max_fb > worst.max_fb:
+            if pending.tpl > worst.tpl and max(max(pending.cand.max_fb, 2.0 * pending.c1), pending.fn + pending.bn) > worst.max_fb:
                 return
         self.insert(states[pending.end], *self._materialise(pending))
 
     def _materialise(self, pending: "Pending") -> tuple[Any, PartialPlan]:
-        """A successor as (sub-problem key, candidate)."""
-        cand, placement, f = pending.cand, pending.placement, pending.features
-        succ = placement.successor
+        """A successor as (sub-problem key, candidate): the features of ``PartialPlan``
+        from the new stage's numbers (the same operations, in the same order, as the
+        bound in ``_extend``)."""
+        cand, succ, c = pending.cand, pending.successor, pending.c1
         if succ.key is None:
             succ.key = self.key(succ.occupied, succ.ranks)
-        c = placement.transfer_ms
+        fn, bn, an, m1 = pending.fn, pending.bn, pending.an, self.m1
+        fb1, fbn = 2.0 * c, fn + bn
         new = PartialPlan(
-            stages=cand.stages + ((pending.start, pending.end, placement.ranks),),
-            phases=cand.phases + (((c, c, 0.0),) if c > 0 else ()) + ((f.fn, f.bn, f.an),),
-            occupied=placement.occupied,
+            stages=cand.stages + ((pending.start, pending.end, succ.ranks),),
+            phases=cand.phases + (((c, c, 0.0),) if c > 0 else ()) + ((fn, bn, an),),
+            occupied=succ.occupied,
             end=pending.end,
-            pf=f.pf,
-            tail=f.tail,
-            claim=f.claim,
-            max_fb=f.max_fb,
-            sum_fb=f.sum_fb,
-            smax=f.smax,
-            lb=f.lb,
-            tpl=f.tpl,
+            pf=cand.pf + c + fn,
+            tail=max(max(cand.tail + c + bn, c + bn), an + bn),
+            claim=max(max(cand.claim - fb1 - fbn, m1 * fb1 - fbn), m1 * fbn),
+            max_fb=max(max(cand.max_fb, fb1), fbn),
+            sum_fb=cand.sum_fb + fb1 + fbn,
+            smax=min(cand.smax, len(cand.stages) + pending.tmax),
+            lb=pending.lb,
+            tpl=pending.tpl,
         )
         return succ.key, new
 
@@ -450,17 +510,34 @@ class StageSearch:
             found = self._exposed[key] = self.t.overlap.tail(per_byte, self.lat, self.scale(replicas))
         return found
 
-    def exposed_of(self, succ: Successor, rest: bool) -> np.ndarray:
-        """``exposed`` of a successor's ranks (or of the rest), its ring looked up once."""
-        if rest:
-            key = succ.ring_rest
-            if key is None:
-                key = succ.ring_rest = self.ring_key(succ.rest)
-        else:
-            key = succ.ring_ranks
-            if key is None:
-                key = succ.ring_ranks = self.ring_key(succ.ranks)
-        return self._exposed_by_key(key)
+    def _exposed_table(self, ring: int) -> np.ndarray:
+        """``exposed`` by ring id."""
+        found = self._exposed_ids.get(ring)
+        if found is None:
+            found = self._exposed_ids[ring] = self._exposed_by_key(self.shared.ring_keys[ring])
+        return found
+
+    def _exposed_rows(self, rings: np.ndarray, j: int, lo: int, hi: int) -> np.ndarray:
+        """Exposed tails of [j, J) for J in [lo, hi), one row per ring id."""
+        table = self._exposed_table
+        return np.array([table(ring)[j] for ring in rings.tolist()])[:, lo:hi]
+
+    def _exposed_last(self, rings: np.ndarray, lo: int, hi: int) -> np.ndarray:
+        """Exposed tails of [J, n) for J in [lo, hi), one row per ring id (a per-ring column
+        of the tables kept as one array)."""
+        top = int(rings.max())
+        if top >= self._last_have.size:
+            size = max(top + 1, 2 * self._last_have.size)
+            grown = np.zeros((size, self.t.n + 1))
+            grown[: self._last.shape[0]] = self._last
+            have = np.zeros(size, dtype=bool)
+            have[: self._last_have.size] = self._last_have
+            self._last, self._last_have = grown, have
+        missing = rings[~self._last_have[rings]]
+        for ring in set(missing.tolist()):
+            self._last[ring] = self._exposed_table(ring)[:, self.t.n]
+            self._last_have[ring] = True
+        return self._last[rings, lo:hi]
 
     def rest_unit(self, succ: Successor) -> float:
         """``p2p_unit`` from a successor's ranks to the rest, looked up once per successor."""
@@ -469,22 +546,26 @@ class StageSearch:
             unit = succ.unit_rest = self.p2p_unit(succ.ranks, succ.rest)[0]
         return unit
 
-    def complete_rows(self, cand: PartialPlan, stage: "NewStage", top: TopPlans) -> np.ndarray:
+    def complete_rows(self, cand: PartialPlan, stage: "NewStage", top: TopPlans) -> np.ndarray | None:
         """Price prefix + new stage [j, J) + the rest as one stage (formula 2, incrementally);
-        record the plans that enter the top list; return the latencies (inf if invalid)."""
+        record the plans that enter the top list; return the latencies (inf if invalid, None
+        if all are)."""
         fits = self._rest_fits(stage)
         valid = stage.inside & stage.complete_ok & (stage.tmax >= 2) & fits
-        if not valid.any():
-            return np.full(stage.fn.shape, _INF)
-        rest = self._rest_stage(stage, fits, valid.any(axis=1).tolist())
+        needed = valid.any(axis=1)
+        if not needed.any():
+            return None
+        rest = self._rest_stage(stage, fits, needed)
         latency = self._four_phase_latency(cand, stage, rest)
         latency = np.where(valid, latency, _INF)
         thr = top.threshold
-        n, j = self.t.n, cand.end
-        for p, i in zip(*np.nonzero(latency < thr)):
-            placement = stage.placements[p]
-            jj = int(stage.ends[i])
-            top.add(float(latency[p, i]), self.m, cand.stages + ((j, jj, placement.ranks), (jj, n, placement.rest)))
+        rows, columns = np.nonzero(latency < thr)
+        if rows.size:
+            n, j = self.t.n, cand.end
+            succs, index = stage.block.rows, stage.rows
+            for p, i, jj, value in zip(rows.tolist(), columns.tolist(), stage.ends[columns].tolist(), latency[rows, columns].tolist()):
+                succ = succs[int(index[p])]
+                top.add(value, self.m, cand.stages + ((j, jj, succ.ranks), (jj, n, succ.rest)))
         return latency
 
     def _rest_fits(self, stage: "NewStage") -> np.ndarray:
@@ -494,20 +575,26 @@ class StageSearch:
         mem = t.params[ends, n][None, :] * self.weight_factor + self.k_of(1) * (t.stash[ends, n][None, :] * stage.s_rest)
         return mem <= self.cap
 
-    def _rest_stage(self, stage: "NewStage", fits: np.ndarray, needed: list[bool]) -> "RestStage":
+    def _rest_stage(self, stage: "NewStage", fits: np.ndarray, needed: np.ndarray) -> "RestStage":
         """The layers [J, n) as one last stage on the remaining ranks, and the transfer into it.
-        The transfer and AllReduce are looked up only for the ``needed`` rows (the others
-        are masked out by the caller; they get zeros)."""
+        The transfer is looked up only for the ``needed`` rows (the others are masked out by
+        the caller; they get zeros)."""
         t, n = self.t, self.t.n
         lo0, hi0 = int(stage.ends[0]), int(stage.ends[-1])
         ends = slice(lo0, hi0 + 1)
         out = (t.output[lo0 - 1 : hi0] * self.whole)[None, :]
-        zeros = np.zeros(hi0 + 1 - lo0)
-        units = np.array([self.rest_unit(p.successor) if use else 0.0 for p, use in zip(stage.placements, needed)])[:, None]
+        block, rows = stage.block, stage.rows
+        units = block.unit_rest[rows]
+        unknown = needed & np.isnan(units)
+        if unknown.any():
+            for at in rows[unknown].tolist():
+                block.unit_rest[at] = self.rest_unit(block.rows[at])
+            units = block.unit_rest[rows]
+        units = np.where(needed, units, 0.0)[:, None]
         return RestStage(
             fr=t.forward[ends, n][None, :] * stage.s_rest,
             br=t.backward[ends, n][None, :] * stage.s_rest,
-            ar=np.stack([self.exposed_of(p.successor, True)[ends, n] if use else zeros for p, use in zip(stage.placements, needed)]),
+            ar=self._exposed_last(block.ring_rest[rows], lo0, hi0 + 1),
             c2=np.where(out > 0, out * units + self.lat, 0.0),
             fits=fits,
         )
@@ -517,44 +604,47 @@ class StageSearch:
         transfer c2, rest R), with Algorithm 1's pivot found incrementally: among the new
         phases directly, inside the prefix through its pivot records."""
         m1 = self.m1
-        fn, bn, an, c1 = stage.fn, stage.bn, stage.an, stage.c1
+        fn, bn, an, c1, fbn = stage.fn, stage.bn, stage.an, stage.c1, stage.fbn
         fr, br, ar, c2 = rest.fr, rest.br, rest.ar, rest.c2
-        fb1, fbn, fb2, fbr = 2.0 * c1, fn + bn, 2.0 * c2, fr + br
+        fb1, fb2, fbr = 2.0 * c1, 2.0 * c2, fr + br
         # Algorithm 1 over the new phases (R, c2, n, c1); a = F+B after the phase being
         # checked up to and including the pivot (costs.walk_pivot)
         v = m1 * fbr
-        a = fbr + 0.0
+        a = fbr
         q = np.full(v.shape, 3)
-        for code, own_fb in ((2, fb2), (1, fbn), (0, fb1 + 0.0 * v)):
+        for code, own_fb in ((2, fb2), (1, fbn), (0, fb1)):
             l1 = m1 * own_fb
             move = l1 > v + a
             v = np.where(move, l1, v)
             a = np.where(move, own_fb, a + own_fb)
             q = np.where(move, code, q)
         b1, b2 = c1, c2
-        e_pre = cand.tail
         w0 = cand.pf + c1
         w1 = w0 + fn
         w2 = w1 + c2
         w3 = w2 + fr
-        end3 = np.maximum(np.maximum(e_pre + b1 + bn + b2 + br, an + bn + b2 + br), np.maximum(b2 + br, ar + br))
-        end2 = np.maximum(np.maximum(e_pre + b1 + bn + b2, an + bn + b2), np.maximum(b2, ar - br))
-        end1 = np.maximum(np.maximum(e_pre + b1 + bn, an + bn), np.maximum(-b2, ar - b2 - br))
-        end0 = np.maximum(np.maximum(e_pre + b1 + 0.0 * v, an - bn), np.maximum(-bn - b2, ar - bn - b2 - br))
-        latency = np.where(q == 3, w3 + v + end3, np.where(q == 2, w2 + v + end2, np.where(q == 1, w1 + v + end1, w0 + v + end0)))
+        # the ending phase for each pivot position (costs.ending_phase), sharing the sums
+        # that are accumulated in the same order
+        e1 = cand.tail + b1
+        e2 = e1 + bn
+        e3 = e2 + b2
+        u1 = an + bn
+        u2 = u1 + b2
+        end3 = np.maximum(np.maximum(e3 + br, u2 + br), np.maximum(b2 + br, ar + br))
+        end2 = np.maximum(np.maximum(e3, u2), np.maximum(b2, ar - br))
+        end1 = np.maximum(np.maximum(e2, u1), np.maximum(-b2, ar - b2 - br))
+        end0 = np.maximum(np.maximum(e1, an - bn), np.maximum(-bn - b2, ar - bn - b2 - br))
+        latency = np.choose(q, (w0, w1, w2, w3)) + v + np.choose(q, (end0, end1, end2, end3))
         if not cand.stages:
             return latency
-        hs, data = cand.records(m1)
-        rec_h = np.array(hs)
+        rec_h, rec_ws, rec_e, rec_bq = cand.record_arrays(m1)
         idx = np.searchsorted(rec_h, v + a, side="right")
         inner = idx < rec_h.size
         if inner.any():
             ii = np.minimum(idx, rec_h.size - 1)
-            rec_ws = np.array([d[0] for d in data])[ii]
-            rec_e = np.array([d[1] for d in data])[ii]
-            bq = np.array([d[2] for d in data])[ii]
-            end_in = np.maximum(np.maximum(rec_e, an - bq - b1 - bn), ar - bq - b1 - bn - b2 - br)
-            latency = np.where(inner, rec_ws + end_in, latency)
+            bq = rec_bq[ii]
+            end_in = np.maximum(np.maximum(rec_e[ii], an - bq - b1 - bn), ar - bq - b1 - bn - b2 - br)
+            latency = np.where(inner, rec_ws[ii] + end_in, latency)
         return latency
 
     def insert(self, bucket: dict[Any, list[PartialPlan]], key: Any, new: PartialPlan) -> None:
@@ -573,22 +663,23 @@ class StageSearch:
         bucket[key] = kept
 
 
-
-
 class NewStage(NamedTuple):
-    """The next stage [j, J) for every placement (rows) and end J (columns): its forward,
-    backward and exposed AllReduce times, the stages it leaves memory for (``tmax``), the
-    transfer into it (``c1``), the slice scale of the rest and which rows may complete or
-    extend."""
+    """The next stage [j, J) for every placement (rows: ``rows`` of ``block``) and end J
+    (columns): its forward, backward and exposed AllReduce times, the stages it leaves
+    memory for (``tmax``), the transfer into it (``c1``), the devices left and their slice
+    scale, and which rows may complete or extend."""
 
-    placements: list[Placement]
+    block: SuccessorBlock
+    rows: np.ndarray
     ends: np.ndarray
     inside: np.ndarray
     fn: np.ndarray
     bn: np.ndarray
+    fbn: np.ndarray
     an: np.ndarray
     tmax: np.ndarray
     c1: np.ndarray
+    rest: np.ndarray
     s_rest: np.ndarray
     complete_ok: np.ndarray
     extend_ok: np.ndarray
@@ -605,28 +696,19 @@ class RestStage(NamedTuple):
     fits: np.ndarray
 
 
-class Features(NamedTuple):
-    """What a successor sub-problem carries (``PartialPlan``'s fields), arrays or floats."""
-
-    fn: Any
-    bn: Any
-    an: Any
-    pf: Any
-    tail: Any
-    claim: Any
-    max_fb: Any
-    sum_fb: Any
-    smax: Any
-    lb: Any
-    tpl: Any
-
-
 class Pending(NamedTuple):
     """A successor before it becomes a ``PartialPlan``: its parent, the new stage [start,
-    end), its placement and features."""
+    end) on the successor's ranks, the transfer into it, the new stage's F, B and exposed
+    AllReduce, its ``t_max``, the bound and T_PL."""
 
     cand: PartialPlan
     start: int
     end: int
-    placement: Placement
-    features: Features
+    successor: Successor
+    c1: float
+    fn: float
+    bn: float
+    an: float
+    tmax: float
+    lb: float
+    tpl: float
