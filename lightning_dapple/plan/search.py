@@ -64,7 +64,7 @@ class SuccessorBlock:
     (replica count, then policy), with the per-row numbers it prices as arrays, so that a
     sub-problem's successors are selected and priced without a Python loop per placement."""
 
-    __slots__ = ("by_r", "rows", "r", "unit_in", "rest_len", "ring", "ring_rest", "unit_rest")
+    __slots__ = ("by_r", "rows", "r", "unit_in", "rest_len", "ring", "ring_rest")
 
     def __init__(self) -> None:
         self.by_r: dict[int, list[Successor]] = {}
@@ -79,7 +79,6 @@ class SuccessorBlock:
         self.rest_len = np.array([len(succ.rest) for succ in rows], dtype=np.intp)
         self.ring = np.array([succ.ring_ranks for succ in rows], dtype=np.intp)
         self.ring_rest = np.array([succ.ring_rest for succ in rows], dtype=np.intp)
-        self.unit_rest = np.array([np.nan if succ.unit_rest is None else succ.unit_rest for succ in rows], dtype=float)
 
 
 class SharedMemo:
@@ -92,6 +91,8 @@ class SharedMemo:
         self.rings: dict[tuple[int, ...], tuple[float, float]] = {}
         self.ring_ids: dict[tuple[int, float], int] = {}
         self.ring_keys: list[tuple[int, float]] = []
+        self.ring_of: dict[tuple[int, ...], int] = {}
+        self.options: dict[tuple, list[tuple]] = {}
 
     def ring_id(self, key: tuple[int, float]) -> int:
         """A small integer naming a ring key (``StageSearch.ring_key``), for array lookups."""
@@ -182,8 +183,8 @@ class StageSearch:
         per = self.per
         names: dict[int, int] = {}
         key = (
-            tuple([names.setdefault(rank // per, len(names)) for rank in senders]),
-            tuple([names.setdefault(rank // per, len(names)) for rank in receivers]),
+            tuple([names.setdefault(device // per, len(names)) for device in senders]),
+            tuple([names.setdefault(device // per, len(names)) for device in receivers]),
         )
         found = self.shared.p2p.get(key)
         if found is None:
@@ -227,7 +228,7 @@ class StageSearch:
         self.shallow = shallow
         if shallow:
             if g >= 2 and n >= 2:
-                self.expand(root, g, [dict() for _ in range(n + 1)], top)
+                self.expand_layer(0, [root], [dict() for _ in range(n + 1)], top, check_bound=False)
             return
         states: list[dict[Any, list[PartialPlan]]] = [dict() for _ in range(n + 1)]
         states[0][()] = [root]
@@ -244,13 +245,8 @@ class StageSearch:
             states[j] = {}
             if beam is not None and len(layer) > beam:
                 layer = beam_select(layer, beam)
-            for cand in layer:
-                if cand.lb >= top.threshold:
-                    continue
-                free = g - len(cand.occupied)
-                if free < 2 or n - j < 2:
-                    continue
-                self.expand(cand, free, states, top)
+            if n - j >= 2:
+                self.expand_layer(j, layer, states, top)
 
     def complete_root(self, root: PartialPlan, top: TopPlans) -> None:
         """The one-stage plan: DP over all devices (or the single device)."""
@@ -290,42 +286,100 @@ class StageSearch:
     def _offer(self, occupied: frozenset[int], last: tuple[int, ...] | None, r: int) -> list[Successor]:
         """The placements for r devices, each with its transfer unit from ``last`` and the
         ring ids of its ranks and of the rest."""
-        state = PlacementState(self.cluster, occupied)
-        everyone = frozenset(range(self.cluster.num_devices))
-        extended = self.settings.extended and self.cluster.num_devices <= EXTENDED_PLACEMENT_DEVICES
-        near = last if self.settings.extended else None  # the paper's three policies alone without it
         found = []
-        for _, ranks in placement_options(state, r, near=near, extended=extended):
-            taken = occupied.union(ranks)
-            rest = tuple(sorted(everyone.difference(taken)))
-            succ = Successor(r, ranks, taken, rest)
+        for ranks, taken, rest, ring_ranks, ring_rest in self._options(occupied, last, r):
+            succ = Successor(r, ranks, taken, rest, ring_ranks=ring_ranks, ring_rest=ring_rest)
             if last is not None:
                 succ.unit_in = self.p2p_unit(last, ranks)[0]
-            succ.ring_ranks = self.shared.ring_id(self.ring_key(ranks))
-            succ.ring_rest = self.shared.ring_id(self.ring_key(rest))
             found.append(succ)
         return found
 
-    def expand(self, cand: PartialPlan, free: int, states: list[dict[Any, list[PartialPlan]]], top: TopPlans) -> None:
-        """All successors of one sub-problem at once: every replica count r, every placement
-        the policies offer and every end J of the new stage, as (placements x J) arrays."""
+    def _options(self, occupied: frozenset[int], last: tuple[int, ...] | None, r: int) -> list[tuple]:
+        """``placement_options`` for r devices after ``occupied`` as (ranks, ranks then taken,
+        the rest, ring ids of the ranks and of the rest). The previous stage's ranks enter
+        only through their machines (``append_near`` tries those first), so the memo is
+        keyed by them."""
+        per = self.per
+        near = last if self.settings.extended else None  # the paper's three policies alone without it
+        extended = self.settings.extended and self.cluster.num_devices <= EXTENDED_PLACEMENT_DEVICES
+        key = (occupied, r, frozenset([rank // per for rank in near]) if near else None, extended)
+        found = self.shared.options.get(key)
+        if found is None:
+            state = PlacementState(self.cluster, occupied)
+            everyone = frozenset(range(self.cluster.num_devices))
+            found = []
+            for _, ranks in placement_options(state, r, near=near, extended=extended):
+                taken = occupied.union(ranks)
+                rest = tuple(sorted(everyone.difference(taken)))
+                found.append((ranks, taken, rest, self.ring_id(ranks), self.ring_id(rest)))
+            self.shared.options[key] = found
+        return found
+
+    def expand_layer(self, j: int, layer: Sequence[PartialPlan], states: list[dict[Any, list[PartialPlan]]], top: TopPlans, check_bound: bool = True) -> None:
+        """Expand the sub-problems of layer j (all of whose new stages start at j) in order.
+
+        Each sub-problem's successors are every replica count r, every placement the
+        policies offer and every end J of the new stage, as (placements x J) arrays. What
+        does not depend on the top list's threshold -- the new stage's times, the latency of
+        each plan completed with the rest as one stage, the bound of each new sub-problem --
+        is priced for the whole layer at once (``_LayerBatch``), for the placements and ends
+        allowed at the threshold the layer starts with. Each sub-problem then keeps, in
+        turn, what the threshold at its turn allows: a subset, since the threshold only
+        falls, and exactly what expanding the sub-problems one by one would have priced.
+        """
+        thr = top.threshold
+        g = self.cluster.num_devices
+        parts = []
+        for cand in layer:
+            if check_bound and cand.lb >= thr:
+                continue
+            free = g - len(cand.occupied)
+            if free < 2:
+                continue
+            part = self._part(cand, free, thr)
+            if part is not None:
+                parts.append(part)
+        if not parts:
+            return
+        batch = self._batch(j, parts)
+        for part in parts:
+            if check_bound and part.cand.lb >= top.threshold:
+                continue
+            self._finish(batch, part, states, top)
+
+    def _part(self, cand: PartialPlan, free: int, thr: float) -> "_Part | None":
+        """One sub-problem's share of a layer: the new stage's replica counts, ends and
+        placements (4.2) allowed at threshold ``thr``, with the transfer into it; None when
+        nothing is."""
         k = len(cand.stages)  # index of the new stage
         if cand.smax < k + 2:
-            return
+            return None
         sizes = self._replica_counts(cand, free)
         if not sizes:
-            return
-        mask = self._bracket(cand, sizes, free, top.threshold)
+            return None
+        mask = self._bracket(cand, sizes, free, thr)
         usable = mask.any(axis=1)
         if not usable.any():
-            return
-        stage = self._new_stage(cand, free, sizes, mask, usable.tolist(), top.threshold)
-        if stage is None:
-            return
-        tpl = None
-        if stage.complete_ok.any():
-            tpl = self.complete_rows(cand, stage, top)
-        self._extend(cand, stage, tpl, states, top)
+            return None
+        wanted = [r for r, ok in zip(sizes, usable.tolist()) if ok]
+        block = self.block(cand.occupied, cand.last, wanted)
+        chosen = np.zeros(self.cluster.num_devices + 1, dtype=bool)
+        chosen[wanted] = True
+        rows = np.flatnonzero(chosen[block.r])
+        j = cand.end
+        boundary = float(self.t.output[j - 1] * self.whole) if j > 0 else 0.0
+        if cand.last is not None and boundary > 0:
+            c1 = boundary * block.unit_in[rows] + self.lat
+        else:
+            c1 = np.zeros(rows.size)
+        if self.m1 >= 1:
+            keep = self.m1 * np.maximum(cand.max_fb, 2.0 * c1) < thr
+            rows, c1 = rows[keep], c1[keep]
+        if rows.size == 0:
+            return None
+        replicas = block.r[rows]
+        return _Part(cand, free, sizes, mask, thr, np.searchsorted(sizes, replicas), replicas, c1, [block.rows[i] for i in rows.tolist()],
+                     block.rest_len[rows], block.ring[rows], block.ring_rest[rows], cand.smax >= k + 3)
 
     def _replica_counts(self, cand: PartialPlan, free: int) -> list[int]:
         """Replica counts r of the new stage that leave a valid rest (one stage or more)."""
@@ -355,104 +409,122 @@ class StageSearch:
             mask &= self.m1 * fbn_low < thr
         return mask
 
-    def _new_stage(self, cand: PartialPlan, free: int, sizes: list[int], mask: np.ndarray, usable: list[bool], thr: float) -> "NewStage | None":
-        """The new stage [j, J) for every placement the policies offer (4.2; rows) and end J
-        (columns), with the transfer into it; None when no placement passes the bound."""
-        t, j, last, k = self.t, cand.end, cand.last, len(cand.stages)
-        g = self.cluster.num_devices
-        wanted = [r for r, ok in zip(sizes, usable) if ok]
-        block = self.block(cand.occupied, last, wanted)
-        chosen = np.zeros(g + 1, dtype=bool)
-        chosen[wanted] = True
-        rows = np.flatnonzero(chosen[block.r])
-        boundary = float(t.output[j - 1] * self.whole) if j > 0 else 0.0
-        if last is not None and boundary > 0:
-            c1 = boundary * block.unit_in[rows] + self.lat
-            if self.m1 >= 1:
-                keep = self.m1 * np.maximum(cand.max_fb, 2.0 * c1) < thr
-                rows, c1 = rows[keep], c1[keep]
-        else:
-            if self.m1 >= 1 and self.m1 * max(cand.max_fb, 0.0) >= thr:
-                return None
-            c1 = np.zeros(rows.size)
-        if rows.size == 0:
-            return None
-        replicas = block.r[rows]
-        mask_row = np.zeros(g + 1, dtype=np.intp)
-        mask_row[sizes] = np.arange(len(sizes))
-        inside_all = mask[mask_row[replicas]]
+    def _batch(self, j: int, parts: list["_Part"]) -> "_LayerBatch":
+        """The layer's placements (rows, the parts' one after another) and ends (columns):
+        the new stage's times, ``t_max``, the completed plans' latencies (inf where a plan is
+        invalid) and the bounds of the new sub-problems."""
+        t = self.t
+        inside_all = np.concatenate([part.mask[part.mask_rows] for part in parts])
         columns = np.flatnonzero(inside_all.any(axis=0))
-        lo0, hi0 = j + 1 + int(columns[0]), j + 1 + int(columns[-1])
+        c0, c_hi = int(columns[0]), int(columns[-1])
+        lo, hi = j + 1 + c0, j + 2 + c_hi  # ends J in [lo, hi)
+        start = 0
+        for part in parts:
+            part.start, start = start, start + part.replicas.size
+            part.stop = start
+        cat = np.concatenate
+        replicas, rest, c1 = cat([p.replicas for p in parts]), cat([p.rest for p in parts]), cat([p.c1 for p in parts])
+        owner = np.repeat(np.arange(len(parts)), [p.replicas.size for p in parts])
+        per_cand = np.array([(p.cand.pf, p.cand.tail, p.cand.max_fb, p.cand.sum_fb) for p in parts])[owner]
         s_r = self._scale_array[replicas][:, None]
-        rest = block.rest_len[rows]
-        complete_ok = rest <= self.rmax
-        if self.settings.straight_only:
-            complete_ok &= rest == 1
-        fn = t.forward[j, lo0 : hi0 + 1][None, :] * s_r
-        bn = t.backward[j, lo0 : hi0 + 1][None, :] * s_r
-        return NewStage(
-            block=block,
-            rows=rows,
-            ends=np.arange(lo0, hi0 + 1),
-            inside=inside_all[:, columns[0] : columns[-1] + 1],
-            fn=fn,
-            bn=bn,
-            fbn=fn + bn,
-            an=self._exposed_rows(block.ring[rows], j, lo0, hi0 + 1),
-            tmax=self.tmax_table(j)[replicas, lo0 : hi0 + 1],
-            c1=c1[:, None],
-            rest=rest,
-            s_rest=np.where(rest <= self.rmax, self._scale_array[rest], 0.0)[:, None],
-            complete_ok=complete_ok[:, None],
-            extend_ok=(rest >= 2)[:, None] if cand.smax >= k + 3 else np.zeros((rows.size, 1), dtype=bool),
+        fn = t.forward[j, lo:hi][None, :] * s_r
+        bn = t.backward[j, lo:hi][None, :] * s_r
+        batch = _LayerBatch(
+            j=j, lo=lo, hi=hi, c0=c0, ends=np.arange(lo, hi), inside=inside_all[:, c0 : c_hi + 1],
+            succs=[succ for part in parts for succ in part.succs], c1=c1, c1_list=c1.tolist(), rest=rest, per_cand=per_cand,
+            fn=fn, bn=bn, fbn=fn + bn, an=self._exposed_rows(cat([p.ring for p in parts]), j, lo, hi), tmax=self.tmax_table(j)[replicas, lo:hi],
         )
+        batch.s_rest = np.where(rest <= self.rmax, self._scale_array[rest], 0.0)[:, None]
+        self._batch_complete(batch, parts, cat([p.ring_rest for p in parts]))
+        if not self.shallow:
+            self._batch_extend(batch, parts, owner)
+        return batch
 
-    def _extend(self, cand: PartialPlan, stage: "NewStage", tpl: np.ndarray | None, states: list[dict[Any, list[PartialPlan]]], top: TopPlans) -> None:
-        """Admit the successors that stay sub-problems (the layers after J still to split)."""
-        if self.shallow:
-            return
+    def _batch_complete(self, batch: "_LayerBatch", parts: list["_Part"], ring_rest: np.ndarray) -> None:
+        """``batch.latency``: prefix + new stage [j, J) + the rest as one stage (formula 2),
+        inf where that plan is invalid; ``batch.valid``: where it is valid."""
         t, n = self.t, self.t.n
-        J = stage.ends
-        ok = stage.inside & stage.extend_ok & (stage.tmax >= 3)
-        if J[-1] > n - 2:
-            ok &= J[None, :] <= n - 2
+        complete_ok = batch.rest <= self.rmax
+        if self.settings.straight_only:
+            complete_ok &= batch.rest == 1
+        mem = t.params[batch.lo : batch.hi, n][None, :] * self.weight_factor + self.k_of(1) * (t.stash[batch.lo : batch.hi, n][None, :] * batch.s_rest)
+        batch.valid = batch.inside & complete_ok[:, None] & (batch.tmax >= 2) & (mem <= self.cap)
+        batch.latency = np.full(batch.fn.shape, _INF)
+        if batch.valid.any():
+            batch.latency[batch.valid] = self._complete_cells(batch, parts, ring_rest)
+
+    def _batch_extend(self, batch: "_LayerBatch", parts: list["_Part"], owner: np.ndarray) -> None:
+        """``batch.extend``: where a successor may stay a sub-problem (memory for the stages
+        after it, layers left to split); ``batch.lb``: its bound (``lower_bound``)."""
+        t, n = self.t, self.t.n
+        extend_ok = np.array([p.can_extend for p in parts])[owner] & (batch.rest >= 2)
+        batch.extend = extend_ok[:, None] & (batch.tmax >= 3) & (batch.ends <= n - 2)[None, :]
+        remaining = t.work[batch.lo : batch.hi, n][None, :] * (self.whole / batch.rest.astype(float)[:, None])
+        fb1 = 2.0 * batch.c1[:, None]
+        max_fb = np.maximum(np.maximum(batch.per_cand[:, 2:3], fb1), batch.fbn)
+        sum_fb = batch.per_cand[:, 3:4] + fb1 + batch.fbn
+        batch.lb = self.bound(max_fb, sum_fb, remaining)
+
+    def _finish(self, batch: "_LayerBatch", part: "_Part", states: list[dict[Any, list[PartialPlan]]], top: TopPlans) -> None:
+        """One sub-problem's turn: the placements and ends the threshold now allows, the
+        completed plans that enter the top list, and the successors that stay sub-problems."""
+        cand, thr = part.cand, top.threshold
+        if thr == part.thr:
+            rows: Any = np.arange(part.start, part.stop)
+            inside = batch.inside[part.start : part.stop]
+        else:
+            mask = self._bracket(cand, part.sizes, part.free, thr)
+            keep = mask.any(axis=1)[part.mask_rows]
+            if self.m1 >= 1:
+                keep &= self.m1 * np.maximum(cand.max_fb, 2.0 * part.c1) < thr
+            if not keep.any():
+                return
+            rows = part.start + np.flatnonzero(keep)
+            inside = mask[part.mask_rows[keep], batch.c0 : batch.c0 + batch.ends.size]
+        hit_rows, hit_cols = np.nonzero(inside & (batch.latency[rows] < thr))
+        if hit_rows.size:
+            n, j = self.t.n, batch.j
+            at = rows[hit_rows]
+            for row, end, value in zip(at.tolist(), batch.ends[hit_cols].tolist(), batch.latency[at, hit_cols].tolist()):
+                succ = batch.succs[row]
+                top.add(value, self.m, cand.stages + ((j, end, succ.ranks), (end, n, succ.rest)))
+        if not self.shallow:
+            self._admit(batch, cand, rows, inside, states, top)
+
+    def _admit(self, batch: "_LayerBatch", cand: PartialPlan, rows: np.ndarray, inside: np.ndarray, states: list[dict[Any, list[PartialPlan]]], top: TopPlans) -> None:
+        """Admit the successors that stay sub-problems (the layers after J still to split)."""
+        ok = inside & batch.extend[rows]
         if not ok.any():
             return
-        remaining = t.work[int(J[0]) : int(J[-1]) + 1, n][None, :] * (self.whole / stage.rest.astype(float)[:, None])
-        fb1, fbn = 2.0 * stage.c1, stage.fbn
-        max_fb = np.maximum(np.maximum(cand.max_fb, fb1), fbn)
-        sum_fb = cand.sum_fb + fb1 + fbn
-        lb = self.bound(max_fb, sum_fb, remaining)
+        lb = batch.lb[rows]
         ok &= lb < top.threshold
         beam = self.settings.beam is not None
         if beam:
             width = self.settings.beam_insert
             pending = self._pending
-            cut = np.array([-pending[jj][0][0] if len(pending[jj]) >= width else _INF for jj in J.tolist()])
+            cut = np.array([-pending[jj][0][0] if len(pending[jj]) >= width else _INF for jj in batch.ends.tolist()])
             ok &= lb < cut[None, :]
-        rows, columns = np.nonzero(ok)
-        if rows.size == 0:
+        sub_rows, columns = np.nonzero(ok)
+        if sub_rows.size == 0:
             return
+        at = rows[sub_rows]
         # the admitted successors' numbers as Python floats, gathered at once; the rest of
         # their features is derived from them when (if) they become sub-problems
-        gathered = [array[rows, columns].tolist() for array in (stage.fn, stage.bn, stage.an, stage.tmax, lb)]
-        gathered.append(tpl[rows, columns].tolist() if tpl is not None else [_INF] * rows.size)
-        c1 = stage.c1[:, 0].tolist()
-        succs = stage.block.rows
-        index = stage.rows.tolist()
-        start = cand.end
-        for p, end, fn, bn, an, tmax, value, tp in zip(rows.tolist(), J[columns].tolist(), *gathered):
-            pending_entry = Pending(cand, start, end, succs[index[p]], c1[p], fn, bn, an, tmax, value, tp)
+        gathered = [array[at, columns].tolist() for array in (batch.fn, batch.bn, batch.an, batch.tmax, batch.lb, batch.latency)]
+        succs, c1 = batch.succs, batch.c1_list
+        start = batch.j
+        for row, end, fn, bn, an, tmax, value, tpl in zip(at.tolist(), batch.ends[columns].tolist(), *gathered):
+            entry = Pending(cand, start, end, succs[row], c1[row], fn, bn, an, tmax, value, tpl)
             if beam:
                 heap = pending[end]
                 if len(heap) < width:
                     self._seq += 1
-                    heapq.heappush(heap, (-value, self._seq, pending_entry))
+                    heapq.heappush(heap, (-value, self._seq, entry))
                 elif value < -heap[0][0]:
                     self._seq += 1
-                    heapq.heapreplace(heap, (-value, self._seq, pending_entry))
+                    heapq.heapreplace(heap, (-value, self._seq, entry))
             else:
-                self._insert_pending(pending_entry, states)
+                self._insert_pending(entry, states)
 
     def _insert_pending(self, pending: "Pending", states: list[dict[Any, list[PartialPlan]]]) -> None:
         """Insert a successor into its sub-problem unless it ranks behind every kept one."""
@@ -498,6 +570,13 @@ class StageSearch:
         coef, bpm = self.ring(ranks)
         return len(ranks), (coef / bpm if len(ranks) > 1 else 0.0)
 
+    def ring_id(self, ranks: tuple[int, ...]) -> int:
+        """``SharedMemo.ring_id`` of ``ring_key(ranks)``, memoised by the ranks."""
+        found = self.shared.ring_of.get(ranks)
+        if found is None:
+            found = self.shared.ring_of[ranks] = self.shared.ring_id(self.ring_key(ranks))
+        return found
+
     def exposed(self, ranks: tuple[int, ...]) -> np.ndarray:
         """Exposed AllReduce tail of every layer range [j, J) replicated on ``ranks``
         (``OverlapTables.tail``; ``costs.exposed_tail`` for one stage)."""
@@ -522,9 +601,9 @@ class StageSearch:
         table = self._exposed_table
         return np.array([table(ring)[j] for ring in rings.tolist()])[:, lo:hi]
 
-    def _exposed_last(self, rings: np.ndarray, lo: int, hi: int) -> np.ndarray:
-        """Exposed tails of [J, n) for J in [lo, hi), one row per ring id (a per-ring column
-        of the tables kept as one array)."""
+    def _exposed_last(self, rings: np.ndarray, ends: np.ndarray) -> np.ndarray:
+        """Exposed tails of [J, n) for the ring ids ``rings`` and ends ``ends`` (elementwise;
+        a per-ring column of the tables kept as one array)."""
         top = int(rings.max())
         if top >= self._last_have.size:
             size = max(top + 1, 2 * self._last_have.size)
@@ -537,7 +616,7 @@ class StageSearch:
         for ring in set(missing.tolist()):
             self._last[ring] = self._exposed_table(ring)[:, self.t.n]
             self._last_have[ring] = True
-        return self._last[rings, lo:hi]
+        return self._last[rings, ends]
 
     def rest_unit(self, succ: Successor) -> float:
         """``p2p_unit`` from a successor's ranks to the rest, looked up once per successor."""
@@ -546,66 +625,23 @@ class StageSearch:
             unit = succ.unit_rest = self.p2p_unit(succ.ranks, succ.rest)[0]
         return unit
 
-    def complete_rows(self, cand: PartialPlan, stage: "NewStage", top: TopPlans) -> np.ndarray | None:
-        """Price prefix + new stage [j, J) + the rest as one stage (formula 2, incrementally);
-        record the plans that enter the top list; return the latencies (inf if invalid, None
-        if all are)."""
-        fits = self._rest_fits(stage)
-        valid = stage.inside & stage.complete_ok & (stage.tmax >= 2) & fits
-        needed = valid.any(axis=1)
-        if not needed.any():
-            return None
-        rest = self._rest_stage(stage, fits, needed)
-        latency = self._four_phase_latency(cand, stage, rest)
-        latency = np.where(valid, latency, _INF)
-        thr = top.threshold
-        rows, columns = np.nonzero(latency < thr)
-        if rows.size:
-            n, j = self.t.n, cand.end
-            succs, index = stage.block.rows, stage.rows
-            for p, i, jj, value in zip(rows.tolist(), columns.tolist(), stage.ends[columns].tolist(), latency[rows, columns].tolist()):
-                succ = succs[int(index[p])]
-                top.add(value, self.m, cand.stages + ((j, jj, succ.ranks), (jj, n, succ.rest)))
-        return latency
-
-    def _rest_fits(self, stage: "NewStage") -> np.ndarray:
-        """Whether the layers [J, n) fit in memory as one last stage on the remaining ranks."""
-        t, n = self.t, self.t.n
-        ends = slice(int(stage.ends[0]), int(stage.ends[-1]) + 1)
-        mem = t.params[ends, n][None, :] * self.weight_factor + self.k_of(1) * (t.stash[ends, n][None, :] * stage.s_rest)
-        return mem <= self.cap
-
-    def _rest_stage(self, stage: "NewStage", fits: np.ndarray, needed: np.ndarray) -> "RestStage":
-        """The layers [J, n) as one last stage on the remaining ranks, and the transfer into it.
-        The transfer is looked up only for the ``needed`` rows (the others are masked out by
-        the caller; they get zeros)."""
-        t, n = self.t, self.t.n
-        lo0, hi0 = int(stage.ends[0]), int(stage.ends[-1])
-        ends = slice(lo0, hi0 + 1)
-        out = (t.output[lo0 - 1 : hi0] * self.whole)[None, :]
-        block, rows = stage.block, stage.rows
-        units = block.unit_rest[rows]
-        unknown = needed & np.isnan(units)
-        if unknown.any():
-            for at in rows[unknown].tolist():
-                block.unit_rest[at] = self.rest_unit(block.rows[at])
-            units = block.unit_rest[rows]
-        units = np.where(needed, units, 0.0)[:, None]
-        return RestStage(
-            fr=t.forward[ends, n][None, :] * stage.s_rest,
-            br=t.backward[ends, n][None, :] * stage.s_rest,
-            ar=self._exposed_last(block.ring_rest[rows], lo0, hi0 + 1),
-            c2=np.where(out > 0, out * units + self.lat, 0.0),
-            fits=fits,
-        )
-
-    def _four_phase_latency(self, cand: PartialPlan, stage: "NewStage", rest: "RestStage") -> np.ndarray:
-        """Formula 2 over the prefix's phases and the new ones (transfer c1, stage n,
-        transfer c2, rest R), with Algorithm 1's pivot found incrementally: among the new
-        phases directly, inside the prefix through its pivot records."""
-        m1 = self.m1
-        fn, bn, an, c1, fbn = stage.fn, stage.bn, stage.an, stage.c1, stage.fbn
-        fr, br, ar, c2 = rest.fr, rest.br, rest.ar, rest.c2
+    def _complete_cells(self, batch: "_LayerBatch", parts: list["_Part"], ring_rest: np.ndarray) -> np.ndarray:
+        """Formula 2 for every valid cell of ``batch`` (row-major order): the prefix's phases
+        and the new ones (transfer c1, stage n, transfer c2, rest R), with Algorithm 1's
+        pivot found incrementally: among the new phases directly, inside the prefix through
+        its pivot records (``PartialPlan.records``)."""
+        t, n, m1 = self.t, self.t.n, self.m1
+        rows, columns = np.nonzero(batch.valid)
+        ends = columns + batch.lo
+        needed = np.zeros(len(batch.succs), dtype=bool)
+        needed[rows] = True
+        units = np.array([self.rest_unit(succ) if use else 0.0 for succ, use in zip(batch.succs, needed.tolist())])
+        fn, bn, an, fbn = batch.fn[rows, columns], batch.bn[rows, columns], batch.an[rows, columns], batch.fbn[rows, columns]
+        c1, s_rest = batch.c1[rows], batch.s_rest[rows, 0]
+        fr, br = t.forward[ends, n] * s_rest, t.backward[ends, n] * s_rest
+        ar = self._exposed_last(ring_rest[rows], ends)
+        out = t.output[ends - 1] * self.whole
+        c2 = np.where(out > 0, out * units[rows] + self.lat, 0.0)
         fb1, fb2, fbr = 2.0 * c1, 2.0 * c2, fr + br
         # Algorithm 1 over the new phases (R, c2, n, c1); a = F+B after the phase being
         # checked up to and including the pivot (costs.walk_pivot)
@@ -618,33 +654,59 @@ class StageSearch:
             v = np.where(move, l1, v)
             a = np.where(move, own_fb, a + own_fb)
             q = np.where(move, code, q)
+        latency = self._pivot_latency(q, v, batch.per_cand[rows, 0], batch.per_cand[rows, 1], (fn, bn, an, c1, fr, br, ar, c2))
+        # pivots inside a prefix: each part's cells are one run of the row-major order
+        bounds = np.searchsorted(rows, [part.start for part in parts] + [len(batch.succs)])
+        va = v + a
+        for index, part in enumerate(parts):
+            if part.cand.stages and bounds[index] < bounds[index + 1]:
+                cells = slice(bounds[index], bounds[index + 1])
+                b1, bn_, an_ = c1[cells], bn[cells], an[cells]
+                ar_, b2, br_ = ar[cells], c2[cells], br[cells]
+                rec_h, rec_ws, rec_e, rec_bq = part.cand.record_arrays(m1)
+                idx = np.searchsorted(rec_h, va[cells], side="right")
+                inner = idx < rec_h.size
+                if inner.any():
+                    ii = np.minimum(idx, rec_h.size - 1)
+                    bq = rec_bq[ii]
+                    end_in = np.maximum(np.maximum(rec_e[ii], an_ - bq - b1 - bn_), ar_ - bq - b1 - bn_ - b2 - br_)
+                    latency[cells] = np.where(inner, rec_ws[ii] + end_in, latency[cells])
+        return latency
+
+    @staticmethod
+    def _pivot_latency(q: np.ndarray, v: np.ndarray, pf: np.ndarray, tail: np.ndarray, phases: tuple[np.ndarray, ...]) -> np.ndarray:
+        """Warm-up + steady (``v``) + ending phase for a pivot ``q`` among the new phases
+        (0: c1, 1: stage n, 2: c2, 3: R); the prefix enters through its forward sum ``pf``
+        and its tail (costs.ending_phase), the sums shared where they are accumulated in
+        the same order. Only the pivot positions that occur are priced."""
+        fn, bn, an, c1, fr, br, ar, c2 = phases
         b1, b2 = c1, c2
-        w0 = cand.pf + c1
+        present = np.bincount(q, minlength=4) > 0
+        w0 = pf + c1
         w1 = w0 + fn
-        w2 = w1 + c2
-        w3 = w2 + fr
-        # the ending phase for each pivot position (costs.ending_phase), sharing the sums
-        # that are accumulated in the same order
-        e1 = cand.tail + b1
+        e1 = tail + b1
         e2 = e1 + bn
-        e3 = e2 + b2
         u1 = an + bn
-        u2 = u1 + b2
-        end3 = np.maximum(np.maximum(e3 + br, u2 + br), np.maximum(b2 + br, ar + br))
-        end2 = np.maximum(np.maximum(e3, u2), np.maximum(b2, ar - br))
-        end1 = np.maximum(np.maximum(e2, u1), np.maximum(-b2, ar - b2 - br))
-        end0 = np.maximum(np.maximum(e1, an - bn), np.maximum(-bn - b2, ar - bn - b2 - br))
-        latency = np.choose(q, (w0, w1, w2, w3)) + v + np.choose(q, (end0, end1, end2, end3))
-        if not cand.stages:
-            return latency
-        rec_h, rec_ws, rec_e, rec_bq = cand.record_arrays(m1)
-        idx = np.searchsorted(rec_h, v + a, side="right")
-        inner = idx < rec_h.size
-        if inner.any():
-            ii = np.minimum(idx, rec_h.size - 1)
-            bq = rec_bq[ii]
-            end_in = np.maximum(np.maximum(rec_e[ii], an - bq - b1 - bn), ar - bq - b1 - bn - b2 - br)
-            latency = np.where(inner, rec_ws[ii] + end_in, latency)
+        latency = None
+        if present[2] or present[3]:
+            w2 = w1 + c2
+            e3 = e2 + b2
+            u2 = u1 + b2
+            if present[3]:
+                end3 = np.maximum(np.maximum(e3 + br, u2 + br), np.maximum(b2 + br, ar + br))
+                latency = w2 + fr + v + end3
+            if present[2]:
+                end2 = np.maximum(np.maximum(e3, u2), np.maximum(b2, ar - br))
+                own = w2 + v + end2
+                latency = own if latency is None else np.where(q == 2, own, latency)
+        if present[1]:
+            end1 = np.maximum(np.maximum(e2, u1), np.maximum(-b2, ar - b2 - br))
+            own = w1 + v + end1
+            latency = own if latency is None else np.where(q == 1, own, latency)
+        if present[0]:
+            end0 = np.maximum(np.maximum(e1, an - bn), np.maximum(-bn - b2, ar - bn - b2 - br))
+            own = w0 + v + end0
+            latency = own if latency is None else np.where(q == 0, own, latency)
         return latency
 
     def insert(self, bucket: dict[Any, list[PartialPlan]], key: Any, new: PartialPlan) -> None:
@@ -663,37 +725,32 @@ class StageSearch:
         bucket[key] = kept
 
 
-class NewStage(NamedTuple):
-    """The next stage [j, J) for every placement (rows: ``rows`` of ``block``) and end J
-    (columns): its forward, backward and exposed AllReduce times, the stages it leaves
-    memory for (``tmax``), the transfer into it (``c1``), the devices left and their slice
-    scale, and which rows may complete or extend."""
+class _Part:
+    """One sub-problem's share of a layer batch: its new stage's replica counts (``sizes``)
+    and their bracket ``mask`` at threshold ``thr``, and its placements (rows ``start`` to
+    ``stop`` of the batch) with the transfer into each (``c1``)."""
 
-    block: SuccessorBlock
-    rows: np.ndarray
-    ends: np.ndarray
-    inside: np.ndarray
-    fn: np.ndarray
-    bn: np.ndarray
-    fbn: np.ndarray
-    an: np.ndarray
-    tmax: np.ndarray
-    c1: np.ndarray
-    rest: np.ndarray
-    s_rest: np.ndarray
-    complete_ok: np.ndarray
-    extend_ok: np.ndarray
+    __slots__ = ("cand", "free", "sizes", "mask", "thr", "mask_rows", "replicas", "c1", "succs", "rest", "ring", "ring_rest", "can_extend", "start", "stop")
+
+    def __init__(self, cand: PartialPlan, free: int, sizes: list[int], mask: np.ndarray, thr: float, mask_rows: np.ndarray, replicas: np.ndarray, c1: np.ndarray,
+                 succs: list[Successor], rest: np.ndarray, ring: np.ndarray, ring_rest: np.ndarray, can_extend: bool) -> None:
+        self.cand, self.free, self.sizes, self.mask, self.thr, self.mask_rows = cand, free, sizes, mask, thr, mask_rows
+        self.replicas, self.c1, self.succs, self.rest, self.ring, self.ring_rest = replicas, c1, succs, rest, ring, ring_rest
+        self.can_extend = can_extend
+        self.start = self.stop = 0
 
 
-class RestStage(NamedTuple):
-    """The layers after J as one last stage: forward, backward, exposed AllReduce, the
-    transfer into it and whether it fits in memory."""
+class _LayerBatch:
+    """The placements (rows) and new-stage ends (columns, J in [lo, hi)) of every sub-problem
+    of one layer j: ``inside`` (the bracket), the new stage's F, B and exposed AllReduce,
+    its ``t_max``, the completed plans' ``latency`` (inf where not ``valid``), and where a
+    successor may stay a sub-problem (``extend``) with its bound ``lb``."""
 
-    fr: np.ndarray
-    br: np.ndarray
-    ar: np.ndarray
-    c2: np.ndarray
-    fits: np.ndarray
+    __slots__ = ("j", "lo", "hi", "c0", "ends", "inside", "succs", "c1", "c1_list", "rest", "per_cand", "fn", "bn", "fbn", "an", "tmax", "s_rest", "valid", "latency", "extend", "lb")
+
+    def __init__(self, **fields: Any) -> None:
+        for name, value in fields.items():
+            setattr(self, name, value)
 
 
 class Pending(NamedTuple):
