@@ -106,6 +106,23 @@ def test_amoeba36_space_tab_quirk_parses_with_skip_connections() -> None:
     assert by_name["cell_0"].output_bytes == expected
 
 
+def test_data_input_sources_carry_no_compute() -> None:
+    # PipeDream's profiler puts the host-to-device copy on the Input source; both planners
+    # that published these files zero it. An 'Input...' node with a predecessor is an operator.
+    text = "\n".join(
+        [_node("node1", "Input", 17.0, 0.0, "4", 8), _node("node2", "Layer", 3.0, 5.0, "6", 2),
+         _node("node3", "InputProjection", 2.0, 1.0, "6", 2), "\tnode1 -- node2", "\tnode2 -- node3"]
+    )
+    profile = parse_graph_text(text, profile_batch_size=1)
+    assert [layer.forward_ms for layer in profile.layers] == [0.0, 3.0, 2.0]
+    assert [layer.param_bytes for layer in profile.layers] == [0.0, 2, 2]
+    assert profile.layers[0].output_bytes == 4 and profile.input_bytes == 4
+    assert profile.meta["data_input_ms"] == {"Input": [17.0, 0.0]}
+    xlnet = load_profile(PROFILES / "dapple" / "xlnet-36-pbs-1.txt")
+    assert xlnet.layers[0].name == "Input" and xlnet.layers[0].forward_ms == 0.0
+    assert xlnet.meta["data_input_ms"] == {"Input": [17.0, 0.0]}
+
+
 @pytest.mark.parametrize("path", SHARED, ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_every_shared_profile_loads(path: Path) -> None:
     batch = None if "pbs-" in path.name else 64

@@ -2,7 +2,8 @@
 
     dapple-plan --profile FILE --cluster NAME|FILE --global-batch-size N [--micro-batches M]
                 [--planner dapple|pipedream] [--schedule dapple|gpipe] [--policy PA|PB]
-                [--profile-batch-size N] [--memory-gib X] [--json] [--out plan.json]
+                [--profile-batch-size N] [--memory-gib X] [--activation-bytes-per-sample B]
+                [--json] [--out plan.json]
     dapple-plan --recipe bert --cluster paper-a
 
 Prints a rich table of stages and the one-line reason; ``--json`` prints only the plan
@@ -38,6 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--policy", choices=("PA", "PB"), default="PA")
     parser.add_argument("--profile-batch-size", type=int, help="batch size of a graph-text profile without pbs-N in its name")
     parser.add_argument("--memory-gib", type=float, help="override the cluster's device memory")
+    parser.add_argument(
+        "--activation-bytes-per-sample", type=float,
+        help="measured peak activation memory of one sample through the whole model; the layers' stash is scaled to it "
+        "(default for the shared graph profiles: the value their authors planned with; 0: the layer outputs the file lists)",
+    )
     parser.add_argument("--device", default="V100", help="device preset for estimated recipe profiles (V100, A100, H100)")
     parser.add_argument("--json", action="store_true", help="print only the plan JSON")
     parser.add_argument("--out", help="also write the plan JSON to this file")
@@ -75,7 +81,7 @@ def _run(args: argparse.Namespace) -> int:
         profile = recipe_profile(args.recipe, device=args.device)
         global_batch = args.global_batch_size or recipe_global_batch(args.recipe)
     else:
-        profile = load_profile(args.profile, profile_batch_size=args.profile_batch_size)
+        profile = load_profile(args.profile, args.profile_batch_size, args.activation_bytes_per_sample)
         global_batch = args.global_batch_size
     if global_batch is None:
         raise DappleConfigError("--global-batch-size", "is missing", "pass the number of samples of one optimizer step")
@@ -94,6 +100,9 @@ def _run(args: argparse.Namespace) -> int:
     console = Console()
     console.print(plan_table(plan, profile, cluster))
     console.print(plan_summary(plan))
+    memory = profile.meta.get("activation_memory")
+    if memory:
+        console.print(f"activation memory: {memory['bytes_per_sample'] / 1e9:.2f} GB per sample ({memory['source']})")
     if args.out:
         console.print(f"plan written to {args.out}")
     return 0

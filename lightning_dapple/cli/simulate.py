@@ -54,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--cluster", required=True, help="preset (paper-a/b/c), 'MACHINESxDEVICES', or a cluster JSON/YAML file")
     parser.add_argument("--schedule", choices=SCHEDULES, default=None, help="override the plan's schedule")
     parser.add_argument("--profile-batch-size", type=int, default=None, help="batch size the profile was measured at (graph text files)")
+    parser.add_argument(
+        "--activation-bytes-per-sample", type=float, default=None,
+        help="measured peak activation memory of one sample (as for dapple-plan; 0: the layer outputs the file lists)",
+    )
     parser.add_argument("--json", action="store_true", help="print only the result as JSON")
     parser.add_argument("--png", default=None, help="also draw the device timelines to this PNG file")
     parser.add_argument("--ooo", action="store_true", help="out-of-order backprop; also prints the difference to the plan without it")
@@ -77,7 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.profile_batch_size is not None and args.profile_batch_size <= 0:
             raise DappleConfigError("--profile-batch-size", f"is {args.profile_batch_size}", "give a positive number of samples")
-        profile = load_profile(args.profile, profile_batch_size=args.profile_batch_size)
+        profile = load_profile(args.profile, args.profile_batch_size, args.activation_bytes_per_sample)
         plan = load_plan(args.plan)
         cluster = load_cluster(args.cluster)
         if args.memory_gib is not None and args.memory_gib <= 0:

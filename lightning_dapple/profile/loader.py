@@ -10,15 +10,19 @@ from dataclasses import replace
 from pathlib import Path
 
 from lightning_dapple.errors import DappleConfigError, require
+from lightning_dapple.profile.activation_memory import published_activation_bytes, with_activation_memory
 from lightning_dapple.profile.graph_text import parse_graph_text
 from lightning_dapple.profile.model_profile import ModelProfile, profile_from_dict
 
 
-def load_profile(path: str | Path, profile_batch_size: int | None = None) -> ModelProfile:
+def load_profile(path: str | Path, profile_batch_size: int | None = None, activation_bytes_per_sample: float | None = None) -> ModelProfile:
     """Read a profile JSON file or a PipeDream graph text file (shared/profiles/).
 
     Graph files take their batch size from ``profile_batch_size`` or else from ``pbs-N``
-    in the file name.
+    in the file name. ``activation_bytes_per_sample`` (peak activation memory of one sample
+    through the whole model) rescales the layers' stash (``activation_memory``); left out,
+    a shared graph profile gets the value its authors planned it with, if they gave one,
+    and 0 keeps the stash the file implies.
     """
     path = Path(path)
     require(path.is_file(), "profile", f"file {str(path)!r} does not exist", "pass the path of a profile JSON or graph.txt file")
@@ -31,5 +35,12 @@ def load_profile(path: str | Path, profile_batch_size: int | None = None) -> Mod
         profile = profile_from_dict(data, source=f"profile {path.name}")
         if profile_batch_size is not None:
             profile = replace(profile, micro_batch_size=profile_batch_size)
-        return profile
-    return parse_graph_text(text, name=path.name, profile_batch_size=profile_batch_size)
+        published = None
+    else:
+        profile = parse_graph_text(text, name=path.name, profile_batch_size=profile_batch_size)
+        published = published_activation_bytes(path.name)
+    if activation_bytes_per_sample is None and published is not None:
+        return with_activation_memory(profile, *published)
+    if activation_bytes_per_sample:
+        return with_activation_memory(profile, activation_bytes_per_sample, "given")
+    return profile
