@@ -51,6 +51,26 @@ def test_every_plan_and_schedule_matches_single_device(micro_batches: int) -> No
     _check_stash_against_simulator(micro_batches, results)
 
 
+@pytest.mark.timeout(600)
+def test_policy_pb_warmups_match_single_device() -> None:
+    """P_B's deeper warm-up (DAPPLE 5.3), which plan="auto" picks where it simulates faster:
+    M = 4, K = [3, 1] on 2x2 and [4, 3, 1] on three stages."""
+    names = ("2x2", "3-stage")
+    cases = [(model, {"global_batch_size": 12, "micro_batches": 4, "policy": "PB", **PLANS[name]}, "dapple") for model in ("mlp", "transformer") for name in names]
+    results = run_ranks(run_cases, 4, cases, timeout_s=400)
+    assert "__errors__" not in results, results.get("__errors__")
+    expected = {"2x2": [3, 3, 1, 1], "3-stage": [4, 3, 1]}
+    for index, (model, plan_data, _) in enumerate(cases):
+        name = names[index % len(names)]
+        warmups = [results[r][index]["warmup"] for r in range(4) if results[r][index] is not None]
+        assert warmups == expected[name], (model, name, warmups)
+        for r in range(4):
+            res = results[r][index]
+            if res is not None:
+                assert res["param_diff"] < 1e-10 and res["loss_diff"] < 1e-10, (model, name, res)
+                assert res["peak_in_flight"] == res["warmup"], (model, name, res)
+
+
 def _check_stash_against_simulator(micro_batches: int, results: dict) -> None:
     """The executor's measured peak stashed bytes equal the simulator's (profile stash x
     micro-batches in flight) where slices are even, so the profile scales exactly."""

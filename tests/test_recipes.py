@@ -242,7 +242,7 @@ def test_tiny_recipe_trains_and_matches_one_device(recipe: str, tmp_path: Path, 
 def test_sweep_runs_four_plans_and_summarises(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     result = _app(
-        ["-m", "recipe=vgg_tiny", "strategy.schedule=dapple,gpipe", "strategy.micro_batches=4,8", "strategy.ooo=false",
+        ["-m", "recipe=vgg_tiny", "strategy.schedule=dapple,gpipe", "strategy.micro_batches=4,8", "strategy.ooo=false", "strategy.policy=PA",
          "trainer.max_steps=10", "trainer.enable_progress_bar=false", f"hydra.sweep.dir={sweep}"],
         timeout=420,
     )
@@ -264,6 +264,7 @@ def test_sweep_runs_four_plans_and_summarises(tmp_path: Path) -> None:
     curves = [_losses(Path(row["run_dir"])) for row in rows]
     for curve in curves[1:]:
         assert curve == pytest.approx(curves[0], abs=2e-4)
-    # GPipe keeps every micro-batch's activations, DAPPLE at most K_i of them
+    # GPipe keeps every micro-batch's activations, DAPPLE at most K_i of them (P_A's: with
+    # policy auto the planner may buy speed with P_B's deeper warm-up)
     stash = {(r["schedule"], int(r["micro_batches"])): int(r["peak_stash_bytes"]) for r in rows}
     assert stash[("gpipe", 8)] > stash[("dapple", 8)]

@@ -23,7 +23,8 @@ from lightning_dapple.cluster import load_cluster
 from lightning_dapple.errors import require
 from lightning_dapple.plan.dapple_planner import data_parallel_candidates, straight_candidates
 from lightning_dapple.plan.evaluate import score_stages
-from lightning_dapple.plan.plan import Plan, StagePlan
+from lightning_dapple.plan.plan import StagePlan
+from lightning_dapple.plan.policy_choice import simulate_policies
 from lightning_dapple.plan.request import PlanRequest
 from lightning_dapple.profile.loader import load_profile
 from lightning_dapple.simulate.plans import make_plan, simulate_plan
@@ -171,8 +172,9 @@ def table4_row(label: str, path: str, pbs: int | None, global_batch: int, config
     if not row["match"]:
         other = paper_choice(profile, cluster, global_batch, paper_plan)
         if other is not None:
-            bare = Plan(global_batch, other.micro_batches, other.stages)
-            row["paper_ms"] = simulate_plan(bare, profile, cluster).latency_ms
+            # priced as the planner prices its own plans: the faster K_i policy that fits
+            request = PlanRequest.build(profile, cluster, global_batch, policy="auto", simulate=simulate_plan)
+            row["paper_ms"] = simulate_policies(request, other).simulation.latency_ms
             row["paper_split"] = ":".join(str(s.end - s.start) for s in other.stages)
     return row
 

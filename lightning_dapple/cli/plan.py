@@ -1,7 +1,7 @@
 """``dapple-plan``: plan a model for a cluster and say why (DAPPLE section 4).
 
     dapple-plan --profile FILE --cluster NAME|FILE --global-batch-size N [--micro-batches M]
-                [--planner dapple|pipedream] [--schedule dapple|gpipe] [--policy PA|PB]
+                [--planner dapple|pipedream] [--schedule dapple|gpipe] [--policy auto|PA|PB]
                 [--profile-batch-size N] [--memory-gib X] [--activation-bytes-per-sample B]
                 [--json] [--out plan.json]
     dapple-plan --recipe bert --cluster paper-a
@@ -36,7 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--micro-batches", type=int, help="M; chosen by the planner when left out")
     parser.add_argument("--planner", choices=("dapple", "pipedream"), default="dapple")
     parser.add_argument("--schedule", choices=("dapple", "gpipe"), default="dapple")
-    parser.add_argument("--policy", choices=("PA", "PB"), default="PA")
+    parser.add_argument(
+        "--policy", choices=("auto", "PA", "PB"), default="auto",
+        help="K_i warm-up policy (DAPPLE 5.3); auto: the one each plan simulates faster with",
+    )
     parser.add_argument("--profile-batch-size", type=int, help="batch size of a graph-text profile without pbs-N in its name")
     parser.add_argument("--memory-gib", type=float, help="override the cluster's device memory")
     parser.add_argument(

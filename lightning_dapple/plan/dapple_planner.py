@@ -70,8 +70,6 @@ fixed M), ``polish.py`` (local edits), ``baselines.py`` (DP, straight, balanced 
 """
 from __future__ import annotations
 
-from __future__ import annotations
-
 from dataclasses import replace
 from typing import Any, Sequence
 
@@ -82,6 +80,7 @@ from lightning_dapple.plan.choice import describe_choice, pair_for, summary
 from lightning_dapple.plan.evaluate import Scored, finish_plan, raise_no_memory, score_stages
 from lightning_dapple.plan.partial import RawStages, TopPlans
 from lightning_dapple.plan.plan import Plan, StagePlan
+from lightning_dapple.plan.policy_choice import PolicyChoice, rescored, simulate_policies
 from lightning_dapple.plan.polish import polish
 from lightning_dapple.plan.request import PlanRequest, StepPricer
 from lightning_dapple.plan.search import SearchSettings, SharedMemo, StageSearch
@@ -227,7 +226,7 @@ def plan_dapple(
     global_batch_size: int,
     micro_batches: int | None = None,
     schedule: str = "dapple",
-    policy: str = "PA",
+    policy: str = "auto",
     num_devices: int | None = None,
     min_slice: int | None = None,
     rerank: int = 4,
@@ -241,8 +240,9 @@ def plan_dapple(
     phases, pivot, per-device memory, simulated latency and bubble) and a one-line ``reason``.
     ``simulate`` prices a plan's exact schedule (``simulate.plans.simulate_plan``, which
     ``simulate.plans.make_plan`` passes): the shortlist is re-ranked by it; without it the
-    formula alone decides. Raises ``DappleConfigError`` when no plan is valid or none fits
-    in device memory.
+    formula alone decides. ``policy`` "auto" runs each plan with the K_i policy it simulates
+    faster with (``policy_choice``; P_A without a simulator). Raises ``DappleConfigError``
+    when no plan is valid or none fits in device memory.
     """
     request = PlanRequest.build(
         profile, cluster, global_batch_size, micro_batches, schedule, policy, num_devices, min_slice, rerank, keep_per_state, beam, simulate
@@ -257,18 +257,25 @@ def plan_request(request: PlanRequest) -> Plan:
     dp = [item for item in dp_all if item.fits(request.cluster)][:1]
     straight = straight_candidates(request)
     pool = _candidate_pool(request, dp, straight)
-    simulations = _simulate(request, pool)
+    choices = _simulate(request, pool)
+    simulations = {index: choice.simulation for index, choice in choices.items()}
     chosen_index = _choose(pool, simulations)
-    chosen = pool[chosen_index]
+    choice = choices.get(chosen_index)
+    policy = choice.policy if choice is not None else request.policy
+    chosen = rescored(request, pool[chosen_index], choice)
     dp_pair = pair_for(pool, simulations, dp)
     straight_pair = pair_for(pool, simulations, straight)
     reason = describe_choice(chosen, simulations.get(chosen_index), request.cluster, dp_pair, straight_pair, dp_all, _runner_up(pool, simulations))
+    if choice is not None and choice.note():
+        reason += "; " + choice.note()
     extra = {
         "alternatives": {name: summary(pair) for name, pair in (("dp", dp_pair), ("straight", straight_pair)) if pair is not None},
         "min_slice": _setting_floor(request),
     }
+    if choice is not None and request.auto_policy:
+        extra["policy_choice"] = choice.summary()
     return finish_plan(
-        chosen, request.profile, request.cluster, request.global_batch_size, request.policy, request.schedule, "dapple", reason,
+        chosen, request.profile, request.cluster, request.global_batch_size, policy, request.schedule, "dapple", reason,
         simulations.get(chosen_index), extra,
     )
 
@@ -310,15 +317,12 @@ def _raise_nothing_valid(request: PlanRequest) -> None:
     raise_no_memory(profile, cluster, need, what)
 
 
-def _simulate(request: PlanRequest, pool: list[Scored]) -> dict[int, Any]:
-    """Simulated step of every pooled plan (none when re-ranking is off)."""
+def _simulate(request: PlanRequest, pool: list[Scored]) -> dict[int, PolicyChoice]:
+    """Simulated step of every pooled plan under the policy it runs fastest with (none when
+    re-ranking is off)."""
     if request.rerank <= 0 or request.simulate is None:
         return {}
-    out = {}
-    for index, item in enumerate(pool):
-        bare = Plan(request.global_batch_size, item.micro_batches, item.stages, schedule=request.schedule, policy=request.policy)
-        out[index] = request.simulate(bare, request.profile, request.cluster)
-    return out
+    return {index: simulate_policies(request, item) for index, item in enumerate(pool)}
 
 
 def _have_sim(simulations: dict[int, Any]) -> bool:

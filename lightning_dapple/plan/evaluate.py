@@ -33,6 +33,7 @@ __all__ = [
     "check_inputs",
     "default_min_slice",
     "format_bytes",
+    "in_flight_limits",
     "memory_per_stage",
     "score_stages",
     "subcluster",
@@ -55,7 +56,7 @@ def default_min_slice(profile: ModelProfile, min_slice: int | None) -> int:
 
 def check_inputs(schedule: str, policy: str, global_batch_size: int) -> None:
     require(schedule in SCHEDULES, "schedule", f"is {schedule!r}", f"use one of {list(SCHEDULES)}")
-    require(policy in ("PA", "PB"), "policy", f"is {policy!r}", "use 'PA' or 'PB' (DAPPLE 5.3)")
+    require(policy in ("PA", "PB"), "policy", f"is {policy!r}", "use 'PA', 'PB' or 'auto' (DAPPLE 5.3)")
     require(
         isinstance(global_batch_size, int) and not isinstance(global_batch_size, bool) and global_batch_size > 0,
         "global_batch_size",
@@ -133,10 +134,30 @@ def memory_per_stage(
     cluster: Cluster,
     policy: str = "PA",
     schedule: str = "dapple",
+    warmups: Sequence[int] | None = None,
 ) -> list[float]:
-    """Peak bytes per device of every stage with K_i from DAPPLE 5.3 (M under GPipe)."""
-    counts = warmup_counts(len(costs), micro_batches, policy, schedule=schedule)
+    """Peak bytes per device of every stage with K_i from DAPPLE 5.3 (M under GPipe), or
+    the ``warmups`` given."""
+    counts = list(warmups) if warmups is not None else warmup_counts(len(costs), micro_batches, policy, schedule=schedule)
     return [stage_memory_bytes(cost, count, cluster) for cost, count in zip(costs, counts)]
+
+
+def in_flight_limits(costs: Sequence[StageCost], micro_batches: int, cluster: Cluster) -> list[int]:
+    """The most micro-batches each stage can hold at once in device memory: DAPPLE 5.3's D
+    (0 where not even one fits; M where the stage stashes nothing)."""
+    limits = []
+    for cost in costs:
+        room = cluster.device_memory_bytes - stage_memory_bytes(cost, 0, cluster)
+        if room < 0:
+            limits.append(0)
+        elif cost.stash_bytes <= 0:
+            limits.append(micro_batches)
+        else:
+            count = min(micro_batches, int(room // cost.stash_bytes))
+            while count > 0 and stage_memory_bytes(cost, count, cluster) > cluster.device_memory_bytes:
+                count -= 1  # floor() of a quotient can be one off
+            limits.append(count)
+    return limits
 
 
 @dataclass(frozen=True)
@@ -172,10 +193,13 @@ def score_stages(
     policy: str = "PA",
     schedule: str = "dapple",
 ) -> Scored:
-    """Formula 1-2 latency and per-device memory of ``stages`` (the one scoring function)."""
+    """Formula 1-2 latency and per-device memory of ``stages`` (the one scoring function);
+    stages that carry their K_i (``warmup``) are sized with them."""
     stages = tuple(stages)
     costs = stage_costs(profile, cluster, stages, global_batch_size // micro_batches)
-    memory = memory_per_stage(costs, micro_batches, cluster, policy, schedule)
+    given = [stage.warmup for stage in stages]
+    warmups = given if all(count is not None for count in given) else None
+    memory = memory_per_stage(costs, micro_batches, cluster, policy, schedule, warmups)  # type: ignore[arg-type]
     return Scored(stages, micro_batches, dapple_latency(costs, micro_batches, memory), tuple(costs))
 
 

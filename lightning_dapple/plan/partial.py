@@ -81,7 +81,7 @@ def dominates(a: PartialPlan, b: PartialPlan) -> bool:
     """``a`` is at least as good as ``b`` for every completion we can reason about.
 
     Only ``tpl`` and ``max_fb`` of the ranking are compared, so the pre-filter in
-    ``expand`` compares ranks before building a candidate only when that is safe.
+    ``_insert_pending`` compares ranks before building a candidate only when that is safe.
     """
     return (
         a.tpl <= b.tpl

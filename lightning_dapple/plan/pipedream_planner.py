@@ -36,6 +36,7 @@ from lightning_dapple.plan.evaluate import Scored, finish_plan, raise_no_memory,
 from lightning_dapple.plan.pipedream_optimizer import Level, PipeDreamChoice, optimize
 from lightning_dapple.plan.pipedream_states import PipeDreamStates, pipedream_states
 from lightning_dapple.plan.plan import Plan, StagePlan
+from lightning_dapple.plan.policy_choice import rescored, simulate_policies
 from lightning_dapple.plan.request import PlanRequest, StepPricer
 from lightning_dapple.profile.model_profile import ModelProfile
 
@@ -136,13 +137,15 @@ def plan_pipedream(
     global_batch_size: int,
     micro_batches: int | None = None,
     schedule: str = "dapple",
-    policy: str = "PA",
+    policy: str = "auto",
     num_devices: int | None = None,
     min_slice: int | None = None,
     simulate: StepPricer | None = None,
 ) -> Plan:
     """Plan with PipeDream's optimizer (3.1), priced and scheduled like a DAPPLE plan;
-    ``simulate`` (``simulate.plans.simulate_plan``) adds the simulated step to the result."""
+    ``simulate`` (``simulate.plans.simulate_plan``) adds the simulated step to the result.
+    ``policy`` "auto" runs the partition with the K_i policy it simulates faster with, as
+    for DAPPLE's plans (``policy_choice``), so the two planners differ only in partitioning."""
     request = PlanRequest.build(profile, cluster, global_batch_size, micro_batches, schedule, policy, num_devices, min_slice, simulate=simulate)
     cluster = request.cluster
     states = pipedream_states(profile)
@@ -161,12 +164,16 @@ def plan_pipedream(
         smallest = min(scored, key=lambda pair: pair[0].peak_memory_bytes)[0]
         raise_no_memory(profile, cluster, smallest.peak_memory_bytes, f"PipeDream's {smallest.kind()} plan, M={smallest.micro_batches}")
     chosen, slowest = min(fitting, key=lambda pair: (pair[0].latency_ms, pair[0].micro_batches))
-    bare = Plan(global_batch_size=global_batch_size, micro_batches=chosen.micro_batches, stages=chosen.stages, schedule=schedule, policy=policy)
-    sim = simulate(bare, profile, cluster) if simulate is not None else None
+    choice = simulate_policies(request, chosen) if simulate is not None else None
+    policy = choice.policy if choice is not None else request.policy
+    sim = choice.simulation if choice is not None else None
+    chosen = rescored(request, chosen, choice)
     kind = chosen.kind()
     reason = (
         f"PipeDream 3.1: {kind} plan (layers {':'.join(str(s.end - s.start) for s in chosen.stages)}) "
         f"minimises the slowest stage to {slowest:.1f} ms per micro-batch; M={chosen.micro_batches} has the lowest formula-2 latency "
         f"({chosen.latency_ms:.1f} ms)" + ("; with PipeDream's memory constraint (its unconstrained choice does not fit)" if constrained else "")
     )
+    if choice is not None and choice.note():
+        reason += "; " + choice.note()
     return finish_plan(chosen, profile, cluster, global_batch_size, policy, schedule, "pipedream", reason, sim, {"slowest_stage_ms": slowest})

@@ -22,7 +22,12 @@ StepPricer = Callable[[Plan, ModelProfile, Cluster], Any]
 class PlanRequest:
     """Profile, device set (already narrowed to ``num_devices``), global batch, the M
     candidates and the slice floor they respect (``floor``; ``min_slice`` is the setting
-    as given), schedule, policy and search options."""
+    as given), schedule, policy and search options.
+
+    ``policy`` is the K_i policy the search sizes memory with (DAPPLE 5.3); with
+    ``auto_policy`` (asked for as policy "auto") it is P_A, the one that holds fewer
+    micro-batches, and the simulated re-ranking also tries P_B (``policy_choice``).
+    """
 
     profile: ModelProfile
     cluster: Cluster
@@ -37,6 +42,7 @@ class PlanRequest:
     keep_per_state: int | None = None
     beam: int | None | str = "auto"
     simulate: StepPricer | None = None
+    auto_policy: bool = False
 
     @classmethod
     def build(
@@ -55,10 +61,14 @@ class PlanRequest:
         simulate: StepPricer | None = None,
     ) -> "PlanRequest":
         """Check the inputs (``DappleConfigError`` on bad ones) and resolve the defaults."""
+        auto_policy = policy == "auto"
+        if auto_policy:
+            policy = "PA"
         check_inputs(schedule, policy, global_batch_size)
         cluster = subcluster(cluster, num_devices)
         floor = default_min_slice(profile, min_slice)
         candidates, floor = candidate_micro_batches(global_batch_size, floor, micro_batches)
         return cls(
-            profile, cluster, global_batch_size, tuple(candidates), floor, min_slice, schedule, policy, micro_batches, rerank, keep_per_state, beam, simulate
+            profile, cluster, global_batch_size, tuple(candidates), floor, min_slice, schedule, policy, micro_batches, rerank, keep_per_state, beam, simulate,
+            auto_policy,
         )

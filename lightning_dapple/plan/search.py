@@ -1,11 +1,11 @@
 """One run of DAPPLE's dynamic programme (4.3, formulas 4-5) for a fixed M.
 
 See ``dapple_planner`` for the search as a whole. A sub-problem has planned the first j
-layers as complete stages (a ``PartialPlan``); ``expand`` prices, with arrays, every next
-stage at once -- every replica count r, every placement the policies of 4.2 offer and
-every end J -- both as the plan's last-but-one stage with the rest as one final stage
-(``complete_rows``: the paper's T_PL, formula 2 computed incrementally) and as a new
-sub-problem to split further.
+layers as complete stages (a ``PartialPlan``); ``expand_layer`` prices, with arrays, every
+next stage of every sub-problem of layer j at once -- every replica count r, every
+placement the policies of 4.2 offer and every end J -- both as the plan's last-but-one
+stage with the rest as one final stage (``_batch_complete``: the paper's T_PL, formula 2
+computed incrementally) and as a new sub-problem to split further (``_batch_extend``).
 """
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ class Successor:
 
 class SuccessorBlock:
     """Every placement offered after one placement state (occupied ranks, last stage's
-    ranks) for the replica counts asked so far, as rows in the order ``expand`` visits them
+    ranks) for the replica counts asked so far, as rows in the order ``_part`` visits them
     (replica count, then policy), with the per-row numbers it prices as arrays, so that a
     sub-problem's successors are selected and priced without a Python loop per placement."""
 
@@ -542,7 +542,7 @@ class StageSearch:
     def _materialise(self, pending: "Pending") -> tuple[Any, PartialPlan]:
         """A successor as (sub-problem key, candidate): the features of ``PartialPlan``
         from the new stage's numbers (the same operations, in the same order, as the
-        bound in ``_extend``)."""
+        bound in ``_batch_extend``)."""
         cand, succ, c = pending.cand, pending.successor, pending.c1
         if succ.key is None:
             succ.key = self.key(succ.occupied, succ.ranks)

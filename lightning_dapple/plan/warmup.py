@@ -3,6 +3,12 @@
 P_A: K_i = min(S - i, D); P_B: K_i = min(2(S - i) - 1, D). D bounds the micro-batches a
 stage may hold at once: M itself, or fewer when the memory model says so. Under GPipe
 (all forwards first) K_i is M for every stage.
+
+A memory cap on an early stage caps the stages after it too: stage i-1 sends K_{i-1}
+forwards and then waits for its first gradient, which stage i returns after its own K_i
+forwards, so K_i <= K_{i-1}; and unless stage i-1 already holds all M micro-batches, stage
+i needs one fewer (K_i <= K_{i-1} - 1) or every later forward waits for a round trip
+through stage i-1 (the policies' own counts fall by one or two per stage).
 """
 from __future__ import annotations
 
@@ -27,5 +33,7 @@ def warmup_counts(
             continue
         wanted = num_stages - stage if policy == "PA" else 2 * (num_stages - stage) - 1
         cap = micro_batches if memory_limits is None else min(micro_batches, max(1, memory_limits[stage]))
+        if counts:
+            cap = min(cap, counts[-1] if counts[-1] >= micro_batches else counts[-1] - 1)
         counts.append(max(1, min(wanted, cap)))
     return counts
