@@ -82,6 +82,39 @@ def test_fixed_policy_and_single_stage_plans_simulate_once() -> None:
     item = score_stages(profile, cluster, two, 64, 4)
     fixed = simulate_policies(PlanRequest.build(profile, cluster, 64, policy="PB", simulate=simulate_plan), item)
     assert list(fixed.tried) == ["PB"] and fixed.warmups == (3, 1)
+    request = PlanRequest.build(profile, cluster, 64, policy="auto", simulate=simulate_plan)
     dp = score_stages(profile, cluster, (StagePlan((0, 53), tuple(range(16))),), 64, 4)
-    auto = simulate_policies(PlanRequest.build(profile, cluster, 64, policy="auto", simulate=simulate_plan), dp)
-    assert list(auto.tried) == ["PA"]
+    assert list(simulate_policies(request, dp).tried) == ["PA"]
+    # a plan that cannot step faster than one already simulated is priced under P_A only
+    assert list(simulate_policies(request, item).tried) == ["PA", "PB"]
+    assert list(simulate_policies(request, item, beat=100.0).tried) == ["PA"]
+
+
+@pytest.mark.parametrize("name,cluster_name", [("bert-48-pbs-2.txt", "paper-a"), ("xlnet-36-pbs-1.txt", "paper-c"), ("gnmt-16-pbs-64.txt", "paper-b")])
+def test_no_schedule_steps_faster_than_the_lower_bound(name: str, cluster_name: str) -> None:
+    # what lets the policy choice skip P_B for a plan that cannot win (costs.step_lower_bound)
+    from lightning_dapple.plan.costs import stage_costs, step_lower_bound
+    from lightning_dapple.plan.options import with_weight_split
+
+    profile = load_profile(PROFILES / "dapple" / name)
+    cluster = load_cluster(cluster_name)
+    n = profile.num_layers
+    layouts = {
+        "8:8": [((0, n // 2), range(8)), ((n // 2, n), range(8, 16))],
+        "4x4": [((k * n // 4, (k + 1) * n // 4), range(4 * k, 4 * k + 4)) for k in range(4)],
+        "straight": [((k * n // 16, (k + 1) * n // 16), [k]) for k in range(16)],
+    }
+    gbs = 128 if "pbs-1" in name else (64 if "pbs-2" in name else 1024)
+    checked = 0
+    for layout in layouts.values():
+        stages = tuple(StagePlan(layers, tuple(devices)) for layers, devices in layout)
+        for m in (4, 8):
+            for schedule, policy, ooo in (("dapple", "PA", False), ("dapple", "PB", False), ("gpipe", "PA", False), ("dapple", "PA", True)):
+                # with ooo the simulator prices the profile with its backward split into B and W
+                costs = stage_costs(with_weight_split(profile) if ooo else profile, cluster, stages, gbs // m)
+                bound = step_lower_bound(costs, m)
+                plan = Plan(gbs, m, stages, schedule=schedule, policy=policy, ooo=ooo)
+                simulated = simulate_plan(plan, profile, cluster).latency_ms
+                assert simulated >= bound * (1 - 1e-9), (name, layout, m, schedule, policy, ooo, simulated, bound)
+                checked += 1
+    assert checked == 24

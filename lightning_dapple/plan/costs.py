@@ -183,6 +183,30 @@ def stage_memory_from_stash(cost: StageCost, peak_stash_bytes: float, cluster: C
     return cost.param_bytes * (2.0 + cluster.optimizer_state_factor) + peak_stash_bytes
 
 
+def step_lower_bound(costs: Sequence[StageCost], micro_batches: int) -> float:
+    """No schedule of these stages (any K_i, GPipe or early backward) ends a step sooner.
+
+    Stage s cannot start before the first micro-batch's forward has crossed the stages and
+    links before it; it then runs M forwards and M backwards, and after its last input
+    gradient (B, which with out-of-order backprop may precede some of its weight-gradient
+    work W) that gradient still has to cross back through the stages before it:
+    ``F_<s + M (F_s + B_s)`` and ``F_<s + M (F_s + Bin_s) + Bin_<s``, where ``X_<s`` sums
+    X_t plus the link's transfer over the stages t before s.
+    """
+    best = 0.0
+    forward_path = 0.0
+    backward_path = 0.0
+    for cost in costs:
+        best = max(
+            best,
+            forward_path + micro_batches * (cost.forward_ms + cost.backward_ms),
+            forward_path + micro_batches * (cost.forward_ms + cost.backward_input_ms) + backward_path,
+        )
+        forward_path += cost.forward_ms + cost.send_ms
+        backward_path += cost.backward_input_ms + cost.send_ms
+    return best
+
+
 def pipeline_phases(costs: Sequence[StageCost]) -> list[tuple[float, float, float]]:
     """(F, B, AR) of every stage of DAPPLE's formula, communication stages included.
 

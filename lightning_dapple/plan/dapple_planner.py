@@ -322,7 +322,12 @@ def _simulate(request: PlanRequest, pool: list[Scored]) -> dict[int, PolicyChoic
     re-ranking is off)."""
     if request.rerank <= 0 or request.simulate is None:
         return {}
-    return {index: simulate_policies(request, item) for index, item in enumerate(pool)}
+    out: dict[int, PolicyChoice] = {}
+    fastest = float("inf")
+    for index, item in enumerate(pool):
+        out[index] = simulate_policies(request, item, beat=fastest)
+        fastest = min(fastest, out[index].simulation.latency_ms)
+    return out
 
 
 def _have_sim(simulations: dict[int, Any]) -> bool:

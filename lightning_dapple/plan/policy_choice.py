@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from lightning_dapple.plan.costs import step_lower_bound
 from lightning_dapple.plan.evaluate import Scored, in_flight_limits, score_stages
 from lightning_dapple.plan.plan import Plan
 from lightning_dapple.plan.request import PlanRequest
@@ -65,17 +66,20 @@ def _warmups(request: PlanRequest, item: Scored, policy: str) -> tuple[int, ...]
     return tuple(warmup_counts(len(item.stages), item.micro_batches, policy, request.schedule, memory_limits=limits))
 
 
-def simulate_policies(request: PlanRequest, item: Scored) -> PolicyChoice:
+def simulate_policies(request: PlanRequest, item: Scored, beat: float = float("inf")) -> PolicyChoice:
     """Simulate ``item`` (``request.simulate``) under each policy it may run with and keep
-    the fastest, with the K_i of ``_warmups``; a policy whose K_i equal those of one
-    already tried is not simulated again."""
+    the fastest, with the K_i of ``_warmups``. A policy whose K_i equal those of one
+    already tried is not simulated again, and none beyond the request's own when no
+    schedule of the plan can step faster than ``beat`` (``costs.step_lower_bound``: the
+    plan cannot be chosen over the one that took ``beat``)."""
     assert request.simulate is not None
     best: tuple[str, Any, tuple[int, ...]] | None = None
     tried: dict[str, float] = {}
     seen: set[tuple[int, ...]] = set()
+    hopeless = step_lower_bound(item.costs, item.micro_batches) > beat
     for policy in _policies(request, item):
         warmups = _warmups(request, item, policy)
-        if warmups in seen:
+        if warmups in seen or (seen and hopeless):
             continue
         seen.add(warmups)
         stages = tuple(replace(stage, warmup=count) for stage, count in zip(item.stages, warmups))
