@@ -118,3 +118,16 @@ def test_no_schedule_steps_faster_than_the_lower_bound(name: str, cluster_name: 
                 assert simulated >= bound * (1 - 1e-9), (name, layout, m, schedule, policy, ooo, simulated, bound)
                 checked += 1
     assert checked == 24
+
+
+def test_strategy_keeps_the_planners_warmups_for_the_arguments_it_planned_with() -> None:
+    # plan="auto" hands M to the planner, whose P_B counts may be capped by memory; the
+    # strategy's own override step must not refill them uncapped
+    from lightning_dapple.strategy.resolve import PlanArguments, resolve_plan
+
+    stages = (StagePlan((0, 2), (0,), warmup=3), StagePlan((2, 4), (1,), warmup=2), StagePlan((4, 6), (2,), warmup=1))
+    plan = Plan(64, 8, stages, policy="PB")
+    same = resolve_plan(plan, PlanArguments(micro_batches=8, policy="PB", ooo=False))
+    assert [stage.warmup for stage in same.stages] == [3, 2, 1]
+    other = resolve_plan(plan, PlanArguments(micro_batches=16, ooo=False))
+    assert [stage.warmup for stage in other.with_warmups().stages] == [5, 3, 1]

@@ -75,13 +75,15 @@ def resolve_plan(base: Plan, arguments: PlanArguments) -> Plan:
     """``base`` with the user's ``arguments`` applied: the plan the run executes.
 
     Changing M, the schedule or the policy drops the plan's K_i (they were chosen for the
-    old values) so that ``Plan.with_warmups`` refills them by the policy (DAPPLE 5.3).
+    old values) so that ``Plan.with_warmups`` refills them by the policy (DAPPLE 5.3); an
+    argument the plan already has (the planner was given it) keeps them, memory caps
+    included.
     Fixed recomputation modes are set per stage; ``recompute="auto"`` was already resolved
     when the planner made ``base``. The out-of-order choice is recorded with its reason,
     unless ``ooo="auto"`` and the planner already decided it with a profile.
     """
     plan = base
-    overrides = arguments.planner_kwargs()
+    overrides = {name: value for name, value in arguments.planner_kwargs().items() if getattr(plan, name) != value}
     if overrides:
         stages = tuple(replace(stage, warmup=None) for stage in plan.stages)
         plan = replace(plan, stages=stages, **overrides)
