@@ -203,11 +203,11 @@ class StageSearch:
 
     def key(self, occupied: frozenset[int], last: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
         free = [self.per] * self.cluster.machines
-        for rank in occupied:
-            free[rank // self.per] -= 1
+        for device in occupied:
+            free[device // self.per] -= 1
         on = [0] * self.cluster.machines
-        for rank in last:
-            on[rank // self.per] += 1
+        for device in last:
+            on[device // self.per] += 1
         return tuple(sorted(zip(free, on)))
 
     def bound(self, max_fb, sum_fb, remaining):  # noqa: ANN001, ANN201 - arrays or floats
@@ -264,11 +264,6 @@ class StageSearch:
         latency = f + self.m1 * (f + b) + (ar + b)
         top.add(latency, self.m, ((0, n, ranks),))
 
-    def successors(self, occupied: frozenset[int], last: tuple[int, ...] | None, r: int) -> list[Successor]:
-        """The placements the policies offer for r devices after ``occupied`` (DAPPLE 4.2),
-        memoised across M."""
-        return self.block(occupied, last, [r]).by_r[r]
-
     def block(self, occupied: frozenset[int], last: tuple[int, ...] | None, sizes: Sequence[int]) -> SuccessorBlock:
         """The ``SuccessorBlock`` of a placement state, holding at least the replica counts
         ``sizes`` (memoised across M)."""
@@ -302,7 +297,7 @@ class StageSearch:
         per = self.per
         near = last if self.settings.extended else None  # the paper's three policies alone without it
         extended = self.settings.extended and self.cluster.num_devices <= EXTENDED_PLACEMENT_DEVICES
-        key = (occupied, r, frozenset([rank // per for rank in near]) if near else None, extended)
+        key = (occupied, r, frozenset([device // per for device in near]) if near else None, extended)
         found = self.shared.options.get(key)
         if found is None:
             state = PlacementState(self.cluster, occupied)
