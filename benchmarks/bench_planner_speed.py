@@ -24,6 +24,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 BERT = ROOT.parent / "shared" / "profiles" / "dapple" / "bert-48-pbs-2.txt"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(ROOT))  # time this checkout's package, installed or not
 
 
 def in_process(repeats: int) -> list[dict[str, Any]]:
@@ -52,7 +53,7 @@ def in_process(repeats: int) -> list[dict[str, Any]]:
 
 def _wall(command: list[str]) -> float:
     start = time.perf_counter()
-    subprocess.run(command, check=True, capture_output=True)
+    subprocess.run(command, check=True, capture_output=True, cwd=ROOT)
     return time.perf_counter() - start
 
 

@@ -61,3 +61,40 @@ def test_tmax_table_equals_tmax_of_each_stage(policy: str, schedule: str) -> Non
     # the memory limit binds somewhere: the comparison covers stages that always fit and
     # stages that fit only up to a finite number of stages after them (or never)
     assert np.inf in seen and len(seen) >= 2
+
+
+def test_balanced_cuts_minimise_the_slowest_stage() -> None:
+    """The bottleneck DP of ``baselines._balanced_cuts`` finds the best cut of all (checked
+    against every cut): the slowest stage or twice a transfer, as PipeDream 3.2 balances."""
+    import itertools
+
+    from lightning_dapple.plan.baselines import _balanced_cuts
+    from lightning_dapple.plan.costs import slice_size
+
+    rng = random.Random(3)
+    cluster = Cluster(2, 2, inter_bandwidth_gbps=10.0)
+    checked = 0
+    for _ in range(40):
+        n = rng.randint(2, 7)
+        layers = tuple(LayerProfile(f"l{i}", rng.uniform(0.5, 4.0), rng.uniform(1.0, 8.0), rng.uniform(1e5, 5e7), 1e6, 1e6) for i in range(n))
+        tables = RangeTables(ModelProfile(2, layers, name="cuts"))
+        count = rng.randint(1, min(n, cluster.num_devices))
+        devices = [(rank,) for rank in rng.sample(range(cluster.num_devices), count)]
+        mbs = rng.choice([2, 4])
+
+        def slowest(cuts: list[int]) -> float:
+            worst = 0.0
+            for s in range(count):
+                a, b = cuts[s], cuts[s + 1]
+                worst = max(worst, float(tables.work[a, b]) * slice_size(mbs, 1) / 2)
+                if s + 1 < count:
+                    unit = p2p_ms_fast(cluster, 1e6, devices[s], devices[s + 1]) / 1e6  # ms per byte, as the DP prices a send
+                    worst = max(worst, 2.0 * float(tables.output[b - 1]) * mbs / 2 * unit)
+            return worst
+
+        found = _balanced_cuts(tables, cluster, devices, mbs)
+        assert found is not None and found[0] == 0 and found[-1] == n and all(a < b for a, b in zip(found, found[1:]))
+        best = min(slowest([0, *inner, n]) for inner in itertools.combinations(range(1, n), count - 1))
+        assert slowest(found) == pytest.approx(best, rel=1e-9)
+        checked += 1
+    assert checked == 40

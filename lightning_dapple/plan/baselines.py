@@ -33,19 +33,21 @@ def _balanced_cuts(tables: RangeTables, cluster: Cluster, devices: Sequence[tupl
     best = np.full(n + 1, _INF)
     best[0] = 0.0
     choice = np.zeros((count, n + 1), dtype=int)
+    starts = np.arange(n + 1)[:, None]
     for s in range(count):
         scale = slice_size(mbs, len(devices[s])) / tables.pbs
+        last = s + 1 == count
+        ends = np.array([n]) if last else np.arange(s + 1, n - (count - s - 1) + 1)
+        # value[start, c]: the slowest stage so far if this stage is [start, c)
+        value = np.maximum(best[:, None], tables.work[:, ends] * scale)
+        if not last:
+            unit = p2p_ms_fast(cluster, 1e6, devices[s], devices[s + 1]) / 1e6
+            value = np.maximum(value, (2.0 * tables.output[ends - 1] * whole * unit)[None, :])
+        value = np.where((starts >= s) & (starts < ends[None, :]), value, _INF)
+        k = np.argmin(value, axis=0)  # the first (lowest) start on ties
         nxt = np.full(n + 1, _INF)
-        unit = p2p_ms_fast(cluster, 1e6, devices[s], devices[s + 1]) / 1e6 if s + 1 < count else 0.0
-        ends = range(s + 1, n - (count - s - 1) + 1) if s + 1 < count else [n]
-        for c in ends:
-            starts = np.arange(s, c)
-            stage_time = tables.work[starts, c] * scale
-            send = 2.0 * tables.output[c - 1] * whole * unit if s + 1 < count else 0.0
-            value = np.maximum(np.maximum(best[starts], stage_time), send)
-            k = int(np.argmin(value))
-            nxt[c] = value[k]
-            choice[s, c] = starts[k]
+        nxt[ends] = value[k, np.arange(ends.size)]
+        choice[s, ends] = k
         best = nxt
     if best[n] == _INF:
         return None
@@ -69,7 +71,7 @@ def balanced_variant(request: PlanRequest, item: Scored) -> Scored | None:
     stages = item.stages
     if len(stages) < 2:
         return None
-    tables = RangeTables(profile)
+    tables = request.tables
     cuts = _balanced_cuts(tables, cluster, [stage.devices for stage in stages], global_batch_size // item.micro_batches)
     if cuts is None:
         return None
@@ -106,7 +108,7 @@ def straight_candidates(request: PlanRequest, keep: int = 1) -> list[Scored]:
     g = cluster.num_devices
     if profile.num_layers < g:
         return []
-    tables = RangeTables(profile)
+    tables = request.tables
     devices = [(rank,) for rank in range(g)]
     out = []
     for m in request.micro_batches:
@@ -133,7 +135,7 @@ def smallest_memory(request: PlanRequest) -> tuple[float, str]:
     how many stages follow). Spare devices would only add replicas, which never add memory.
     """
     profile, cluster, global_batch_size, floor = request.profile, request.cluster, request.global_batch_size, request.floor
-    tables = RangeTables(profile)
+    tables = request.tables
     n, g = tables.n, cluster.num_devices
     best = (_INF, "")
     for m in request.micro_batches:

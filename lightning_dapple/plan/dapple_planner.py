@@ -70,7 +70,6 @@ fixed M), ``polish.py`` (local edits), ``baselines.py`` (DP, straight, balanced 
 """
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any, Sequence
 
 from lightning_dapple.cluster import Cluster
@@ -171,7 +170,7 @@ def search(request: PlanRequest, keep: int = 4, straight_only: bool = False, ext
     """``dapple_search`` for a built request."""
     profile, cluster = request.profile, request.cluster
     keep_per_state, beam = search_effort(profile.num_layers, cluster.num_devices, request.keep_per_state, request.beam)
-    tables = RangeTables(profile)
+    tables = request.tables
     settings = SearchSettings(request.policy, request.schedule, keep_per_state, straight_only, extended_placement, beam)
     top = TopPlans(keep)
     _run_searches(request, tables, settings, top)
@@ -195,22 +194,18 @@ def search(request: PlanRequest, keep: int = 4, straight_only: bool = False, ext
 def _run_searches(request: PlanRequest, tables: RangeTables, settings: SearchSettings, top: TopPlans) -> None:
     """One DP per M, the most promising M first.
 
-    The M candidates are ordered by a cheap probe (plans of at most two stages; with a beam
-    also a greedy deep search keeping one sub-problem per layer), so that the full searches
-    start with a tight bound and the later M are pruned hard; an M whose bound (M x all work
-    of one micro-batch / G, ``lower_bound`` with an empty prefix) reaches the top list is
-    skipped."""
+    The M candidates are ordered by a cheap probe (every plan of at most two stages), so
+    that the full searches start with a tight bound and the later M are pruned hard; an M
+    whose bound (M x all work of one micro-batch / G, ``lower_bound`` with an empty prefix)
+    reaches the top list is skipped."""
     gbs, g = request.global_batch_size, request.cluster.num_devices
     total_work = float(tables.work[0, tables.n])
     shared = SharedMemo()
     searches = {m: StageSearch(tables, request.cluster, gbs, m, request.floor, settings, shared) for m in request.micro_batches}
-    probe_settings = replace(settings, keep_per_state=1, beam=1) if settings.beam is not None else None
     probe_best: dict[int, float] = {}
     for m, run in searches.items():
         probe = TopPlans(1)
         run.run(probe, shallow=True)
-        if probe_settings is not None:
-            StageSearch(tables, request.cluster, gbs, m, request.floor, probe_settings, shared).run(probe)
         probe_best[m] = probe.items[0][0] if probe.items else _INF
         for latency, _, mm, raw in probe.items:
             top.add(latency, mm, raw)

@@ -4,11 +4,13 @@ micro-batch candidates and options (DAPPLE 4: the planner's inputs).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Callable
 
 from lightning_dapple.cluster import Cluster
 from lightning_dapple.plan.evaluate import candidate_micro_batches, check_inputs, default_min_slice, subcluster
 from lightning_dapple.plan.plan import Plan
+from lightning_dapple.plan.search_tables import RangeTables
 from lightning_dapple.profile.model_profile import ModelProfile
 
 __all__ = ["PlanRequest", "StepPricer"]
@@ -43,6 +45,11 @@ class PlanRequest:
     beam: int | None | str = "auto"
     simulate: StepPricer | None = None
     auto_policy: bool = False
+
+    @cached_property
+    def tables(self) -> RangeTables:
+        """The profile's range sums, built once for every search and baseline of the request."""
+        return RangeTables(self.profile)
 
     @classmethod
     def build(
