@@ -205,6 +205,14 @@ def test_malformed_schedules_are_rejected() -> None:
         simulate(twice, [cost(1, 1)])
     with pytest.raises(DappleConfigError, match="costs"):
         simulate(build_schedule("dapple", 2, 2), [cost(1, 1)])
+    wrong = {
+        r"schedule.actions\[0\] \(1F0\).*belongs to stage 1": ((a(Kind.F, 1, 0), a(Kind.B, 0, 0)),),
+        r"schedule.actions\[0\] \(0F3\).*names micro-batch 3 but M = 1": ((a(Kind.F, 0, 3), a(Kind.B, 0, 0)),),
+        r"schedule.actions\[0\] \(0RECV_F0\).*no neighbouring stage": ((a(Kind.RECV_ACT, 0, 0), a(Kind.F, 0, 0), a(Kind.B, 0, 0)),),
+    }
+    for message, actions in wrong.items():
+        with pytest.raises(DappleConfigError, match=message):
+            simulate(Schedule("bad", 1, 1, (1,), actions), [cost(1, 1)])
 
 
 # --------------------------------------------------------------------------- plans

@@ -1,7 +1,8 @@
 """Why this plan: the one-line reason a plan carries, from the numbers (DAPPLE 6.2 style).
 
-DP is compared with the best pipeline, a pipeline with DP and with the straight pipeline;
-each comparison quotes the AllReduce the pipeline avoids and the bubble it pays instead.
+DP is compared with the fastest pipeline simulated, a pipeline with DP and with the straight
+pipeline; each comparison quotes the AllReduce the pipeline avoids and the bubble it pays
+instead.
 """
 from __future__ import annotations
 
@@ -64,7 +65,9 @@ def describe_choice(
     runner_up: tuple[Scored, Any] | None = None,
 ) -> str:
     """One line saying why this plan, from the numbers (DAPPLE 6.2 style): DP is compared
-    with the best pipeline (``runner_up``), a pipeline with DP and the straight pipeline."""
+    with the fastest pipeline simulated (``runner_up``; the planner simulates only pipelines
+    whose formula latency is below DP's step, and the best two-stage one), a pipeline with
+    DP and the straight pipeline."""
     kind = chosen.kind()
     latency = _latency((chosen, sim))
     where = "simulated" if sim is not None else "formula"
@@ -79,7 +82,7 @@ def describe_choice(
             other, other_sim = runner_up
             label = "straight" if other.kind() == "straight" else other.kind()
             text += (
-                f", less than the bubble of the best pipeline ({label}, {_bubble_ms(other, other_sim):.1f} ms): "
+                f", less than the bubble of the fastest pipeline simulated ({label}, {_bubble_ms(other, other_sim):.1f} ms): "
                 f"{latency:.1f} vs {_latency(runner_up):.1f} ms per step ({where})"
             )
         else:

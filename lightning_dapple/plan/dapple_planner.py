@@ -66,7 +66,9 @@ fixed M), ``polish.py`` (local edits), ``baselines.py`` (DP, straight, balanced 
   balanced layer cuts (``balanced_variant``), and DP and the straight pipeline when valid
   and within memory, are simulated (``simulate_plan``); the fastest simulated plan is
   returned. The formula ignores bubbles inside the pivot stage (4.1) and lets a stage
-  before the pivot be heavier than the pivot; the simulator does not.
+  before the pivot be heavier than the pivot; the simulator does not. For the same reason
+  DP is simulated first and the search keeps only plans whose formula latency is below
+  DP's simulated step (``_run_searches``): when DP wins, most of the search is pruned.
 """
 from __future__ import annotations
 
@@ -166,14 +168,14 @@ def dapple_search(
     return search(request, keep, straight_only, extended_placement)
 
 
-def search(request: PlanRequest, keep: int = 4, straight_only: bool = False, extended_placement: bool = True) -> list[Scored]:
+def search(request: PlanRequest, keep: int = 4, straight_only: bool = False, extended_placement: bool = True, cap: float = _INF) -> list[Scored]:
     """``dapple_search`` for a built request."""
     profile, cluster = request.profile, request.cluster
     keep_per_state, beam = search_effort(profile.num_layers, cluster.num_devices, request.keep_per_state, request.beam)
     tables = request.tables
     settings = SearchSettings(request.policy, request.schedule, keep_per_state, straight_only, extended_placement, beam)
     top = TopPlans(keep)
-    _run_searches(request, tables, settings, top)
+    _run_searches(request, tables, settings, top, cap)
     scored = []
     for _, _, m, raw in top.items:
         item = score_stages(profile, cluster, _to_stages(raw), request.global_batch_size, m, request.policy, request.schedule)
@@ -191,24 +193,36 @@ def search(request: PlanRequest, keep: int = 4, straight_only: bool = False, ext
     return scored
 
 
-def _run_searches(request: PlanRequest, tables: RangeTables, settings: SearchSettings, top: TopPlans) -> None:
+def _run_searches(request: PlanRequest, tables: RangeTables, settings: SearchSettings, top: TopPlans, cap: float = _INF) -> None:
     """One DP per M, the most promising M first.
 
     The M candidates are ordered by a cheap probe (every plan of at most two stages), so
     that the full searches start with a tight bound and the later M are pruned hard; an M
     whose bound (M x all work of one micro-batch / G, ``lower_bound`` with an empty prefix)
-    reaches the top list is skipped."""
+    reaches the top list is skipped.
+
+    ``cap`` is DP's simulated step (DP is re-ranked anyway; ``plan_request`` simulates it
+    first). Formula 2 leaves out the bubbles inside the pivot stage (4.1), so a plan whose
+    formula latency reaches ``cap`` would simulate no faster and cannot win the
+    re-ranking: the full searches keep only plans below it. The probe's plans are kept
+    either way (while four better ones are not found), so that the plan's reason can name
+    the best two-stage pipeline. (Where a transfer paces the pipeline the formula can run
+    high, as it charges the link's two directions one after the other; such a plan above
+    ``cap`` may simulate below it and is then missed. tests/test_planner_dp_cap.py finds
+    no chosen plan that changes on 150 random instances.)
+    """
     gbs, g = request.global_batch_size, request.cluster.num_devices
     total_work = float(tables.work[0, tables.n])
     shared = SharedMemo()
     searches = {m: StageSearch(tables, request.cluster, gbs, m, request.floor, settings, shared) for m in request.micro_batches}
     probe_best: dict[int, float] = {}
     for m, run in searches.items():
-        probe = TopPlans(1)
+        probe = TopPlans(2)  # the one-stage plan and the best two-stage one, or the two best two-stage ones
         run.run(probe, shallow=True)
         probe_best[m] = probe.items[0][0] if probe.items else _INF
         for latency, _, mm, raw in probe.items:
             top.add(latency, mm, raw)
+    top.set_cap(cap)
     for m in sorted(request.micro_batches, key=lambda m: (probe_best[m], m)):
         if m * total_work * ((gbs // m) / tables.pbs) / g >= top.threshold:
             continue
@@ -251,8 +265,9 @@ def plan_request(request: PlanRequest) -> Plan:
     dp_all = data_parallel_candidates(request)
     dp = [item for item in dp_all if item.fits(request.cluster)][:1]
     straight = straight_candidates(request)
-    pool = _candidate_pool(request, dp, straight)
-    choices = _simulate(request, pool)
+    dp_choice = _simulate_first(request, dp)
+    pool = _candidate_pool(request, dp, straight, dp_choice.simulation.latency_ms if dp_choice is not None else _INF)
+    choices = _simulate(request, pool, {(dp[0].micro_batches, dp[0].stages): dp_choice} if dp_choice is not None else {})
     simulations = {index: choice.simulation for index, choice in choices.items()}
     chosen_index = _choose(pool, simulations)
     choice = choices.get(chosen_index)
@@ -279,11 +294,19 @@ def _setting_floor(request: PlanRequest) -> int:
     return request.min_slice if request.min_slice is not None else request.profile.micro_batch_size
 
 
-def _candidate_pool(request: PlanRequest, dp: list[Scored], straight: list[Scored]) -> list[Scored]:
+def _simulate_first(request: PlanRequest, dp: list[Scored]) -> PolicyChoice | None:
+    """DP's simulated step, before the search, which keeps only plans whose formula latency
+    is below it (``_run_searches``); None without re-ranking or a DP plan that fits."""
+    if request.rerank <= 0 or request.simulate is None or not dp:
+        return None
+    return simulate_policies(request, dp[0])  # one stage: one policy, whatever it has to beat
+
+
+def _candidate_pool(request: PlanRequest, dp: list[Scored], straight: list[Scored], cap: float = _INF) -> list[Scored]:
     """The search's best, the straight pipeline, their balanced twins and DP, without
     duplicates; ``DappleConfigError`` when there is none."""
     rerank = request.rerank
-    best = search(request, keep=max(rerank, 1))
+    best = search(request, keep=max(rerank, 1), cap=cap)
     shortlist = [*best[: max(rerank, 1)], *straight]
     if rerank > 0:
         balanced = [balanced_variant(request, item) for item in shortlist]
@@ -312,15 +335,16 @@ def _raise_nothing_valid(request: PlanRequest) -> None:
     raise_no_memory(profile, cluster, need, what)
 
 
-def _simulate(request: PlanRequest, pool: list[Scored]) -> dict[int, PolicyChoice]:
+def _simulate(request: PlanRequest, pool: list[Scored], known: dict[tuple[int, tuple[StagePlan, ...]], PolicyChoice]) -> dict[int, PolicyChoice]:
     """Simulated step of every pooled plan under the policy it runs fastest with (none when
-    re-ranking is off)."""
+    re-ranking is off); ``known`` ones (by M and stages) are not simulated again."""
     if request.rerank <= 0 or request.simulate is None:
         return {}
     out: dict[int, PolicyChoice] = {}
     fastest = float("inf")
     for index, item in enumerate(pool):
-        out[index] = simulate_policies(request, item, beat=fastest)
+        found = known.get((item.micro_batches, item.stages))
+        out[index] = found if found is not None else simulate_policies(request, item, beat=fastest)
         fastest = min(fastest, out[index].simulation.latency_ms)
     return out
 
@@ -339,7 +363,7 @@ def _choose(pool: list[Scored], simulations: dict[int, Any], among: Sequence[int
 
 
 def _runner_up(pool: list[Scored], simulations: dict[int, Any]) -> tuple[Scored, Any] | None:
-    """The best pipeline of the pool (what DP is compared with)."""
+    """The fastest pipeline of the pool (what DP is compared with)."""
     pipelines = [i for i in range(len(pool)) if len(pool[i].stages) > 1]
     if not pipelines:
         return None

@@ -119,16 +119,25 @@ def beam_select(layer: list[PartialPlan], beam: int) -> list[PartialPlan]:
 
 
 class TopPlans:
-    """The ``keep`` best complete plans seen, without duplicates."""
+    """The ``keep`` best complete plans seen, without duplicates, and the bar a new plan
+    (or a sub-problem's bound) must stay under: ``threshold``, the ``keep``-th best
+    latency once there are that many, and at most ``cap`` (``set_cap``)."""
 
     def __init__(self, keep: int) -> None:
         self.keep = max(1, keep)
+        self.cap = _INF
         self.items: list[tuple[float, int, int, RawStages]] = []
         self.seen: set[tuple[int, RawStages]] = set()
+        self.threshold = _INF
 
-    @property
-    def threshold(self) -> float:
-        return self.items[-1][0] if len(self.items) >= self.keep else _INF
+    def set_cap(self, cap: float) -> None:
+        """No plan at or above ``cap`` is wanted any more (the plans kept so far stay)."""
+        self.cap = cap
+        self._update()
+
+    def _update(self) -> None:
+        kept = self.items[-1][0] if len(self.items) >= self.keep else _INF
+        self.threshold = min(kept, self.cap)
 
     def add(self, latency: float, micro_batches: int, stages: RawStages) -> None:
         if latency >= self.threshold:
@@ -141,4 +150,4 @@ class TopPlans:
         while len(self.items) > self.keep:
             dropped = self.items.pop()
             self.seen.discard((dropped[2], dropped[3]))
-
+        self._update()

@@ -52,9 +52,9 @@ backward is queued behind a forward that needs this stage's own later work) rais
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Iterator, NamedTuple, Sequence
 
-from lightning_dapple.errors import require
+from lightning_dapple.errors import DappleConfigError, require
 from lightning_dapple.plan.costs import StageCost
 from lightning_dapple.schedule.actions import Action, Kind
 from lightning_dapple.schedule.builders import Schedule
@@ -212,31 +212,38 @@ class _Stage:
 
 
 def _check_schedule(schedule: Schedule, costs: Sequence[StageCost]) -> None:
+    """``DappleConfigError`` naming the first action a schedule cannot run as listed."""
     num_stages = schedule.num_stages
     require(len(schedule.actions) == num_stages, "schedule.actions", f"has {len(schedule.actions)} lists for {num_stages} stages", "give one action list per stage")
     require(len(costs) == num_stages, "costs", f"has {len(costs)} entries for {num_stages} stages", "price every stage (stage_costs(profile, cluster, plan.stages, ...))")
     for s, actions in enumerate(schedule.actions):
-        seen_buckets: set[tuple[int, int] | None] = set()
-        seen: set[tuple[Kind, int | None, tuple[int, int] | None]] = set()
-        for action in actions:
-            where = f"schedule.actions[{s}] ({action})"
-            require(action.stage == s, where, f"belongs to stage {action.stage}", "put each action in its own stage's list")
-            if action.kind is Kind.ALLREDUCE:
-                require(action.layers not in seen_buckets, where, "appears twice", "list each AllReduce bucket once")
-                seen_buckets.add(action.layers)
-                continue
-            require(
-                action.microbatch is not None and 0 <= action.microbatch < schedule.micro_batches,
-                where,
-                f"names micro-batch {action.microbatch!r} but M = {schedule.micro_batches}",
-                "use micro-batch ids 0..M-1",
-            )
-            key = (action.kind, action.microbatch, action.layers)
-            require(key not in seen, where, "appears twice", "list each action once per stage")
-            seen.add(key)
-            no_prev = action.kind in (Kind.RECV_ACT, Kind.SEND_GRAD) and s == 0
-            no_next = action.kind in (Kind.SEND_ACT, Kind.RECV_GRAD) and s == num_stages - 1
-            require(not (no_prev or no_next), where, "has no neighbouring stage to talk to", "drop it from the first/last stage's list")
+        for action, problem, fix in _schedule_problems(s, actions, schedule.micro_batches, num_stages):
+            raise DappleConfigError(f"schedule.actions[{s}] ({action})", problem, fix)
+
+
+def _schedule_problems(s: int, actions: Sequence[Action], micro_batches: int, num_stages: int) -> Iterator[tuple[Action, str, str]]:
+    """(action, what is wrong, how to fix it) for each action of stage ``s`` that is wrong
+    (the messages are built only for those: a long schedule has tens of thousands of actions)."""
+    seen_buckets: set[tuple[int, int] | None] = set()
+    seen: set[tuple[Kind, int | None, tuple[int, int] | None]] = set()
+    for action in actions:
+        if action.stage != s:
+            yield action, f"belongs to stage {action.stage}", "put each action in its own stage's list"
+        if action.kind is Kind.ALLREDUCE:
+            if action.layers in seen_buckets:
+                yield action, "appears twice", "list each AllReduce bucket once"
+            seen_buckets.add(action.layers)
+            continue
+        if action.microbatch is None or not 0 <= action.microbatch < micro_batches:
+            yield action, f"names micro-batch {action.microbatch!r} but M = {micro_batches}", "use micro-batch ids 0..M-1"
+        key = (action.kind, action.microbatch, action.layers)
+        if key in seen:
+            yield action, "appears twice", "list each action once per stage"
+        seen.add(key)
+        no_prev = s == 0 and action.kind in (Kind.RECV_ACT, Kind.SEND_GRAD)
+        no_next = s == num_stages - 1 and action.kind in (Kind.SEND_ACT, Kind.RECV_GRAD)
+        if no_prev or no_next:
+            yield action, "has no neighbouring stage to talk to", "drop it from the first/last stage's list"
 
 
 def simulate(
@@ -265,6 +272,10 @@ def _device_groups(num_stages: int, devices: Sequence[Sequence[int]] | None) -> 
     require(all(groups), "devices", "has an empty group", "give every stage at least one device")
     require(len(flat) == len(set(flat)), "devices", "lists a device in two stages", "give each device to one stage")
     return groups
+
+
+# the stage's own action an action needs to have run first
+_NEEDS = {Kind.B: Kind.F, Kind.W: Kind.B, Kind.SEND_ACT: Kind.F, Kind.SEND_GRAD: Kind.B}
 
 
 class _Run:
@@ -355,7 +366,7 @@ class _Run:
         arrival = self.arrival(st, kind, mb)
         if arrival is None:
             return False
-        needs = {Kind.B: Kind.F, Kind.W: Kind.B, Kind.SEND_ACT: Kind.F, Kind.SEND_GRAD: Kind.B}.get(kind)
+        needs = _NEEDS.get(kind)
         if needs is not None and (needs, mb) not in st.done:
             st.blocked_on = f"its own {needs.value}{mb}, which is not before it in stage {s}'s list"
             return False
