@@ -31,6 +31,7 @@ returns 16-21, Append First 12-15 plus 16-17, Scatter First 12-14 plus 16-18.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable, Iterable
 
 from lightning_dapple.cluster import Cluster
@@ -76,16 +77,18 @@ class PlacementState:
     def num_free(self) -> int:
         return self.cluster.num_devices - len(self.occupied)
 
-    def free_ranks(self, machine: int) -> list[int]:
-        per = self.cluster.devices_per_machine
-        return [rank for rank in range(machine * per, (machine + 1) * per) if rank not in self.occupied]
+    @cached_property
+    def _free_by_machine(self) -> tuple[tuple[int, ...], ...]:
+        """Free ranks of every machine, ascending (once per state: the planner asks every
+        policy about the same state)."""
+        per, occupied = self.cluster.devices_per_machine, self.occupied
+        return tuple(tuple(rank for rank in range(m * per, (m + 1) * per) if rank not in occupied) for m in range(self.cluster.machines))
+
+    def free_ranks(self, machine: int) -> tuple[int, ...]:
+        return self._free_by_machine[machine]
 
     def free_counts(self) -> list[int]:
-        per = self.cluster.devices_per_machine
-        counts = [per] * self.cluster.machines
-        for rank in self.occupied:
-            counts[rank // per] -= 1
-        return counts
+        return [len(ranks) for ranks in self._free_by_machine]
 
     def free(self) -> tuple[int, ...]:
         """Every free rank, ascending."""
@@ -100,13 +103,10 @@ class PlacementState:
 def _allocate_in_order(state: PlacementState, machines: Iterable[int], n: int) -> tuple[int, ...] | None:
     chosen: list[int] = []
     for machine in machines:
-        for rank in state.free_ranks(machine):
-            if len(chosen) == n:
-                break
-            chosen.append(rank)
+        chosen.extend(state.free_ranks(machine)[: n - len(chosen)])
         if len(chosen) == n:
-            break
-    return tuple(sorted(chosen)) if len(chosen) == n else None
+            return tuple(sorted(chosen))
+    return None
 
 
 def _check_request(state: PlacementState, n: int) -> bool:
