@@ -57,38 +57,41 @@ def p2p_ms_fast(cluster: Cluster, num_bytes: float, senders: Sequence[int], rece
         return 0.0
     a, b = len(senders), len(receivers)
     per = cluster.devices_per_machine
-    # per-machine and per-device sums in lists (0.0 + size == size, and every sum is
-    # accumulated in the same order as with dictionaries, so the maxima are the same)
-    send_machine = [src // per for src in senders]
-    recv_machine = [dst // per for dst in receivers]
+    # per-machine and per-device sums (0.0 + size == size, and every sum is accumulated in
+    # the same order as with dictionaries, so the maxima are the same)
     network_out = [0.0] * cluster.machines
     network_in = [0.0] * cluster.machines
-    local_out = [0.0] * cluster.num_devices
-    local_in = [0.0] * cluster.num_devices
+    local_out: dict[int, float] = {}
+    local_in: dict[int, float] = {}
     i = j = 0
-    while i < a and j < b:
-        lo = max(i / a, j / b)
-        end_i, end_j = (i + 1) / a, (j + 1) / b
-        hi = min(end_i, end_j)
-        src, dst = senders[i], receivers[j]
+    lo = 0.0  # each piece starts where the previous one ended
+    end_i, end_j = 1 / a, 1 / b
+    src, dst = senders[0], receivers[0]
+    while True:
+        hi = end_i if end_i <= end_j else end_j
         if hi > lo + 1e-12 and src != dst:
             size = (hi - lo) * num_bytes
-            ms, md = send_machine[i], recv_machine[j]
+            ms, md = src // per, dst // per
             if ms != md:
                 network_out[ms] += size
                 network_in[md] += size
             else:
-                local_out[src] += size
-                local_in[dst] += size
-        if end_i < end_j:
+                local_out[src] = local_out.get(src, 0.0) + size
+                local_in[dst] = local_in.get(dst, 0.0) + size
+        lo = hi
+        advance_j = end_j <= end_i
+        if end_i <= end_j:
             i += 1
-        elif end_j < end_i:
+            if i == a:
+                break
+            end_i, src = (i + 1) / a, senders[i]
+        if advance_j:
             j += 1
-        else:
-            i += 1
-            j += 1
+            if j == b:
+                break
+            end_j, dst = (j + 1) / b, receivers[j]
     network = max(max(network_out), max(network_in)) / cluster.bytes_per_ms(cluster.inter_bandwidth_gbps)
-    local = max(max(local_out), max(local_in)) / cluster.bytes_per_ms(cluster.intra_bandwidth_gbps)
+    local = max([*local_out.values(), *local_in.values(), 0.0]) / cluster.bytes_per_ms(cluster.intra_bandwidth_gbps)
     if network == 0.0 and local == 0.0:
         return 0.0
     return max(network, local) + cluster.latency_ms
