@@ -402,12 +402,16 @@ class _Run:
         stage and on transfers whose issue order is fixed by the sender's list, so running
         each stage as far as it can, round after round, yields the exact event times."""
         progress = True
+        step = self.step
         while progress:
             progress = False
             for st in self.stages:
-                while not st.finished and self.step(st, st.actions[st.pc]):
-                    st.pc += 1
-                    st.blocked_on = ""
+                actions, pc = st.actions, st.pc
+                end = len(actions)
+                while pc < end and step(st, actions[pc]):
+                    pc += 1
+                if pc != st.pc:
+                    st.pc = pc  # a stage stuck for good keeps the reason its last step gave
                     progress = True
         stuck = [st for st in self.stages if not st.finished]
         if stuck:
