@@ -91,6 +91,10 @@ def test_fast_split_concat_matches_cluster() -> None:
         senders, receivers = tuple(sorted(ranks[:a])), tuple(sorted(ranks[a : a + b]))
         size = rng.choice([0.0, 1.0, 3e6])
         assert p2p_ms_fast(cluster, size, senders, receivers) == cluster.p2p_ms(size, senders, receivers)
+        # overlapping sets (a rank passing rows to itself moves nothing) and empty sides
+        overlapping = tuple(sorted(rng.sample(ranks, rng.randint(1, len(ranks)))))
+        assert p2p_ms_fast(cluster, 3e6, senders, overlapping) == cluster.p2p_ms(3e6, senders, overlapping)
+        assert p2p_ms_fast(cluster, 3e6, (), receivers) == cluster.p2p_ms(3e6, (), receivers) == 0.0
 
 
 # --------------------------------------------------------------------------- M and memory

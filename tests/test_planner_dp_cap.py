@@ -14,7 +14,7 @@ from lightning_dapple.plan.partial import TopPlans
 from lightning_dapple.simulate.plans import make_plan
 from test_planner_optimality import random_instance
 
-REAL_SIMULATE_FIRST, REAL_SEARCH = planner._simulate_first, planner.search
+REAL_SIMULATE_DP, REAL_SEARCH = planner._simulate_dp, planner.search
 
 
 def test_top_plans_cap_rejects_later_plans_and_keeps_earlier_ones() -> None:
@@ -39,7 +39,7 @@ def _chosen(args: tuple, capped: bool, monkeypatch: pytest.MonkeyPatch, shortlis
         shortlisted.append(len(found))
         return found
 
-    monkeypatch.setattr(planner, "_simulate_first", REAL_SIMULATE_FIRST if capped else (lambda request, dp: None))
+    monkeypatch.setattr(planner, "_simulate_dp", REAL_SIMULATE_DP if capped else (lambda request, dp: None))
     monkeypatch.setattr(planner, "search", counting_search)
     profile, cluster, gbs, m = args
     try:

@@ -79,14 +79,18 @@ def test_balanced_cuts_minimise_the_slowest_stage() -> None:
         layers = tuple(LayerProfile(f"l{i}", rng.uniform(0.5, 4.0), rng.uniform(1.0, 8.0), rng.uniform(1e5, 5e7), 1e6, 1e6) for i in range(n))
         tables = RangeTables(ModelProfile(2, layers, name="cuts"))
         count = rng.randint(1, min(n, cluster.num_devices))
-        devices = [(rank,) for rank in rng.sample(range(cluster.num_devices), count)]
+        ranks = rng.sample(range(cluster.num_devices), cluster.num_devices)
+        sizes = [1] * count
+        for _ in range(rng.randint(0, cluster.num_devices - count)):
+            sizes[rng.randrange(count)] += 1  # replicated stages run smaller slices
+        devices = [tuple(sorted(ranks[sum(sizes[:s]) : sum(sizes[: s + 1])])) for s in range(count)]
         mbs = rng.choice([2, 4])
 
         def slowest(cuts: list[int]) -> float:
             worst = 0.0
             for s in range(count):
                 a, b = cuts[s], cuts[s + 1]
-                worst = max(worst, float(tables.work[a, b]) * slice_size(mbs, 1) / 2)
+                worst = max(worst, float(tables.work[a, b]) * slice_size(mbs, len(devices[s])) / 2)
                 if s + 1 < count:
                     unit = p2p_ms_fast(cluster, 1e6, devices[s], devices[s + 1]) / 1e6  # ms per byte, as the DP prices a send
                     worst = max(worst, 2.0 * float(tables.output[b - 1]) * mbs / 2 * unit)

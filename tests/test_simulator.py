@@ -198,6 +198,17 @@ def test_missing_send_deadlocks_but_compute_only_lists_send_implicitly() -> None
         simulate(no_send, [cost(1, 2), cost(1, 2)])
 
 
+def test_deadlock_names_the_last_reason_a_stage_gave() -> None:
+    """Stage 1 first waits for micro-batch 1's activation, gets it, and then stalls on a W
+    whose B it never lists: the deadlock names the second reason, not the first."""
+    a = Action
+    stage0 = (a(Kind.F, 0, 0), a(Kind.SEND_ACT, 0, 0), a(Kind.F, 0, 1), a(Kind.RECV_GRAD, 0, 0), a(Kind.B, 0, 0), a(Kind.SEND_ACT, 0, 1))
+    stage1 = (a(Kind.RECV_ACT, 1, 0), a(Kind.F, 1, 0), a(Kind.B, 1, 0), a(Kind.SEND_GRAD, 1, 0), a(Kind.RECV_ACT, 1, 1), a(Kind.F, 1, 1), a(Kind.W, 1, 1))
+    with pytest.raises(ScheduleDeadlock, match="stage 1 is stuck at 1W1 waiting for its own B1") as caught:
+        simulate(Schedule("stalls", 2, 2, (2, 1), (stage0, stage1)), [cost(1, 2), cost(1, 2)])
+    assert "activation" not in str(caught.value)
+
+
 def test_malformed_schedules_are_rejected() -> None:
     a = Action
     twice = Schedule("bad", 1, 1, (1,), ((a(Kind.F, 0, 0), a(Kind.F, 0, 0), a(Kind.B, 0, 0)),))

@@ -1,7 +1,7 @@
 """Why this plan: the one-line reason a plan carries, from the numbers (DAPPLE 6.2 style).
 
-DP is compared with the fastest pipeline simulated, a pipeline with DP and with the straight
-pipeline; each comparison quotes the AllReduce the pipeline avoids and the bubble it pays
+DP is compared with the fastest pipeline of the planner's pool, a pipeline with DP and with
+the straight pipeline; each comparison quotes the AllReduce the pipeline avoids and the bubble it pays
 instead.
 """
 from __future__ import annotations
@@ -65,9 +65,9 @@ def describe_choice(
     runner_up: tuple[Scored, Any] | None = None,
 ) -> str:
     """One line saying why this plan, from the numbers (DAPPLE 6.2 style): DP is compared
-    with the fastest pipeline simulated (``runner_up``; the planner simulates only pipelines
-    whose formula latency is below DP's step, and the best two-stage one), a pipeline with
-    DP and the straight pipeline."""
+    with the fastest pipeline of the planner's pool (``runner_up``: simulated, or by formula
+    without simulations; the pool holds the search's pipelines, the straight one and their
+    balanced twins, see ``dapple_planner``), a pipeline with DP and the straight pipeline."""
     kind = chosen.kind()
     latency = _latency((chosen, sim))
     where = "simulated" if sim is not None else "formula"
@@ -81,8 +81,9 @@ def describe_choice(
         if runner_up is not None:
             other, other_sim = runner_up
             label = "straight" if other.kind() == "straight" else other.kind()
+            which = "fastest pipeline simulated" if other_sim is not None else "best pipeline by formula"
             text += (
-                f", less than the bubble of the fastest pipeline simulated ({label}, {_bubble_ms(other, other_sim):.1f} ms): "
+                f", less than the bubble of the {which} ({label}, {_bubble_ms(other, other_sim):.1f} ms): "
                 f"{latency:.1f} vs {_latency(runner_up):.1f} ms per step ({where})"
             )
         else:

@@ -118,9 +118,10 @@ def search_effort(num_layers: int, num_devices: int, keep_per_state: int | None 
     (tests/test_planner_optimality.py). Larger ones keep two and expand, per number of
     planned layers j, only 16 sub-problems (8 beyond 4096 layers x devices), half with the
     lowest bound and half with the lowest T_PL, admitting 4x as many; the best results are
-    then polished by local edits (``polish``). This keeps BERT-48 on 16 devices around a
-    second and 128 layers on 64 devices under ten, at a cost of a few percent of formula
-    latency on the hardest Table 4 cases (benchmarks/bench_planner.py measures it).
+    then polished by local edits (``polish``). This keeps BERT-48 on 16 devices near half a
+    second and 128 layers on 64 devices near two (README, "Planning speed"), at a cost of a
+    few percent of formula latency on the hardest Table 4 cases (benchmarks/bench_planner.py
+    measures it).
     """
     small = num_layers * num_devices <= SMALL_INSTANCE
     if keep_per_state is None:
@@ -205,11 +206,13 @@ def _run_searches(request: PlanRequest, tables: RangeTables, settings: SearchSet
     first). Formula 2 leaves out the bubbles inside the pivot stage (4.1), so a plan whose
     formula latency reaches ``cap`` would simulate no faster and cannot win the
     re-ranking: the full searches keep only plans below it. The probe's plans are kept
-    either way (while four better ones are not found), so that the plan's reason can name
-    the best two-stage pipeline. (Where a transfer paces the pipeline the formula can run
-    high, as it charges the link's two directions one after the other; such a plan above
-    ``cap`` may simulate below it and is then missed. tests/test_planner_dp_cap.py finds
-    no chosen plan that changes on 150 random instances.)
+    either way (while ``keep`` better ones are not found), so that the plan's reason can
+    name a pipeline, though not always the fastest one an uncapped search would have
+    found. (This holds for the searched plans themselves. Where a transfer paces the
+    pipeline the formula can run high, as it charges the link's two directions one after
+    the other, and a balanced twin of a plan the cap dropped could also simulate below
+    ``cap``; such plans are then missed. tests/test_planner_dp_cap.py finds no chosen plan
+    that changes on 150 random instances.)
     """
     gbs, g = request.global_batch_size, request.cluster.num_devices
     total_work = float(tables.work[0, tables.n])
@@ -265,9 +268,12 @@ def plan_request(request: PlanRequest) -> Plan:
     dp_all = data_parallel_candidates(request)
     dp = [item for item in dp_all if item.fits(request.cluster)][:1]
     straight = straight_candidates(request)
-    dp_choice = _simulate_first(request, dp)
-    pool = _candidate_pool(request, dp, straight, dp_choice.simulation.latency_ms if dp_choice is not None else _INF)
-    choices = _simulate(request, pool, {(dp[0].micro_batches, dp[0].stages): dp_choice} if dp_choice is not None else {})
+    dp_choice = _simulate_dp(request, dp)
+    cap, known = _INF, {}
+    if dp_choice is not None:
+        cap, known = dp_choice.simulation.latency_ms, {(dp[0].micro_batches, dp[0].stages): dp_choice}
+    pool = _candidate_pool(request, dp, straight, cap)
+    choices = _simulate(request, pool, known)
     simulations = {index: choice.simulation for index, choice in choices.items()}
     chosen_index = _choose(pool, simulations)
     choice = choices.get(chosen_index)
@@ -294,7 +300,7 @@ def _setting_floor(request: PlanRequest) -> int:
     return request.min_slice if request.min_slice is not None else request.profile.micro_batch_size
 
 
-def _simulate_first(request: PlanRequest, dp: list[Scored]) -> PolicyChoice | None:
+def _simulate_dp(request: PlanRequest, dp: list[Scored]) -> PolicyChoice | None:
     """DP's simulated step, before the search, which keeps only plans whose formula latency
     is below it (``_run_searches``); None without re-ranking or a DP plan that fits."""
     if request.rerank <= 0 or request.simulate is None or not dp:

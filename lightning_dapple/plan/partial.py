@@ -121,14 +121,19 @@ def beam_select(layer: list[PartialPlan], beam: int) -> list[PartialPlan]:
 class TopPlans:
     """The ``keep`` best complete plans seen, without duplicates, and the bar a new plan
     (or a sub-problem's bound) must stay under: ``threshold``, the ``keep``-th best
-    latency once there are that many, and at most ``cap`` (``set_cap``)."""
+    latency once there are that many, and at most ``cap`` (``set_cap``). ``items`` change
+    only through ``add``, which keeps the threshold up to date."""
 
     def __init__(self, keep: int) -> None:
         self.keep = max(1, keep)
         self.cap = _INF
         self.items: list[tuple[float, int, int, RawStages]] = []
         self.seen: set[tuple[int, RawStages]] = set()
-        self.threshold = _INF
+        self._threshold = _INF
+
+    @property
+    def threshold(self) -> float:
+        return self._threshold
 
     def set_cap(self, cap: float) -> None:
         """No plan at or above ``cap`` is wanted any more (the plans kept so far stay)."""
@@ -137,7 +142,7 @@ class TopPlans:
 
     def _update(self) -> None:
         kept = self.items[-1][0] if len(self.items) >= self.keep else _INF
-        self.threshold = min(kept, self.cap)
+        self._threshold = min(kept, self.cap)
 
     def add(self, latency: float, micro_batches: int, stages: RawStages) -> None:
         if latency >= self.threshold:

@@ -53,7 +53,7 @@ def p2p_ms_fast(cluster: Cluster, num_bytes: float, senders: Sequence[int], rece
     5.2.2) are the overlaps of two partitions of [0, 1), found by one sweep in the same
     (sender, receiver) order, so the sums are accumulated exactly as ``p2p_ms`` does.
     ``tests/test_planner.py`` checks the two agree."""
-    if num_bytes <= 0:
+    if num_bytes <= 0 or not senders or not receivers:
         return 0.0
     a, b = len(senders), len(receivers)
     per = cluster.devices_per_machine

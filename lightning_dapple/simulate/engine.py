@@ -212,12 +212,15 @@ class _Stage:
 
 
 def _check_schedule(schedule: Schedule, costs: Sequence[StageCost]) -> None:
-    """``DappleConfigError`` naming the first action a schedule cannot run as listed."""
+    """``DappleConfigError`` naming the first malformed action of a schedule (wrong stage,
+    micro-batch out of range, listed twice, talking to a stage that does not exist)."""
     num_stages = schedule.num_stages
     require(len(schedule.actions) == num_stages, "schedule.actions", f"has {len(schedule.actions)} lists for {num_stages} stages", "give one action list per stage")
     require(len(costs) == num_stages, "costs", f"has {len(costs)} entries for {num_stages} stages", "price every stage (stage_costs(profile, cluster, plan.stages, ...))")
     for s, actions in enumerate(schedule.actions):
-        for action, problem, fix in _schedule_problems(s, actions, schedule.micro_batches, num_stages):
+        found = next(_schedule_problems(s, actions, schedule.micro_batches, num_stages), None)
+        if found is not None:
+            action, problem, fix = found
             raise DappleConfigError(f"schedule.actions[{s}] ({action})", problem, fix)
 
 
