@@ -1,8 +1,8 @@
 """Why this plan: the one-line reason a plan carries, from the numbers (DAPPLE 6.2 style).
 
 DP is compared with the fastest pipeline of the planner's pool, a pipeline with DP and with
-the straight pipeline; each comparison quotes the AllReduce the pipeline avoids and the bubble it pays
-instead.
+the straight pipeline; each comparison quotes the AllReduce the pipeline avoids and the
+bubble it pays instead.
 """
 from __future__ import annotations
 

@@ -57,8 +57,8 @@ def p2p_ms_fast(cluster: Cluster, num_bytes: float, senders: Sequence[int], rece
         return 0.0
     a, b = len(senders), len(receivers)
     per = cluster.devices_per_machine
-    # per-machine and per-device sums (0.0 + size == size, and every sum is accumulated in
-    # the same order as with dictionaries, so the maxima are the same)
+    # per-machine sums in lists, per-device sums in dictionaries as in p2p_ms; each sum is
+    # accumulated over the pieces in the same order as p2p_ms does, so the maxima are equal
     network_out = [0.0] * cluster.machines
     network_in = [0.0] * cluster.machines
     local_out: dict[int, float] = {}
