@@ -93,6 +93,7 @@ class SharedMemo:
         self.ring_keys: list[tuple[int, float]] = []
         self.ring_of: dict[tuple[int, ...], int] = {}
         self.options: dict[tuple, list[tuple]] = {}
+        self.states: dict[frozenset[int], PlacementState] = {}
 
     def ring_id(self, key: tuple[int, float]) -> int:
         """A small integer naming a ring key (``StageSearch.ring_key``), for array lookups."""
@@ -300,7 +301,9 @@ class StageSearch:
         key = (occupied, r, frozenset([device // per for device in near]) if near else None, extended)
         found = self.shared.options.get(key)
         if found is None:
-            state = PlacementState(self.cluster, occupied)
+            state = self.shared.states.get(occupied)
+            if state is None:  # one per occupied set, so its free ranks per machine are found once for every r
+                state = self.shared.states[occupied] = PlacementState(self.cluster, occupied)
             everyone = frozenset(range(self.cluster.num_devices))
             found = []
             for _, ranks in placement_options(state, r, near=near, extended=extended):
