@@ -2,7 +2,8 @@
 beside the paper's for all six models on configs A, B and C, on the published profiles.
 
 The table is printed (``pytest -s``); where a cell differs it shows the simulated step time
-of the best plan of the paper's shape next to ours. python -m lightning_dapple.app.table4
+of the fastest plan of the paper's shape next to ours, and in every cell the plan our model
+picks among the shapes the authors' planner can output. python -m lightning_dapple.app.table4
 --all prints the same table.
 """
 from __future__ import annotations
@@ -18,10 +19,9 @@ pytestmark = pytest.mark.skipif(shared_profiles_dir() is None, reason="needs ../
 # A, B, C, GNMT-16 on A, BERT-48 on A, B, C, XLNet-36 on A, AmoebaNet-36 on A. A change that
 # loses one fails here.
 MATCHING_CELLS = 12
-# ... and with the choice limited to the shapes the authors' planner can output (DP,
-# straight, two stages): the four differing cells GNMT-16 on B and C, XLNet-36 on B and
-# AmoebaNet-36 on C join them.
-PUBLISHED_SHAPE_CELLS = 16
+# With the choice limited to the shapes the authors' planner can output (DP, straight, two
+# stages), every cell but XLNet-36 on C.
+PUBLISHED_SHAPE_CELLS = 17
 
 
 def test_categories() -> None:
