@@ -63,6 +63,7 @@ def cli(repeats: int) -> dict[str, Any]:
     startup = [sys.executable, "-c", imports]
     # alternate the two so that a drift of the machine's speed hits both alike, and take the
     # median of each pair's difference
+    _wall(plan), _wall(startup)  # untimed: warms the file cache for both
     totals, bases = [], []
     for _ in range(repeats):
         totals.append(_wall(plan))
