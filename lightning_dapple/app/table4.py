@@ -26,12 +26,13 @@ from lightning_dapple.plan.evaluate import score_stages
 from lightning_dapple.plan.plan import StagePlan
 from lightning_dapple.plan.policy_choice import simulate_policies
 from lightning_dapple.plan.request import PlanRequest
+from lightning_dapple.plan.shape_bound import shape_lower_bound
 from lightning_dapple.profile.loader import load_profile
 from lightning_dapple.simulate.plans import make_plan, simulate_plan
 
 __all__ = [
     "PAPER_TABLE4", "SIMULATED_PER_SHAPE", "TABLE4_MODELS", "category", "fastest_of_shape", "full_table_markdown", "main", "plan_recipe",
-    "published_match", "published_shapes", "published_shapes_choice", "shape_candidates",
+    "published_match", "published_shapes", "published_shapes_choice", "ruled_out", "shape_candidates",
     "table4_markdown", "table4_row", "table4_rows", "weight_layer_split",
 ]
 
@@ -194,7 +195,8 @@ def published_shapes_choice(request: PlanRequest) -> tuple[dict[str, Any] | None
 
 def table4_row(label: str, path: str, pbs: int | None, global_batch: int, config: str, paper_plan: str) -> dict[str, Any]:
     """Our plan for one cell of Table 4, the choice among the paper's planner's shapes and,
-    where our category differs, the fastest plan of the paper's shape."""
+    where our category differs, the fastest plan of the paper's shape and how fast any plan
+    of that shape could be."""
 
     root = shared_profiles_dir()
     require_profiles(root, path)
@@ -215,7 +217,17 @@ def table4_row(label: str, path: str, pbs: int | None, global_batch: int, config
         other = _described(by_shape[paper_plan] if paper_plan in by_shape else fastest_of_shape(request, paper_plan))
         if other is not None:
             row["paper_ms"], row["paper_split"] = other["ms"], other["split"]
+        bound = shape_lower_bound(request, paper_plan)
+        if bound is not None:
+            row["paper_bound_ms"] = bound[0]
     return row
+
+
+def ruled_out(row: dict[str, Any]) -> bool:
+    """Whether no plan of the paper's shape can step as fast as ours under the cost model
+    (``shape_lower_bound`` above our simulated step): then no search or re-ranking of the
+    model could choose the paper's plan."""
+    return not row["match"] and row.get("paper_bound_ms", 0.0) > row["ours_ms"]
 
 
 def require_profiles(root: Any, path: str) -> None:
@@ -235,11 +247,13 @@ def table4_rows() -> list[dict[str, Any]]:
 
 def full_table_markdown(rows: list[dict[str, Any]]) -> str:
     """Ours vs the paper per cell; where the category differs, the simulated step time of
-    the fastest plan of the paper's shape beside ours; and in every row the plan our model
-    picks among the shapes the paper's planner can output (``published_shapes``)."""
+    the fastest plan of the paper's shape beside ours and the lower bound on any plan of it
+    (``shape_lower_bound``); and in every row the plan our model picks among the shapes the
+    paper's planner can output (``published_shapes``)."""
     lines = [
-        "| Model (GBS) | Config | Paper | Ours (layers per stage, M) | Same category | Ours, simulated | Paper's shape, simulated | Best of DP / straight / P:Q |",
-        "|---|---|---|---|---|---|---|---|",
+        "| Model (GBS) | Config | Paper | Ours (layers per stage, M) | Same category | Ours, simulated | Paper's shape, simulated | "
+        "Paper's shape, lower bound | Best of DP / straight / P:Q |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     gbs = {label: g for label, _, _, g, _ in TABLE4_MODELS}
     for row in rows:
@@ -247,7 +261,7 @@ def full_table_markdown(rows: list[dict[str, Any]]) -> str:
         theirs = "-" if row["match"] else ("none valid" if paper_ms is None else f"{paper_ms:.0f} ms ({row['paper_split']})")
         lines.append(
             f"| {row['model']} ({gbs[row['model']]}) | {row['config']} | {row['paper']} | {row['ours']} ({row['split']}, M={row['micro_batches']}) | "
-            f"{'yes' if row['match'] else 'no'} | {row['ours_ms']:.0f} ms | {theirs} | {_published_cell(row)} |"
+            f"{'yes' if row['match'] else 'no'} | {row['ours_ms']:.0f} ms | {theirs} | {_bound_cell(row)} | {_published_cell(row)} |"
         )
     lines.append("")
     lines.append(f"{sum(row['match'] for row in rows)} of {len(rows)} cells in the paper's category.")
@@ -255,7 +269,18 @@ def full_table_markdown(rows: list[dict[str, Any]]) -> str:
         f"{sum(published_match(row) for row in rows)} of {len(rows)} when our model chooses among the shapes the paper's "
         "planner can output (DP, straight, two stages)."
     )
+    differing = sum(not row["match"] for row in rows)
+    lines.append(
+        f"In {sum(ruled_out(row) for row in rows)} of the {differing} differing cells no plan of the paper's shape (any cut, "
+        "any M, any K_i, DAPPLE's or GPipe's schedule) can step as fast as ours under the cost model."
+    )
     return "\n".join(lines)
+
+
+def _bound_cell(row: dict[str, Any]) -> str:
+    if row["match"] or "paper_bound_ms" not in row:
+        return "-"
+    return f">= {row['paper_bound_ms']:.0f} ms" + (" (ruled out)" if ruled_out(row) else "")
 
 
 def published_match(row: dict[str, Any]) -> bool:
