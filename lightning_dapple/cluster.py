@@ -87,8 +87,9 @@ class Cluster:
         return gbps * 1e9 / 8 / 1e3
 
     def ring_bandwidth_gbps(self, ranks: Sequence[int]) -> float:
-        """Slowest link of a ring over ``ranks``: the network if it spans machines."""
-        if len(self.machines_of(ranks)) > 1:
+        """Slowest link of a ring over ``ranks``: the network if it spans machines (it does
+        when its lowest and highest ranks lie on different machines)."""
+        if len(ranks) > 1 and self.machine_of(min(ranks)) != self.machine_of(max(ranks)):
             return self.inter_bandwidth_gbps
         return self.intra_bandwidth_gbps
 

@@ -59,6 +59,12 @@ class OverlapTables:
             self.count[:, end] = len(lows_j) - np.searchsorted(ascending, rows, side="left")
         left_hi = np.take_along_axis(self.low, self.count.T, axis=1).T  # low end of the last complete bucket, or J
         self.left_bytes = self.params[np.maximum(left_hi, 0)] - self.params[np.arange(n + 1)][:, None]
+        # [j, J] -> the flat index of (J, count[j, J]) in a per-end (n + 1) x (width + 1) array
+        self._flat = np.arange(n + 1)[None, :] * (width + 1) + self.count
+        self._low_backward = self.backward[np.maximum(self.low[:, 1:], 0)]  # W(0, lo_k) of bucket k of [0, J)
+        self._done_cache: dict[tuple[float, float], np.ndarray] = {}
+        self._left_positive = self.left_bytes > 0
+        self._upper = np.arange(n + 1)[None, :] > np.arange(n + 1)[:, None]  # [j, J]: J > j
         self._cache: dict[tuple[float, float, float], np.ndarray] = {}
 
     @staticmethod
@@ -82,16 +88,64 @@ class OverlapTables:
         if a <= 0:
             found = np.zeros((n + 1, n + 1))
         else:
-            duration = np.where(self.valid, a * self.bucket_bytes + latency, 0.0)
-            done = np.concatenate([np.zeros((n + 1, 1)), np.cumsum(duration, axis=1)], axis=1)  # D[J, c]
-            ready = -done[:, :-1] - s * self.backward[np.maximum(self.low[:, 1:], 0)]
-            ready = np.where(self.valid, ready, -np.inf)
-            best = np.concatenate([np.full((n + 1, 1), -np.inf), np.maximum.accumulate(ready, axis=1)], axis=1)
-            columns = np.arange(n + 1)[None, :]
-            count = self.count
-            finish = done[columns, count] + s * self.backward[:, None] + best[columns, count]
-            left = np.where(self.left_bytes > 0, a * self.left_bytes + latency, 0.0)
-            found = left + np.maximum(finish, 0.0)
-            found = np.where(columns > np.arange(n + 1)[:, None], found, 0.0)
+            done, best = self._per_end(a, latency, s, slice(None))
+            found = self._finish(a, latency, s, done.ravel().take(self._flat), best.ravel().take(self._flat), self.backward[:, None], self.left_bytes, self._left_positive)
+            found = np.where(self._upper, found, 0.0)
         self._cache[key] = found
         return found
+
+    def tail_row(self, a: float, latency: float, s: float, j: int) -> np.ndarray:
+        """Row ``j`` of ``tail`` (ranges [j, J) for every J), equal to it element for element
+        (the same operations on each element), without the whole table when that is not
+        there yet."""
+        found = self._cache.get((a, latency, s))
+        if found is not None:
+            return found[j]
+        if a <= 0:
+            return np.zeros(self.n + 1)
+        done, best = self._per_end(a, latency, s, slice(None))
+        flat = self._flat[j]
+        found = self._finish(a, latency, s, done.ravel().take(flat), best.ravel().take(flat), self.backward[j], self.left_bytes[j], self._left_positive[j])
+        return np.where(np.arange(self.n + 1) > j, found, 0.0)
+
+    def tail_column(self, a: float, latency: float, s: float, end: int) -> np.ndarray:
+        """Column ``end`` of ``tail`` (ranges [j, end) for every j), as ``tail_row``; only
+        the buckets of [0, end) are priced."""
+        found = self._cache.get((a, latency, s))
+        if found is not None:
+            return found[:, end]
+        if a <= 0:
+            return np.zeros(self.n + 1)
+        done, best = self._per_end(a, latency, s, slice(end, end + 1))
+        count = self.count[:, end]
+        found = self._finish(a, latency, s, done[0].take(count), best[0].take(count), self.backward, self.left_bytes[:, end], self._left_positive[:, end])
+        return np.where(end > np.arange(self.n + 1), found, 0.0)
+
+    def _per_end(self, a: float, latency: float, s: float, ends: slice) -> tuple[np.ndarray, np.ndarray]:
+        """For the ends J in ``ends`` (all, or the one a column needs): ``done[J, c]`` = D_c
+        and ``best[J, c]`` = the largest ``-D_{k-1} - s W(0, lo_k)`` over the buckets k <= c,
+        from which every start j's tail is read off (module docstring)."""
+        done = self._done(a, latency)[ends]
+        ready = -done[:, :-1] - s * self._low_backward[ends]
+        ready = np.where(self.valid[ends], ready, -np.inf)
+        best = np.concatenate([np.full((done.shape[0], 1), -np.inf), np.maximum.accumulate(ready, axis=1)], axis=1)
+        return done, best
+
+    def _done(self, a: float, latency: float) -> np.ndarray:
+        """``done[J, c]`` = D_c for every end J: the same for every slice size, so memoised
+        by ring (every micro-batch count prices the same rings)."""
+        found = self._done_cache.get((a, latency))
+        if found is None:
+            n = self.n
+            duration = np.where(self.valid, a * self.bucket_bytes + latency, 0.0)
+            found = self._done_cache[(a, latency)] = np.concatenate([np.zeros((n + 1, 1)), np.cumsum(duration, axis=1)], axis=1)
+        return found
+
+    @staticmethod
+    def _finish(a: float, latency: float, s: float, done: np.ndarray, best: np.ndarray, backward: np.ndarray | float, left_bytes: np.ndarray, left_positive: np.ndarray) -> np.ndarray:
+        """The tails from the last complete bucket's ``done`` and ``best`` of each range, the
+        backward sum before its start and its left-over bucket's bytes (and where they are
+        positive)."""
+        finish = done + s * backward + best
+        left = np.where(left_positive, a * left_bytes + latency, 0.0)
+        return left + np.maximum(finish, 0.0)

@@ -32,10 +32,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Callable, Iterable
+from typing import Callable, Iterable, NamedTuple
 
 from lightning_dapple.cluster import Cluster
-from lightning_dapple.errors import require
+from lightning_dapple.errors import DappleConfigError, require
 
 __all__ = [
     "PlacementState",
@@ -88,7 +88,22 @@ class PlacementState:
         return self._free_by_machine[machine]
 
     def free_counts(self) -> list[int]:
-        return [len(ranks) for ranks in self._free_by_machine]
+        return list(self._machines.counts)
+
+    @cached_property
+    def _machines(self) -> "_Machines":
+        """The per-machine facts the policies read (once per state, for every policy and n)."""
+        per = self.cluster.devices_per_machine
+        counts = tuple([len(ranks) for ranks in self._free_by_machine])
+        used = tuple([m for m, free in enumerate(counts) if 0 < free < per])
+        return _Machines(
+            counts=counts,
+            fresh=tuple([m for m, free in enumerate(counts) if free == per]),
+            used=used,
+            fullest=tuple(sorted(used, key=lambda m: (counts[m], m))),
+            open=tuple([m for m, free in enumerate(counts) if free > 0]),
+            used_free=sum(counts[m] for m in used),
+        )
 
     def free(self) -> tuple[int, ...]:
         """Every free rank, ascending."""
@@ -100,17 +115,32 @@ class PlacementState:
         return PlacementState(self.cluster, self.occupied.union(ranks))
 
 
+class _Machines(NamedTuple):
+    """Free devices per machine (``counts``); the fresh machines, the used ones (some but not
+    all devices taken), those by fewest free devices, every machine with a free device, in
+    machine order unless said; and how many devices the used machines have free."""
+
+    counts: tuple[int, ...]
+    fresh: tuple[int, ...]
+    used: tuple[int, ...]
+    fullest: tuple[int, ...]
+    open: tuple[int, ...]
+    used_free: int
+
+
 def _allocate_in_order(state: PlacementState, machines: Iterable[int], n: int) -> tuple[int, ...] | None:
     chosen: list[int] = []
+    free = state._free_by_machine
     for machine in machines:
-        chosen.extend(state.free_ranks(machine)[: n - len(chosen)])
+        chosen.extend(free[machine][: n - len(chosen)])
         if len(chosen) == n:
             return tuple(sorted(chosen))
     return None
 
 
 def _check_request(state: PlacementState, n: int) -> bool:
-    require(isinstance(n, int) and n >= 1, "placement.n", f"must be a positive integer, got {n!r}", "ask for at least one device")
+    if not (isinstance(n, int) and n >= 1):  # checked first: the message is built only when needed
+        raise DappleConfigError("placement.n", f"must be a positive integer, got {n!r}", "ask for at least one device")
     return n <= state.num_free
 
 
@@ -118,22 +148,16 @@ def fresh_first(state: PlacementState, n: int) -> tuple[int, ...] | None:
     """Fresh First (DAPPLE 4.2): fresh machines first, lowest machine and rank first."""
     if not _check_request(state, n):
         return None
-    per = state.cluster.devices_per_machine
-    counts = state.free_counts()
-    fresh = [m for m, free in enumerate(counts) if free == per]
-    used = [m for m, free in enumerate(counts) if 0 < free < per]
-    return _allocate_in_order(state, fresh + used, n)
+    machines = state._machines
+    return _allocate_in_order(state, machines.fresh + machines.used, n)
 
 
 def append_first(state: PlacementState, n: int) -> tuple[int, ...] | None:
     """Append First (DAPPLE 4.2): fill machines already in use (fewest free first), then fresh ones."""
     if not _check_request(state, n):
         return None
-    per = state.cluster.devices_per_machine
-    counts = state.free_counts()
-    used = sorted((m for m, free in enumerate(counts) if 0 < free < per), key=lambda m: (counts[m], m))
-    fresh = [m for m, free in enumerate(counts) if free == per]
-    return _allocate_in_order(state, used + fresh, n)
+    machines = state._machines
+    return _allocate_in_order(state, machines.fullest + machines.fresh, n)
 
 
 def _water_fill(capacity: list[int], n: int) -> list[int]:
@@ -162,10 +186,9 @@ def scatter_first(state: PlacementState, n: int) -> tuple[int, ...] | None:
     """Scatter First (DAPPLE 4.2): spread evenly over the used machines, else over all with room."""
     if not _check_request(state, n):
         return None
-    per = state.cluster.devices_per_machine
-    counts = state.free_counts()
-    used = [m for m, free in enumerate(counts) if 0 < free < per]
-    pool = used if sum(counts[m] for m in used) >= n else [m for m, free in enumerate(counts) if free > 0]
+    machines = state._machines
+    counts = machines.counts
+    pool = machines.used if machines.used_free >= n else machines.open
     shares = _water_fill([counts[m] for m in pool], n)
     chosen: list[int] = []
     for machine, share in zip(pool, shares):
@@ -183,10 +206,10 @@ def append_near(state: PlacementState, n: int, near: Iterable[int] = ()) -> tupl
     if not _check_request(state, n):
         return None
     per = state.cluster.devices_per_machine
-    counts = state.free_counts()
+    machines = state._machines
     home = sorted({rank // per for rank in near})
-    others = [m for m in sorted((m for m, f in enumerate(counts) if 0 < f < per), key=lambda m: (counts[m], m)) if m not in home]
-    fresh = [m for m, f in enumerate(counts) if f == per and m not in home]
+    others = [m for m in machines.fullest if m not in home]
+    fresh = [m for m in machines.fresh if m not in home]
     return _allocate_in_order(state, [*home, *others, *fresh], n)
 
 
@@ -194,8 +217,8 @@ def scatter_all(state: PlacementState, n: int) -> tuple[int, ...] | None:
     """Scatter over every machine with a free device, used or fresh (an extension of ours)."""
     if not _check_request(state, n):
         return None
-    counts = state.free_counts()
-    pool = [m for m, free in enumerate(counts) if free > 0]
+    counts = state._machines.counts
+    pool = state._machines.open
     shares = _water_fill([counts[m] for m in pool], n)
     chosen: list[int] = []
     for machine, share in zip(pool, shares):
@@ -211,7 +234,7 @@ def balance_first(state: PlacementState, n: int) -> tuple[int, ...] | None:
     """
     if not _check_request(state, n):
         return None
-    counts = state.free_counts()
+    counts = state._machines.counts
     take = [0] * len(counts)
     for _ in range(n):
         machine = max(range(len(counts)), key=lambda m: (counts[m] - take[m], -m))

@@ -64,11 +64,27 @@ class SuccessorBlock:
     (replica count, then policy), with the per-row numbers it prices as arrays, so that a
     sub-problem's successors are selected and priced without a Python loop per placement."""
 
-    __slots__ = ("by_r", "rows", "r", "unit_in", "rest_len", "ring", "ring_rest")
+    __slots__ = ("by_r", "rows", "r", "unit_in", "rest_len", "ring", "ring_rest", "selections")
 
     def __init__(self) -> None:
         self.by_r: dict[int, list[Successor]] = {}
         self.rebuild()
+
+    def select(self, wanted: list[int], sizes: list[int]) -> "_Selection":
+        """The rows whose replica count is ``wanted`` (in row order), with their numbers and
+        their counts' positions in ``sizes``; memoised until the rows change."""
+        key = (tuple(wanted), tuple(sizes))
+        found = self.selections.get(key)
+        if found is None:
+            chosen = np.zeros(max(max(self.by_r), max(wanted)) + 1, dtype=bool)
+            chosen[wanted] = True
+            rows = np.flatnonzero(chosen[self.r])
+            replicas = self.r[rows]
+            found = self.selections[key] = _Selection(
+                rows, self.unit_in[rows], replicas, np.searchsorted(sizes, replicas), [self.rows[i] for i in rows.tolist()],
+                self.rest_len[rows], self.ring[rows], self.ring_rest[rows],
+            )
+        return found
 
     def rebuild(self) -> None:
         """Rows and arrays after replica counts were added (rows sorted by replica count)."""
@@ -79,6 +95,29 @@ class SuccessorBlock:
         self.rest_len = np.array([len(succ.rest) for succ in rows], dtype=np.intp)
         self.ring = np.array([succ.ring_ranks for succ in rows], dtype=np.intp)
         self.ring_rest = np.array([succ.ring_rest for succ in rows], dtype=np.intp)
+        self.selections: dict[tuple[tuple[int, ...], tuple[int, ...]], _Selection] = {}
+
+
+class _Selection(NamedTuple):
+    """Some rows of a ``SuccessorBlock`` (``rows``) and, row by row, their transfer units in,
+    replica counts and those counts' positions in the sub-problem's replica counts,
+    successors, rest sizes and ring ids of their ranks and of the rest."""
+
+    rows: np.ndarray
+    unit_in: np.ndarray
+    replicas: np.ndarray
+    mask_rows: np.ndarray
+    succs: list[Successor]
+    rest: np.ndarray
+    ring: np.ndarray
+    ring_rest: np.ndarray
+
+    def subset(self, index: np.ndarray) -> "_Selection":
+        """The rows at positions ``index`` of this selection."""
+        return _Selection(
+            self.rows[index], self.unit_in[index], self.replicas[index], self.mask_rows[index], [self.succs[i] for i in index.tolist()],
+            self.rest[index], self.ring[index], self.ring_rest[index],
+        )
 
 
 class SharedMemo:
@@ -88,11 +127,12 @@ class SharedMemo:
     def __init__(self) -> None:
         self.blocks: dict[tuple, SuccessorBlock] = {}
         self.p2p: dict[tuple, tuple[float, float]] = {}
+        self.senders: dict[tuple[int, ...], tuple[dict[int, int], tuple[int, ...]]] = {}
         self.rings: dict[tuple[int, ...], tuple[float, float]] = {}
         self.ring_ids: dict[tuple[int, float], int] = {}
         self.ring_keys: list[tuple[int, float]] = []
-        self.ring_of: dict[tuple[int, ...], int] = {}
         self.options: dict[tuple, list[tuple]] = {}
+        self.ring_of_shape: dict[tuple[int, bool], int] = {}
         self.states: dict[frozenset[int], PlacementState] = {}
 
     def ring_id(self, key: tuple[int, float]) -> int:
@@ -126,9 +166,12 @@ class StageSearch:
         self._scale_array = np.array(self._scales)
         self._exposed: dict[tuple[int, float], np.ndarray] = {}
         self._exposed_ids: dict[int, np.ndarray] = {}
+        self._exposed_first: dict[int, np.ndarray] = {}  # row 0 by ring id, where the table is not needed
         self._last = np.zeros((0, tables.n + 1))  # [ring id, J]: exposed tail of [J, n)
         self._last_have = np.zeros(0, dtype=bool)
         self._tmax: dict[int, np.ndarray] = {}
+        self._sizes: dict[tuple[int, bool], list[int]] = {}
+        self._brackets: dict[tuple[int, int, tuple[int, ...]], tuple[np.ndarray, np.ndarray, np.ndarray | None]] = {}
 
     # -- cost helpers (the formulas of costs.py / cluster.py, vectorised) --------------
 
@@ -173,6 +216,14 @@ class StageSearch:
             found = self._tmax[j] = self.t_max(t.params[j][None, :] * self.weight_factor, t.stash[j][None, :] * scales)
         return found
 
+    def tmax_rows(self, j: int, replicas: np.ndarray, lo: int, hi: int) -> np.ndarray:
+        """``tmax_table(j)[replicas, lo:hi]``, priced only for the replica counts and ends
+        asked for (``t_max`` is elementwise, so the values are the table's)."""
+        distinct, inverse = _distinct(replicas)
+        t = self.t
+        table = self.t_max(t.params[j, lo:hi][None, :] * self.weight_factor, t.stash[j, lo:hi][None, :] * self._scale_array[distinct][:, None])
+        return table[inverse]
+
     def p2p_unit(self, senders: tuple[int, ...], receivers: tuple[int, ...]) -> tuple[float, float]:
         """``p2p_ms`` is ``bytes * unit + latency`` for any positive byte count (memoised
         across M; equal to ``p2p_ms`` up to rounding, and plans are re-priced exactly)."""
@@ -182,11 +233,12 @@ class StageSearch:
         # and the per-machine sums only trade places when machines are renamed. Machines are
         # therefore named by first appearance (senders, then receivers).
         per = self.per
-        names: dict[int, int] = {}
-        key = (
-            tuple([names.setdefault(device // per, len(names)) for device in senders]),
-            tuple([names.setdefault(device // per, len(names)) for device in receivers]),
-        )
+        named = self.shared.senders.get(senders)
+        if named is None:  # the senders' names, once per rank tuple (a stage sends to many)
+            first: dict[int, int] = {}
+            named = self.shared.senders[senders] = (first, tuple([first.setdefault(device // per, len(first)) for device in senders]))
+        names = named[0].copy()
+        key = (named[1], tuple([names.setdefault(device // per, len(names)) for device in receivers]))
         found = self.shared.p2p.get(key)
         if found is None:
             probe = 1e6
@@ -236,12 +288,14 @@ class StageSearch:
         # with a beam, successors wait in a bounded heap per j (lowest bounds) and become
         # candidates only when their layer is reached
         self._pending: list[list[tuple]] = [[] for _ in range(n + 1)]
+        self._cut = np.full(n + 1, _INF)  # per end: the worst bound in its heap once full, else inf
         self._seq = 0
         beam = self.settings.beam
         for j in range(n):
             for entry in self._pending[j]:
                 self.insert(states[j], *self._materialise(entry[2]))
             self._pending[j] = []
+            self._cut[j] = _INF
             layer = [cand for cands in states[j].values() for cand in cands]
             states[j] = {}
             if beam is not None and len(layer) > beam:
@@ -258,7 +312,7 @@ class StageSearch:
         ranks = tuple(range(g))
         s = self.scale(g)
         f, b = self.t.forward[0, n] * s, self.t.backward[0, n] * s
-        ar = float(self.exposed(ranks)[0, n])
+        ar = float(self._exposed_row(self.ring_id(ranks), 0)[n])
         mem = self.t.params[0, n] * self.weight_factor + self.k_of(1) * (self.t.stash[0, n] * s)
         if mem > self.cap:
             return
@@ -356,56 +410,76 @@ class StageSearch:
         if not sizes:
             return None
         mask = self._bracket(cand, sizes, free, thr)
-        usable = mask.any(axis=1)
-        if not usable.any():
+        usable = mask.any(axis=1).tolist()
+        if True not in usable:
             return None
-        wanted = [r for r, ok in zip(sizes, usable.tolist()) if ok]
+        wanted = [r for r, ok in zip(sizes, usable) if ok]
         block = self.block(cand.occupied, cand.last, wanted)
-        chosen = np.zeros(self.cluster.num_devices + 1, dtype=bool)
-        chosen[wanted] = True
-        rows = np.flatnonzero(chosen[block.r])
+        sel = block.select(wanted, sizes)
         j = cand.end
         boundary = float(self.t.output[j - 1] * self.whole) if j > 0 else 0.0
         if cand.last is not None and boundary > 0:
-            c1 = boundary * block.unit_in[rows] + self.lat
+            c1 = boundary * sel.unit_in + self.lat
         else:
-            c1 = np.zeros(rows.size)
+            c1 = np.zeros(sel.rows.size)
         if self.m1 >= 1:
             keep = self.m1 * np.maximum(cand.max_fb, 2.0 * c1) < thr
-            rows, c1 = rows[keep], c1[keep]
-        if rows.size == 0:
+            if not keep.all():
+                return self._part_of(cand, free, sizes, mask, thr, sel.subset(np.flatnonzero(keep)), c1[keep])
+        return self._part_of(cand, free, sizes, mask, thr, sel, c1)
+
+    @staticmethod
+    def _part_of(cand: PartialPlan, free: int, sizes: list[int], mask: np.ndarray, thr: float, sel: "_Selection", c1: np.ndarray) -> "_Part | None":
+        """The ``_Part`` of the placements ``sel`` (None when there are none)."""
+        if sel.rows.size == 0:
             return None
-        replicas = block.r[rows]
-        return _Part(cand, free, sizes, mask, thr, np.searchsorted(sizes, replicas), replicas, c1, [block.rows[i] for i in rows.tolist()],
-                     block.rest_len[rows], block.ring[rows], block.ring_rest[rows], cand.smax >= k + 3)
+        return _Part(cand, free, sizes, mask, thr, sel.mask_rows, sel.replicas, c1, sel.succs, sel.rest, sel.ring, sel.ring_rest, cand.smax >= len(cand.stages) + 3)
 
     def _replica_counts(self, cand: PartialPlan, free: int) -> list[int]:
-        """Replica counts r of the new stage that leave a valid rest (one stage or more)."""
-        k, rmax, straight = len(cand.stages), self.rmax, self.settings.straight_only
-        can_extend = cand.smax >= k + 3
-        return [
-            r
-            for r in range(1, min(free - 1, rmax) + 1)
-            if (not straight or r == 1)
-            and ((free - r <= rmax and (not straight or free - r == 1)) or (free - r >= 2 and can_extend))
-        ]
+        """Replica counts r of the new stage that leave a valid rest (one stage or more),
+        memoised by what they depend on (not to be changed by the caller)."""
+        can_extend = cand.smax >= len(cand.stages) + 3
+        found = self._sizes.get((free, can_extend))
+        if found is None:
+            rmax, straight = self.rmax, self.settings.straight_only
+            found = self._sizes[(free, can_extend)] = [
+                r
+                for r in range(1, min(free - 1, rmax) + 1)
+                if (not straight or r == 1)
+                and ((free - r <= rmax and (not straight or free - r == 1)) or (free - r >= 2 and can_extend))
+            ]
+        return found
 
     def _bracket(self, cand: PartialPlan, sizes: list[int], free: int, thr: float) -> np.ndarray:
         """[r, J] mask of the new stage's ends J allowed by parts of the bound: known F+B plus
         the new stage's (grows with J), (M-1) x the new stage's F+B, known F+B plus M x the
         work left per remaining device (shrinks with J)."""
-        t, n, j = self.t, self.t.n, cand.end
+        n, j = self.t.n, cand.end
         if thr == _INF:
             return np.ones((len(sizes), n - 1 - j), dtype=bool)
-        replicas = np.array(sizes)
-        s_r = self._scale_array[replicas][:, None]
-        per_rest = ((self.m * self.whole) / (free - replicas))[:, None]
+        fbn_low, rest, steady = self._bracket_terms(j, free, sizes)
         room = thr - cand.sum_fb
-        fbn_low = t.work[j, j + 1 : n][None, :] * s_r
-        mask = (fbn_low < room) & (t.work[j + 1 : n, n][None, :] * per_rest < room)
-        if self.m1 >= 1:
-            mask &= self.m1 * fbn_low < thr
+        mask = (fbn_low < room) & (rest < room)
+        if steady is not None:
+            mask &= steady < thr
         return mask
+
+    def _bracket_terms(self, j: int, free: int, sizes: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """The arrays ``_bracket`` compares with its bars, which depend on the start j, the
+        free devices and the replica counts only (memoised: the sub-problems of a layer
+        share them): the new stage's F+B, M x the work left per remaining device, and
+        (M-1) x the new stage's F+B (None for M = 1)."""
+        key = (j, free, tuple(sizes))
+        found = self._brackets.get(key)
+        if found is None:
+            t, n = self.t, self.t.n
+            replicas = np.array(sizes)
+            s_r = self._scale_array[replicas][:, None]
+            per_rest = ((self.m * self.whole) / (free - replicas))[:, None]
+            fbn_low = t.work[j, j + 1 : n][None, :] * s_r
+            steady = self.m1 * fbn_low if self.m1 >= 1 else None
+            found = self._brackets[key] = (fbn_low, t.work[j + 1 : n, n][None, :] * per_rest, steady)
+        return found
 
     def _batch(self, j: int, parts: list["_Part"]) -> "_LayerBatch":
         """The layer's placements (rows, the parts' one after another) and ends (columns):
@@ -430,7 +504,7 @@ class StageSearch:
         batch = _LayerBatch(
             j=j, lo=lo, hi=hi, c0=c0, ends=np.arange(lo, hi), inside=inside_all[:, c0 : c_hi + 1],
             succs=[succ for part in parts for succ in part.succs], c1=c1, c1_list=c1.tolist(), rest=rest, per_cand=per_cand,
-            fn=fn, bn=bn, fbn=fn + bn, an=self._exposed_rows(cat([p.ring for p in parts]), j, lo, hi), tmax=self.tmax_table(j)[replicas, lo:hi],
+            fn=fn, bn=bn, fbn=fn + bn, an=self._exposed_rows(cat([p.ring for p in parts]), j, lo, hi), tmax=self.tmax_rows(j, replicas, lo, hi),
         )
         batch.s_rest = np.where(rest <= self.rmax, self._scale_array[rest], 0.0)[:, None]
         self._batch_complete(batch, parts, cat([p.ring_rest for p in parts]))
@@ -467,9 +541,9 @@ class StageSearch:
         """One sub-problem's turn: the placements and ends the threshold now allows, the
         completed plans that enter the top list, and the successors that stay sub-problems."""
         cand, thr = part.cand, top.threshold
-        if thr == part.thr:
-            rows: Any = np.arange(part.start, part.stop)
-            inside = batch.inside[part.start : part.stop]
+        if thr == part.thr:  # all of the part's rows, as a slice (views, not copies)
+            rows: Any = slice(part.start, part.stop)
+            inside = batch.inside[rows]
         else:
             mask = self._bracket(cand, part.sizes, part.free, thr)
             keep = mask.any(axis=1)[part.mask_rows]
@@ -482,14 +556,19 @@ class StageSearch:
         hit_rows, hit_cols = np.nonzero(inside & (batch.latency[rows] < thr))
         if hit_rows.size:
             n, j = self.t.n, batch.j
-            at = rows[hit_rows]
-            for row, end, value in zip(at.tolist(), batch.ends[hit_cols].tolist(), batch.latency[at, hit_cols].tolist()):
+            at = self._rows_at(rows, hit_rows)
+            for row, end, value in zip(at.tolist(), batch.ends[hit_cols].tolist(), batch.latency.take(at * batch.ends.size + hit_cols).tolist()):
                 succ = batch.succs[row]
                 top.add(value, self.m, cand.stages + ((j, end, succ.ranks), (end, n, succ.rest)))
         if not self.shallow:
             self._admit(batch, cand, rows, inside, states, top)
 
-    def _admit(self, batch: "_LayerBatch", cand: PartialPlan, rows: np.ndarray, inside: np.ndarray, states: list[dict[Any, list[PartialPlan]]], top: TopPlans) -> None:
+    @staticmethod
+    def _rows_at(rows: "slice | np.ndarray", picked: np.ndarray) -> np.ndarray:
+        """The batch rows at positions ``picked`` of ``rows`` (a slice of rows or an array)."""
+        return picked + rows.start if isinstance(rows, slice) else rows[picked]
+
+    def _admit(self, batch: "_LayerBatch", cand: PartialPlan, rows: "slice | np.ndarray", inside: np.ndarray, states: list[dict[Any, list[PartialPlan]]], top: TopPlans) -> None:
         """Admit the successors that stay sub-problems (the layers after J still to split)."""
         ok = inside & batch.extend[rows]
         if not ok.any():
@@ -498,31 +577,41 @@ class StageSearch:
         ok &= lb < top.threshold
         beam = self.settings.beam is not None
         if beam:
-            width = self.settings.beam_insert
-            pending = self._pending
-            cut = np.array([-pending[jj][0][0] if len(pending[jj]) >= width else _INF for jj in batch.ends.tolist()])
-            ok &= lb < cut[None, :]
+            ok &= lb < self._cut[batch.lo : batch.hi][None, :]
         sub_rows, columns = np.nonzero(ok)
         if sub_rows.size == 0:
             return
-        at = rows[sub_rows]
-        # the admitted successors' numbers as Python floats, gathered at once; the rest of
-        # their features is derived from them when (if) they become sub-problems
-        gathered = [array[at, columns].tolist() for array in (batch.fn, batch.bn, batch.an, batch.tmax, batch.lb, batch.latency)]
-        succs, c1 = batch.succs, batch.c1_list
-        start = batch.j
-        for row, end, fn, bn, an, tmax, value, tpl in zip(at.tolist(), batch.ends[columns].tolist(), *gathered):
-            entry = Pending(cand, start, end, succs[row], c1[row], fn, bn, an, tmax, value, tpl)
-            if beam:
-                heap = pending[end]
-                if len(heap) < width:
-                    self._seq += 1
-                    heapq.heappush(heap, (-value, self._seq, entry))
-                elif value < -heap[0][0]:
-                    self._seq += 1
-                    heapq.heapreplace(heap, (-value, self._seq, entry))
+        at = self._rows_at(rows, sub_rows)
+        ends = batch.ends[columns].tolist()
+        # the admitted successors' numbers as Python floats, gathered at once (by flat index);
+        # the rest of their features is derived from them when (if) they become sub-problems
+        flat = at * batch.ends.size + columns
+        gathered = [array.take(flat).tolist() for array in (batch.fn, batch.bn, batch.an, batch.tmax, batch.lb, batch.latency)]
+        if beam:
+            self._push_pending(batch, cand, at.tolist(), ends, gathered)
+            return
+        succs, c1, start = batch.succs, batch.c1_list, batch.j
+        for row, end, fn, bn, an, tmax, value, tpl in zip(at.tolist(), ends, *gathered):
+            self._insert_pending(Pending(cand, start, end, succs[row], c1[row], fn, bn, an, tmax, value, tpl), states)
+
+    def _push_pending(self, batch: "_LayerBatch", cand: PartialPlan, rows: list[int], ends: list[int], gathered: list[list[float]]) -> None:
+        """With a beam: keep each successor in its end's heap of the ``beam_insert`` lowest
+        bounds, and ``_cut`` (the bound a successor must stay under once a heap is full)
+        up to date."""
+        width, pending, cut = self.settings.beam_insert, self._pending, self._cut
+        succs, c1, start = batch.succs, batch.c1_list, batch.j
+        for row, end, fn, bn, an, tmax, value, tpl in zip(rows, ends, *gathered):
+            heap = pending[end]
+            if len(heap) < width:
+                self._seq += 1
+                heapq.heappush(heap, (-value, self._seq, Pending(cand, start, end, succs[row], c1[row], fn, bn, an, tmax, value, tpl)))
+            elif value < -heap[0][0]:
+                self._seq += 1
+                heapq.heapreplace(heap, (-value, self._seq, Pending(cand, start, end, succs[row], c1[row], fn, bn, an, tmax, value, tpl)))
             else:
-                self._insert_pending(entry, states)
+                continue
+            if len(heap) >= width:
+                cut[end] = -heap[0][0]
 
     def _insert_pending(self, pending: "Pending", states: list[dict[Any, list[PartialPlan]]]) -> None:
         """Insert a successor into its sub-problem unless it ranks behind every kept one."""
@@ -569,10 +658,13 @@ class StageSearch:
         return len(ranks), (coef / bpm if len(ranks) > 1 else 0.0)
 
     def ring_id(self, ranks: tuple[int, ...]) -> int:
-        """``SharedMemo.ring_id`` of ``ring_key(ranks)``, memoised by the ranks."""
-        found = self.shared.ring_of.get(ranks)
+        """``SharedMemo.ring_id`` of ``ring_key(ranks)``, memoised by what the key depends
+        on: the replica count and whether the ranks span machines (``ring_bandwidth_gbps``)."""
+        per = self.per
+        shape = (len(ranks), min(ranks) // per != max(ranks) // per)
+        found = self.shared.ring_of_shape.get(shape)
         if found is None:
-            found = self.shared.ring_of[ranks] = self.shared.ring_id(self.ring_key(ranks))
+            found = self.shared.ring_of_shape[shape] = self.shared.ring_id(self.ring_key(ranks))
         return found
 
     def exposed(self, ranks: tuple[int, ...]) -> np.ndarray:
@@ -594,10 +686,27 @@ class StageSearch:
             found = self._exposed_ids[ring] = self._exposed_by_key(self.shared.ring_keys[ring])
         return found
 
+    def _exposed_row(self, ring: int, j: int) -> np.ndarray:
+        """Row j of ``_exposed_table(ring)``. The first layer's row is priced without the
+        table while the table is not there (``OverlapTables.tail_row``, equal element for
+        element): the probe of every M (``run(shallow=True)``) asks for no other row, and
+        many of its rings are not used again."""
+        found = self._exposed_ids.get(ring)
+        if found is not None:
+            return found[j]
+        if j != 0:
+            return self._exposed_table(ring)[j]
+        row = self._exposed_first.get(ring)
+        if row is None:
+            replicas, per_byte = self.shared.ring_keys[ring]
+            row = self._exposed_first[ring] = self.t.overlap.tail_row(per_byte, self.lat, self.scale(replicas), 0)
+        return row
+
     def _exposed_rows(self, rings: np.ndarray, j: int, lo: int, hi: int) -> np.ndarray:
-        """Exposed tails of [j, J) for J in [lo, hi), one row per ring id."""
-        table = self._exposed_table
-        return np.array([table(ring)[j] for ring in rings.tolist()])[:, lo:hi]
+        """Exposed tails of [j, J) for J in [lo, hi), one row per ring id (each distinct
+        ring's row fetched once)."""
+        distinct, inverse = _distinct(rings)
+        return np.array([self._exposed_row(ring, j)[lo:hi] for ring in distinct.tolist()])[inverse]
 
     def _exposed_last(self, rings: np.ndarray, ends: np.ndarray) -> np.ndarray:
         """Exposed tails of [J, n) for the ring ids ``rings`` and ends ``ends`` (elementwise;
@@ -612,9 +721,18 @@ class StageSearch:
             self._last, self._last_have = grown, have
         missing = rings[~self._last_have[rings]]
         for ring in set(missing.tolist()):
-            self._last[ring] = self._exposed_table(ring)[:, self.t.n]
+            self._last[ring] = self._exposed_column(ring)
             self._last_have[ring] = True
         return self._last[rings, ends]
+
+    def _exposed_column(self, ring: int) -> np.ndarray:
+        """The last column of ``_exposed_table(ring)`` (ranges [J, n)), without the table when
+        it is not there yet (``OverlapTables.tail_column``, equal element for element)."""
+        found = self._exposed_ids.get(ring)
+        if found is not None:
+            return found[:, self.t.n]
+        replicas, per_byte = self.shared.ring_keys[ring]
+        return self.t.overlap.tail_column(per_byte, self.lat, self.scale(replicas), self.t.n)
 
     def rest_unit(self, succ: Successor) -> float:
         """``p2p_unit`` from a successor's ranks to the rest, looked up once per successor."""
@@ -633,7 +751,9 @@ class StageSearch:
         ends = columns + batch.lo
         needed = np.zeros(len(batch.succs), dtype=bool)
         needed[rows] = True
-        units = np.array([self.rest_unit(succ) if use else 0.0 for succ, use in zip(batch.succs, needed.tolist())])
+        units = np.zeros(len(batch.succs))
+        at = np.flatnonzero(needed)
+        units[at] = [self.rest_unit(succ) for succ in map(batch.succs.__getitem__, at.tolist())]
         fn, bn, an, fbn = batch.fn[rows, columns], batch.bn[rows, columns], batch.an[rows, columns], batch.fbn[rows, columns]
         c1, s_rest = batch.c1[rows], batch.s_rest[rows, 0]
         fr, br = t.forward[ends, n] * s_rest, t.backward[ends, n] * s_rest
@@ -721,6 +841,16 @@ class StageSearch:
         kept.sort(key=rank)
         del kept[self.settings.keep_per_state :]
         bucket[key] = kept
+
+
+def _distinct(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(values, return_inverse=True)`` for small non-negative integers (replica
+    counts, ring ids), by counting instead of sorting."""
+    present = np.bincount(values)
+    distinct = np.flatnonzero(present)
+    position = np.zeros(present.size, dtype=np.intp)
+    position[distinct] = np.arange(distinct.size)
+    return distinct, position[values]
 
 
 class _Part:

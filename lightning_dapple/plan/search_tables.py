@@ -7,6 +7,7 @@ official formula), plus the exposed AllReduce tails of ``overlap.OverlapTables``
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Sequence
 
 import numpy as np
@@ -51,11 +52,10 @@ class RangeTables:
 def p2p_ms_fast(cluster: Cluster, num_bytes: float, senders: Sequence[int], receivers: Sequence[int]) -> float:
     """``Cluster.p2p_ms`` in O(a + b) instead of O(a b): the split-concat pieces (DAPPLE
     5.2.2) are the overlaps of two partitions of [0, 1), found by one sweep in the same
-    (sender, receiver) order, so the sums are accumulated exactly as ``p2p_ms`` does.
-    ``tests/test_planner.py`` checks the two agree."""
+    (sender, receiver) order (``_sweep``), so the sums are accumulated exactly as
+    ``p2p_ms`` does. ``tests/test_planner.py`` checks the two agree."""
     if num_bytes <= 0 or not senders or not receivers:
         return 0.0
-    a, b = len(senders), len(receivers)
     per = cluster.devices_per_machine
     # per-machine sums in lists, per-device sums in dictionaries as in p2p_ms; each sum is
     # accumulated over the pieces in the same order as p2p_ms does, so the maxima are equal
@@ -63,14 +63,10 @@ def p2p_ms_fast(cluster: Cluster, num_bytes: float, senders: Sequence[int], rece
     network_in = [0.0] * cluster.machines
     local_out: dict[int, float] = {}
     local_in: dict[int, float] = {}
-    i = j = 0
-    lo = 0.0  # each piece starts where the previous one ended
-    end_i, end_j = 1 / a, 1 / b
-    src, dst = senders[0], receivers[0]
-    while True:
-        hi = end_i if end_i <= end_j else end_j
-        if hi > lo + 1e-12 and src != dst:
-            size = (hi - lo) * num_bytes
+    for i, j, width in _sweep(len(senders), len(receivers)):
+        src, dst = senders[i], receivers[j]
+        if src != dst:
+            size = width * num_bytes
             ms, md = src // per, dst // per
             if ms != md:
                 network_out[ms] += size
@@ -78,20 +74,36 @@ def p2p_ms_fast(cluster: Cluster, num_bytes: float, senders: Sequence[int], rece
             else:
                 local_out[src] = local_out.get(src, 0.0) + size
                 local_in[dst] = local_in.get(dst, 0.0) + size
+    network = max(max(network_out), max(network_in)) / cluster.bytes_per_ms(cluster.inter_bandwidth_gbps)
+    local = max([*local_out.values(), *local_in.values(), 0.0]) / cluster.bytes_per_ms(cluster.intra_bandwidth_gbps)
+    if network == 0.0 and local == 0.0:
+        return 0.0
+    return max(network, local) + cluster.latency_ms
+
+
+@lru_cache(maxsize=1 << 16)
+def _sweep(a: int, b: int) -> tuple[tuple[int, int, float], ...]:
+    """The split-concat pieces of ``a`` senders and ``b`` receivers in sweep order, as
+    (sender index, receiver index, width as a fraction of the boundary), pieces of width
+    1e-12 or less left out; memoised, as they depend on ``a`` and ``b`` alone."""
+    found = []
+    i = j = 0
+    lo = 0.0  # each piece starts where the previous one ended
+    end_i, end_j = 1 / a, 1 / b
+    while True:
+        hi = end_i if end_i <= end_j else end_j
+        if hi > lo + 1e-12:
+            found.append((i, j, hi - lo))
         lo = hi
         advance_j = end_j <= end_i
         if end_i <= end_j:
             i += 1
             if i == a:
                 break
-            end_i, src = (i + 1) / a, senders[i]
+            end_i = (i + 1) / a
         if advance_j:
             j += 1
             if j == b:
                 break
-            end_j, dst = (j + 1) / b, receivers[j]
-    network = max(max(network_out), max(network_in)) / cluster.bytes_per_ms(cluster.inter_bandwidth_gbps)
-    local = max([*local_out.values(), *local_in.values(), 0.0]) / cluster.bytes_per_ms(cluster.intra_bandwidth_gbps)
-    if network == 0.0 and local == 0.0:
-        return 0.0
-    return max(network, local) + cluster.latency_ms
+            end_j = (j + 1) / b
+    return tuple(found)

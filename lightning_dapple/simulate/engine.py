@@ -290,9 +290,10 @@ class _Run:
         n = self.num_stages = schedule.num_stages
         # a stage splits its backward when it has W actions (a schedule without any W splits
         # everywhere when it says so: hand-made lists that charge B its input half only)
-        any_w = any(a.kind is Kind.W for acts in schedule.actions for a in acts)
-        self.splits = [any(a.kind is Kind.W for a in acts) or (schedule.split_backward and not any_w) for acts in schedule.actions]
-        self.implicit = not any(a.kind in _COMM_KINDS for acts in schedule.actions for a in acts)
+        kinds = [{a.kind for a in acts} for acts in schedule.actions]  # the kinds each stage lists
+        any_w = any(Kind.W in listed for listed in kinds)
+        self.splits = [Kind.W in listed or (schedule.split_backward and not any_w) for listed in kinds]
+        self.implicit = not any(kind in listed for listed in kinds for kind in _COMM_KINDS)
         self.stages = [_Stage(s, schedule.actions[s]) for s in range(n)]
         self.act_links = [_Link(f"{s}->{s + 1}", costs[s].send_ms) for s in range(n - 1)]
         self.grad_links = [_Link(f"{s + 1}->{s}", costs[s].send_ms) for s in range(n - 1)]
@@ -403,12 +404,16 @@ class _Run:
     def to_fixpoint(self) -> None:
         """Dataflow fixpoint: every action's times depend only on earlier actions of its own
         stage and on transfers whose issue order is fixed by the sender's list, so running
-        each stage as far as it can, round after round, yields the exact event times."""
+        each stage as far as it can, round after round, yields the exact event times. The
+        rounds alternate between the pipeline's two directions, the ways activations and
+        gradients travel, so that fewer are needed; the order changes no time, and the last
+        round, in which no stage moves, leaves each stuck stage's reason as of the end."""
         progress = True
         step = self.step
+        order = self.stages
         while progress:
             progress = False
-            for st in self.stages:
+            for st in order:
                 actions, pc = st.actions, st.pc
                 end = len(actions)
                 while pc < end and step(st, actions[pc]):
@@ -416,6 +421,7 @@ class _Run:
                 if pc != st.pc:
                     st.pc = pc  # a stage stuck for good keeps the reason its last step gave
                     progress = True
+            order = order[::-1]
         stuck = [st for st in self.stages if not st.finished]
         if stuck:
             detail = "; ".join(f"stage {st.index} is stuck at {st.actions[st.pc]} waiting for {st.blocked_on}" for st in stuck)
