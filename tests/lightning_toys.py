@@ -90,9 +90,17 @@ class LossRecorder(Callback):
 
 
 def _thread_names() -> list[str]:
+    """Names of this process's OS threads; a thread that ends while they are read is left out."""
     import os
 
-    return sorted(open(f"/proc/self/task/{task}/comm").read().strip() for task in os.listdir("/proc/self/task"))
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as stream:
+                names.append(stream.read().strip())
+        except FileNotFoundError:  # the thread ended between the listing and the read
+            continue
+    return sorted(names)
 
 
 class ExitCleanupProbe(Callback):
