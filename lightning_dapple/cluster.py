@@ -21,7 +21,7 @@ import os
 import re
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 from omegaconf import OmegaConf
 
@@ -79,9 +79,6 @@ class Cluster:
 
     def machine_of(self, rank: int) -> int:
         return rank // self.devices_per_machine
-
-    def machines_of(self, ranks: Iterable[int]) -> set[int]:
-        return {self.machine_of(rank) for rank in ranks}
 
     def bytes_per_ms(self, gbps: float) -> float:
         return gbps * 1e9 / 8 / 1e3

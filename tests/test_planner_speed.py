@@ -46,13 +46,15 @@ def test_transfer_unit_by_machines_equals_the_unit_on_the_ranks(name: str) -> No
 
 
 @pytest.mark.parametrize("policy,schedule", [("PA", "dapple"), ("PB", "dapple"), ("PA", "gpipe")])
-def test_tmax_table_equals_tmax_of_each_stage(policy: str, schedule: str) -> None:
+def test_tmax_rows_equal_tmax_of_each_stage(policy: str, schedule: str) -> None:
     cluster = Cluster(2, 4, device_memory_gib=16.0)
     search = _search(cluster, policy, schedule)
     t = search.t
     seen = set()
+    replicas = np.array([3, 1, cluster.num_devices, 3, 2] + list(range(1, cluster.num_devices + 1)))
     for j in range(t.n):
-        table = search.tmax_table(j)
+        table = np.full((cluster.num_devices + 1, t.n + 1), np.nan)
+        table[replicas, j + 1 :] = search.tmax_rows(j, replicas, j + 1, t.n + 1)
         for r in range(1, cluster.num_devices + 1):
             ends = slice(j + 1, t.n + 1)
             direct = search.t_max(t.params[j, ends][None, :] * search.weight_factor, t.stash[j, ends][None, :] * search.scale(r))[0]

@@ -87,9 +87,6 @@ class PlacementState:
     def free_ranks(self, machine: int) -> tuple[int, ...]:
         return self._free_by_machine[machine]
 
-    def free_counts(self) -> list[int]:
-        return list(self._machines.counts)
-
     @cached_property
     def _machines(self) -> "_Machines":
         """The per-machine facts the policies read (once per state, for every policy and n)."""

@@ -169,7 +169,6 @@ class StageSearch:
         self._exposed_first: dict[int, np.ndarray] = {}  # row 0 by ring id, where the table is not needed
         self._last = np.zeros((0, tables.n + 1))  # [ring id, J]: exposed tail of [J, n)
         self._last_have = np.zeros(0, dtype=bool)
-        self._tmax: dict[int, np.ndarray] = {}
         self._sizes: dict[tuple[int, bool], list[int]] = {}
         self._brackets: dict[tuple[int, int, tuple[int, ...]], tuple[np.ndarray, np.ndarray, np.ndarray | None]] = {}
 
@@ -206,19 +205,9 @@ class StageSearch:
             return np.where(kmax >= self.m, _INF, kmax)
         return np.where(kmax >= self.m, _INF, np.floor((kmax + 1) / 2))
 
-    def tmax_table(self, j: int) -> np.ndarray:
-        """``t_max`` of every stage [j, J) (columns J) for every replica count (rows),
-        computed once per start j."""
-        found = self._tmax.get(j)
-        if found is None:
-            scales = np.array(self._scales)[:, None]
-            t = self.t
-            found = self._tmax[j] = self.t_max(t.params[j][None, :] * self.weight_factor, t.stash[j][None, :] * scales)
-        return found
-
     def tmax_rows(self, j: int, replicas: np.ndarray, lo: int, hi: int) -> np.ndarray:
-        """``tmax_table(j)[replicas, lo:hi]``, priced only for the replica counts and ends
-        asked for (``t_max`` is elementwise, so the values are the table's)."""
+        """``t_max`` of the stages [j, J) for J in [lo, hi) (columns), one row per entry of
+        ``replicas``, each distinct replica count priced once."""
         distinct, inverse = _distinct(replicas)
         t = self.t
         table = self.t_max(t.params[j, lo:hi][None, :] * self.weight_factor, t.stash[j, lo:hi][None, :] * self._scale_array[distinct][:, None])
@@ -667,12 +656,9 @@ class StageSearch:
             found = self.shared.ring_of_shape[shape] = self.shared.ring_id(self.ring_key(ranks))
         return found
 
-    def exposed(self, ranks: tuple[int, ...]) -> np.ndarray:
-        """Exposed AllReduce tail of every layer range [j, J) replicated on ``ranks``
-        (``OverlapTables.tail``; ``costs.exposed_tail`` for one stage)."""
-        return self._exposed_by_key(self.ring_key(ranks))
-
     def _exposed_by_key(self, key: tuple[int, float]) -> np.ndarray:
+        """Exposed AllReduce tail of every layer range [j, J) replicated on a ring with
+        ``ring_key`` ``key`` (``OverlapTables.tail``; ``costs.exposed_tail`` for one stage)."""
         found = self._exposed.get(key)
         if found is None:
             replicas, per_byte = key
@@ -680,7 +666,7 @@ class StageSearch:
         return found
 
     def _exposed_table(self, ring: int) -> np.ndarray:
-        """``exposed`` by ring id."""
+        """``_exposed_by_key`` by ring id."""
         found = self._exposed_ids.get(ring)
         if found is None:
             found = self._exposed_ids[ring] = self._exposed_by_key(self.shared.ring_keys[ring])

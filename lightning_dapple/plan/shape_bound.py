@@ -47,8 +47,9 @@ def synced_step_lower_bound(costs: Sequence[StageCost], micro_batches: int) -> f
 def shape_lower_bound(request: PlanRequest, shape: str) -> tuple[float, int] | None:
     """(ms, M) of the smallest ``synced_step_lower_bound`` over the plans of ``shape`` that
     ``request`` allows (every M candidate whose slices respect the floor, every cut), or
-    None when the shape has no such plan (too few devices, or slices below the floor). ``shape`` is "DP", "straight" or "P:Q" (the first
-    stage on ranks 0..P-1, the second on the next Q, as the Table 4 comparison places them)."""
+    None when the shape has no such plan (too few devices, or slices below the floor).
+    ``shape`` is "DP", "straight" or "P:Q" (the first stage on ranks 0..P-1, the second on
+    the next Q, as the Table 4 comparison places them)."""
     if shape == "DP":
         return _best(_stages_bound(request, [[(0, request.profile.num_layers)]], (request.cluster.num_devices,)))
     if shape == "straight":
@@ -103,8 +104,7 @@ def _straight_bound(request: PlanRequest, m: int) -> tuple[float, int] | None:
         return None
     scale = profile.scale(mbs)
     layers = profile.layers
-    forward = np.concatenate(([0.0], np.cumsum([layer.forward_ms for layer in layers]))) * scale
-    work = np.concatenate(([0.0], np.cumsum([layer.forward_ms + layer.backward_ms for layer in layers]))) * scale
+    forward, work = request.tables.forward[0] * scale, request.tables.work[0] * scale  # sums of layers [0, a)
     back = np.concatenate(([0.0], np.cumsum([min(layer.input_grad_ms, layer.backward_ms) for layer in layers]))) * scale
     probe = 1e6  # p2p_ms is affine in the bytes for a fixed pair of ranks
     cheapest = min((cluster.p2p_ms(probe, (t - 1,), (t,)), cluster.p2p_ms(2 * probe, (t - 1,), (t,))) for t in range(1, g))
