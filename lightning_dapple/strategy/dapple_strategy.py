@@ -58,11 +58,13 @@ from lightning_dapple.execute.slicing import batch_size_of, take_rows
 from lightning_dapple.execute.topology import report_placement
 from lightning_dapple.execute.wires import WIRES, choose_wire
 from lightning_dapple.plan.explain import plan_summary, plan_table
-from lightning_dapple.plan.plan import Plan, atomic_write_text, load_plan, plan_from_dict
+from lightning_dapple.plan.plan import Plan, PlanShape, atomic_write_text, load_plan_or_shape, plan_or_shape_from_dict
+from lightning_dapple.profile.traced_layers import TracedLayers
 from lightning_dapple.simulate.plans import schedule_for_plan
 from lightning_dapple.strategy import checkpoint as ckpt
 from lightning_dapple.strategy.auto_plan import PlanningContext, PlanningInputs, auto_plan
 from lightning_dapple.strategy.batch_guard import check_training_batch, check_training_loss
+from lightning_dapple.strategy.handles import Detached, LayerTensors
 from lightning_dapple.strategy.module_adapter import (
     FreedLayer,
     LogRecorder,
@@ -78,7 +80,7 @@ from lightning_dapple.strategy.module_adapter import (
 )
 from lightning_dapple.strategy.precision import DappleMixedPrecision, agree_found_inf, as_dapple_precision
 from lightning_dapple.strategy.reporting import SILENT, OneLineLauncher, install_excepthook
-from lightning_dapple.strategy.resolve import PlanArguments, resolve_plan
+from lightning_dapple.strategy.resolve import PlanArguments, resolve_plan, shape_with_arguments
 
 
 
@@ -163,6 +165,22 @@ def _run_or_explain(call: Callable[[], Any], what: str, args: tuple, step_name: 
         ) from None
 
 
+def _step_name(trainer: Trainer) -> str:
+    """The step function the Trainer runs now (it calls ``self(...)``)."""
+    return {
+        TrainerFn.FITTING: "training_step",
+        TrainerFn.VALIDATING: "validation_step",
+        TrainerFn.TESTING: "test_step",
+        TrainerFn.PREDICTING: "predict_step",
+    }[trainer.state.fn]
+
+
+def _forward_args(module: LightningModule, batch: Any, step_name: str) -> tuple:
+    """The positional arguments the step passes to ``self(...)`` for ``batch``."""
+    with LogRecorder().recording(module, 0.0):
+        return capture_call(module, lambda: getattr(module, step_name)(batch, 0))
+
+
 def _merge_logs(per_replica: list[Any]) -> dict[str, tuple[float, float, dict[str, Any]]]:
     merged: dict[str, tuple[float, float, dict[str, Any]]] = {}
     for logs in per_replica:
@@ -245,6 +263,8 @@ class DappleStrategy(DDPStrategy):
         self._layer_container: nn.Module | None = None
         self.checkpoint_layout: ckpt.CheckpointLayout | None = None
         self._freed: dict[int, nn.Module] = {}
+        self._layer_tensors: LayerTensors | None = None
+        self._detached = Detached()
         self._planning_inputs: PlanningInputs | None = None  # rank 0 after plan="auto"
         self._saved_grads: list[torch.Tensor | None] | None = None
 
@@ -398,9 +418,9 @@ class DappleStrategy(DDPStrategy):
         so the whole model never has to fit on one device (DAPPLE 4: stages exist because
         it need not).
         """
-        container = find_layers(module, self.layers_path)
-        check_parameters_in_layers(module, container, self.layers_path)
         sample = self._sample_batch(trainer, module)
+        container = self._find_layers(trainer, module, sample)
+        check_parameters_in_layers(module, container, self.layers_path)
         self._check_forward_is_layers(module, container, sample, trainer)
         plan = self._resolve_plan(trainer, module, container, sample)
         plan = plan.validate(num_layers=len(container), world_size=self.world_size).with_warmups()
@@ -414,6 +434,9 @@ class DappleStrategy(DDPStrategy):
             stage_leader=stage.devices[0] == self.global_rank,
             global_rank=self.global_rank,
         )
+        self._layer_tensors = LayerTensors.of(module, container, keep_transient=self.global_rank == 0)
+        # handles and traced layers' own paths first, while every tensor is still the original
+        self._detached = self._layer_tensors.detach(module, container, range(stage.start, stage.end), self._stage_of_layer)
         for index in range(len(container)):
             if not (stage.start <= index < stage.end):
                 self._freed[index] = container[index].to("meta")  # structure kept, memory released
@@ -465,21 +488,27 @@ class DappleStrategy(DDPStrategy):
         # loops do before a step (e.g. 64-true turns float inputs into float64).
         return self.precision_plugin.convert_input(self.batch_to_device(batch, device=module_home(module)))
 
+    def _find_layers(self, trainer: Trainer, module: LightningModule, batch: Any) -> nn.Module:
+        """The layer sequence at ``layers``, or the layer list traced from ``forward``
+        (``layers="auto"``, or a module without the default ``layers``): traced on the
+        arguments ``self(...)`` gets for one and two rows of the sample batch, and printed."""
+        rows = batch_size_of(batch)
+        step_name = _step_name(trainer)
+        samples = lambda: [_forward_args(module, take_rows(batch, 0, count), step_name) for count in sorted({1, min(2, rows)})]  # noqa: E731
+        container = find_layers(module, self.layers_path, samples)
+        if isinstance(container, TracedLayers):
+            for line in container.describe():
+                rank_zero_info(line)
+        return container
+
     def _check_forward_is_layers(self, module: LightningModule, container: nn.Module, batch: Any, trainer: Trainer) -> None:
         """DAPPLE executes the layer list; a forward that does more would silently differ.
 
         Runs on two sample rows where the module lives (normally the CPU, never the whole
         model on this rank's device), without autograd, autocast or RNG side effects.
         """
-        step_name = "training_step" if trainer.state.fn == TrainerFn.FITTING else {
-            TrainerFn.VALIDATING: "validation_step",
-            TrainerFn.TESTING: "test_step",
-            TrainerFn.PREDICTING: "predict_step",
-        }[trainer.state.fn]
-        sample = take_rows(batch, 0, min(2, batch_size_of(batch)))
-        recorder = LogRecorder()
-        with recorder.recording(module, 0.0):
-            args = capture_call(module, lambda: getattr(module, step_name)(sample, 0))
+        step_name = _step_name(trainer)
+        args = _forward_args(module, take_rows(batch, 0, min(2, batch_size_of(batch))), step_name)
         x = args[0] if len(args) == 1 else args
         state = torch.random.get_rng_state()
         was_training = module.training
@@ -529,14 +558,18 @@ class DappleStrategy(DDPStrategy):
 
     def _resolve_plan(self, trainer: Trainer, module: LightningModule, container: nn.Module, sample: Any) -> Plan:
         spec = self.plan_spec
-        if isinstance(spec, Plan):
-            plan = spec
+        given: Plan | PlanShape | None = None
+        if isinstance(spec, (Plan, PlanShape)):
+            given = spec
         elif isinstance(spec, dict):
-            plan = plan_from_dict(spec)
+            given = plan_or_shape_from_dict(spec)
         elif isinstance(spec, (str, Path)) and str(spec) != "auto":
-            plan = load_plan(spec)
-        else:
-            planned = auto_plan(self.planning_context(trainer), module, container, sample)
+            given = load_plan_or_shape(spec)
+        if isinstance(given, Plan):
+            plan = given
+        else:  # "auto", or a shape whose layer cut the planner chooses
+            shape = shape_with_arguments(given, self.plan_arguments) if given is not None else None
+            planned = auto_plan(self.planning_context(trainer), module, container, sample, shape)
             plan, self._planning_inputs = planned.plan, planned.inputs
         plan = resolve_plan(plan, self.plan_arguments)
         batch_rows = batch_size_of(sample)
@@ -736,10 +769,8 @@ class DappleStrategy(DDPStrategy):
         state = ckpt.consolidated_state_dict(self.lightning_module, self.checkpoint_layout)
         if self.global_rank != 0 or self._layer_container is None:
             return
-        prefix = f"{self.layers_path}."
+        assert self._layer_tensors is not None
         for index, skeleton in sorted(self._freed.items()):
-            layer = skeleton.to_empty(device="cpu")
-            head = f"{prefix}{index}."
-            layer.load_state_dict({k[len(head):]: v for k, v in state.items() if k.startswith(head)})
-            self._layer_container[index] = layer
+            self._layer_container[index] = self._layer_tensors.rebuild(skeleton, index, state)
         self._freed = {}
+        self._detached.reattach(self._layer_container)  # handles and forward's own tensors
