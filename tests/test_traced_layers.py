@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -197,3 +200,36 @@ def test_resnet_with_flatten_in_forward_on_two_stages(tmp_path: Path) -> None:
     _strategy_trainer(tmp_path, plan, gradient_clip_val=None).fit(model, image_loader())
     assert relative_difference(model.state_dict(), reference) <= 1e-10
 
+
+
+SCRIPT = Path(__file__).parent / "scripts" / "demo_transformer_with_dapple.py"
+
+
+def _launch(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "DAPPLE_DEBUG")}
+    env["PYTHONWARNINGS"] = "ignore"
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), str(tmp_path / "out.json"), *extra], capture_output=True, text=True, timeout=500, cwd=tmp_path, env=env
+    )
+
+
+@pytest.mark.timeout(600)
+def test_lightning_demo_transformer_trains_on_two_stages_and_rank_zero_alone_prints(tmp_path: Path) -> None:
+    result = _launch(tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    output = result.stdout + result.stderr
+    assert not [line for line in output.splitlines() if "error" in line.lower() or "Traceback" in line], output[-3000:]
+    assert output.count("layer list traced from OfflineTransformer.forward (4 layers):") == 1
+    trained = json.loads((tmp_path / "out.json").read_text())
+    assert trained["stages"][0][0] == 0 and trained["stages"][1][1] == 4 and len(trained["stages"]) == 2
+    assert trained["changed"] == trained["keys"]  # every parameter took its steps, on whichever stage
+
+
+@pytest.mark.timeout(600)
+def test_an_untraceable_module_on_two_processes_prints_one_line(tmp_path: Path) -> None:
+    result = _launch(tmp_path, "untraceable")
+    assert result.returncode != 0
+    errors = [line for line in (result.stdout + result.stderr).splitlines() if "error" in line.lower() or "Traceback" in line]
+    assert len(errors) == 1, result.stderr[-3000:]
+    assert errors[0].startswith("lightning_dapple: error: DappleConfigError: Untraceable.forward: cannot be traced")
+    assert "traced_toys.py:" in errors[0] and "Fix: give the layer list by hand" in errors[0]
