@@ -24,6 +24,8 @@ from lightning.pytorch.demos.transformer import LightningTransformer
 
 import lightning_dapple  # noqa: F401
 from dist_harness import run_ranks
+from lightning_dapple.cli import plan as plan_cli
+from lightning_dapple.cli import profile as profile_cli
 from lightning_dapple.errors import DappleConfigError
 from lightning_dapple.profile.traced_layers import TracedLayers, traced_layers
 from lightning_dapple.strategy import DappleStrategy
@@ -233,3 +235,18 @@ def test_an_untraceable_module_on_two_processes_prints_one_line(tmp_path: Path) 
     assert len(errors) == 1, result.stderr[-3000:]
     assert errors[0].startswith("lightning_dapple: error: DappleConfigError: Untraceable.forward: cannot be traced")
     assert "traced_toys.py:" in errors[0] and "Fix: give the layer list by hand" in errors[0]
+
+
+def test_command_lines_profile_and_plan_a_module_without_a_layer_sequence(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "profile.json"
+    assert profile_cli.main(["--model", "traced_toys:nanogpt_with_example", "--repeats", "1", "--warmup", "0", "--out", str(out)]) == 0
+    assert "layer list traced from NanoGPT.forward (6 layers):" in capsys.readouterr().out
+    assert len(json.loads(out.read_text())["layers"]) == 6
+    assert plan_cli.main(["--profile", str(out), "--cluster", "1x2", "--global-batch-size", "8", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["stages"][-1]["layers"][1] == 6
+    assert plan_cli.main(["--model", "traced_toys:nanogpt_with_example", "--cluster", "1x2", "--global-batch-size", "8", "--json"]) == 0
+    printed = capsys.readouterr()
+    assert json.loads(printed.out)["stages"][-1]["layers"][1] == 6 and "6 layers" in printed.err
+    assert plan_cli.main(["--model", "traced_toys:untraceable_with_example", "--cluster", "1x2", "--global-batch-size", "8"]) == 2
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert len(errors) == 1 and errors[0].startswith("error: Untraceable.forward: cannot be traced") and "traced_toys.py:" in errors[0]

@@ -257,3 +257,16 @@ def relative_difference(state: dict[str, torch.Tensor], reference: dict[str, tor
     """max over tensors of |a - b| / |b| (Frobenius norms)."""
     assert set(state) == set(reference), set(state) ^ set(reference)
     return max(float((state[k] - reference[k]).norm() / reference[k].norm().clamp_min(1e-300)) for k in reference)
+
+
+def nanogpt_with_example() -> NanoGPT:
+    """For the command lines: the module with its ``example_input_array`` (one micro-batch)."""
+    model = NanoGPT()
+    model.example_input_array = torch.zeros(4, CONTEXT, dtype=torch.long)
+    return model
+
+
+def untraceable_with_example() -> Untraceable:
+    model = Untraceable()
+    model.example_input_array = torch.zeros(4, 6)
+    return model

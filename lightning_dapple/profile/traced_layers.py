@@ -34,7 +34,16 @@ from torch import nn
 
 from lightning_dapple.profile.trace import TracedProgram, trace_forward
 
-__all__ = ["TracedLayers", "cut_program", "traced_layers"]
+__all__ = ["AUTO_LAYERS", "DEFAULT_LAYERS", "TracedLayers", "cut_program", "finds_layers_from_forward", "traced_layers"]
+
+AUTO_LAYERS = "auto"  # DappleStrategy(layers="auto"), dapple-profile --layers auto
+DEFAULT_LAYERS = "layers"
+
+
+def finds_layers_from_forward(module: nn.Module, path: str) -> bool:
+    """Whether the layer list is traced from ``forward``: asked for (``"auto"``), or the
+    module keeps no sequence at the default ``layers``."""
+    return path == AUTO_LAYERS or (path == DEFAULT_LAYERS and not hasattr(module, path))
 
 
 class TracedLayers(nn.ModuleList):

@@ -26,7 +26,7 @@ from torch import nn
 from torchmetrics import Metric
 
 from lightning_dapple.errors import DappleConfigError
-from lightning_dapple.profile.traced_layers import TracedLayers, traced_layers
+from lightning_dapple.profile.traced_layers import TracedLayers, finds_layers_from_forward, traced_layers
 
 
 class _InputCaptured(Exception):
@@ -52,17 +52,13 @@ class FreedLayer(nn.Module):
         return f"index={self.index}, on_stage={self.stage}"
 
 
-AUTO_LAYERS = "auto"
-DEFAULT_LAYERS = "layers"
-
-
 def find_layers(module: nn.Module, path: str, samples: Callable[[], Sequence[tuple]] | None = None) -> nn.Module:
     """The layer sequence at attribute ``path`` (dotted), or a clear error.
 
     With ``samples`` (the positional arguments of ``self(...)`` at two batch sizes, made
     on demand), ``path="auto"`` or a module without the default ``layers`` attribute gets
     the layer list traced from its ``forward`` (``profile.traced_layers``)."""
-    if samples is not None and (path == AUTO_LAYERS or (path == DEFAULT_LAYERS and not hasattr(module, path))):
+    if samples is not None and finds_layers_from_forward(module, path):
         return traced_layers(module, samples())
     target: Any = module
     for part in path.split("."):
