@@ -250,3 +250,18 @@ def test_command_lines_profile_and_plan_a_module_without_a_layer_sequence(tmp_pa
     assert plan_cli.main(["--model", "traced_toys:untraceable_with_example", "--cluster", "1x2", "--global-batch-size", "8"]) == 2
     errors = capsys.readouterr().err.strip().splitlines()
     assert len(errors) == 1 and errors[0].startswith("error: Untraceable.forward: cannot be traced") and "traced_toys.py:" in errors[0]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_traced_layers_follow_the_module_to_the_gpu(tmp_path: Path) -> None:
+    """Setup moves the module to the GPU; the traced layers read the same tensors (the
+    module's own ``pos_emb`` included), so they run there and train like one process."""
+    reference = plain_run(NanoGPT(), token_loader())
+    model = NanoGPT().double()
+    plan = {"global_batch_size": 8, "micro_batches": 2, "stages": [{"layers": [0, 6], "devices": [0]}]}
+    trainer = quiet_trainer(
+        strategy=DappleStrategy(plan=plan, timeout_s=60), accelerator="gpu", devices=1, precision="64-true", max_steps=3, root=tmp_path
+    )
+    trainer.fit(model, token_loader())
+    state = {key: value.detach().cpu() for key, value in model.state_dict().items()}
+    assert relative_difference(state, reference) <= 1e-10
