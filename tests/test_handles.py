@@ -20,8 +20,9 @@ import lightning_dapple  # noqa: F401
 from lightning_dapple.strategy import DappleStrategy
 from lightning_dapple.strategy.handles import Detached, LayerTensors
 from lightning_dapple.strategy.module_adapter import FreedLayer
+from lightning_dapple.profile.traced_layers import traced_layers
 from lightning_toys import quiet_trainer
-from traced_toys import Handles, plain_run, relative_difference, vector_loader
+from traced_toys import Handles, ScaledGPT, plain_run, relative_difference, token_loader, vector_loader
 
 STAGES = [(0, 2), (2, 4)]  # layers [0, 2) and [2, 4): the middle_linear handle on stage 0, head on stage 1
 
@@ -65,6 +66,30 @@ def test_rank_zero_rebuilds_the_model_with_every_path_shared_again() -> None:
     detached.reattach(model.layers)
     assert model.head is model.layers[3] and model.middle_linear is model.layers[1][0]
     assert all(torch.equal(value, state[key]) for key, value in model.state_dict().items() if key.startswith(("layers.2", "layers.3", "head")))
+
+
+def test_a_traced_model_gets_the_tensors_its_forward_reads_back() -> None:
+    """Layer 0 of a traced list (the embedding, ``pos_emb`` and the non-persistent
+    ``emb_scale`` that forward reads) lives on another stage: this rank holds neither path
+    to them; rank 0's rebuild ties the module's attributes to the rebuilt layer again."""
+    idx = next(iter(token_loader()))[0]
+    trained = ScaledGPT(seed=5).double()
+    model = ScaledGPT().double()
+    layers = traced_layers(model, [(idx[:1],), (idx[:2],)])
+    tensors = LayerTensors.of(model, layers, keep_transient=True)
+    detached = tensors.detach(model, layers, range(1, len(layers)), lambda index: 0 if index == 0 else 1)
+    skeleton = layers[0].to("meta")
+    layers[0] = FreedLayer(0, 0)
+    model.to("cpu")  # nothing of layer 0 is reachable from the module any more
+    assert not {"pos_emb", "tok_emb.weight"} & set(model.state_dict()) and isinstance(model.tok_emb, FreedLayer)
+    assert model.emb_scale is None
+    layers[0] = tensors.rebuild(skeleton, 0, trained.state_dict())
+    detached.reattach(layers)
+    assert model.pos_emb is layers[0].get_parameter("pos_emb") and model.emb_scale is layers[0].get_buffer("emb_scale")
+    assert model.tok_emb is layers[0].get_submodule("tok_emb")
+    assert torch.equal(model.pos_emb, trained.pos_emb) and float(model.emb_scale) == 0.5
+    with torch.no_grad():
+        assert torch.equal(layers[0](idx), trained.tok_emb(idx) * 0.5 + trained.pos_emb[:, : idx.shape[1]])
 
 
 class _RankRecord(Callback):

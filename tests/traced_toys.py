@@ -122,6 +122,20 @@ class TiedHead(SkipMasked):
         self.head.weight = self.emb.weight
 
 
+class ScaledGPT(NanoGPT):
+    """NanoGPT whose forward also reads a non-persistent buffer (in no checkpoint)."""
+
+    def __init__(self, seed: int = 1234) -> None:
+        super().__init__(seed=seed)
+        self.register_buffer("emb_scale", torch.tensor(0.5), persistent=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok_emb(idx) * self.emb_scale + self.pos_emb[:, : idx.shape[1], :]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
 class Residual(nn.Module):
     def __init__(self, channels: int) -> None:
         super().__init__()

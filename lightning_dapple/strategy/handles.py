@@ -64,7 +64,7 @@ class LayerTensors:
     before any layer is freed (tensor identity, not key prefixes, decides)."""
 
     keys: list[dict[str, str]]  # per layer: its state-dict key -> the module's key
-    transient: list[dict[str, torch.Tensor]]  # per layer: non-persistent buffers (rank 0 keeps copies)
+    transient: list[dict[str, torch.Tensor]]  # per layer: buffers outside the checkpoint (copies, rank 0 only)
     _owners: dict[int, tuple[Any, frozenset[int], int, str]]  # id -> (weakref, layers, first layer, name there)
     _modules: dict[int, tuple[Any, int]]  # id -> (weakref, a layer holding the module)
 
@@ -77,8 +77,8 @@ class LayerTensors:
         for index, layer in enumerate(layers):
             state = layer.state_dict(keep_vars=True)
             keys.append({local: module_key[id(value)] for local, value in state.items() if id(value) in module_key})
-            persistent = {id(value) for value in state.values()}
-            transient.append({name: b.detach().clone() for name, b in layer.named_buffers() if keep_transient and id(b) not in persistent})
+            # buffers no checkpoint holds (non-persistent ones; a traced layer's copies of them)
+            transient.append({name: b.detach().clone() for name, b in layer.named_buffers() if keep_transient and id(b) not in module_key})
             for local, tensor in (*layer.named_parameters(remove_duplicate=False), *layer.named_buffers(remove_duplicate=False)):
                 ref, holders, first, name = owners.get(id(tensor), (weakref.ref(tensor), frozenset(), index, local))
                 owners[id(tensor)] = (ref, holders | {index}, first, name)
@@ -128,7 +128,8 @@ class LayerTensors:
         """A freed layer (a meta-device skeleton) made whole on the CPU from the module's
         consolidated state dict."""
         layer = skeleton.to_empty(device="cpu")
-        layer.load_state_dict({local: state[key] for local, key in self.keys[index].items()})
+        missing, unexpected = layer.load_state_dict({local: state[key] for local, key in self.keys[index].items()}, strict=False)
+        assert not unexpected and set(missing) <= set(self.transient[index]), (missing, unexpected)
         for name, value in self.transient[index].items():
             layer.get_buffer(name).copy_(value)
         return layer
