@@ -92,6 +92,7 @@ def test_values_alive_across_cuts_travel_as_a_tuple_and_masks_are_rebuilt() -> N
     passed = layers[0](idx)
     assert isinstance(passed, tuple) and [t.shape[0] for t in passed] == [len(idx)] * len(passed)  # all batch-first
     assert all("triu" in layers[i].code for i in (1, 2, 3)) and "triu" not in layers[0].code
+    assert "tanh" in layers[4].code and [i for i, layer in enumerate(layers) if any(p is model.out_gain for p in layer.parameters())] == [4]
     assert torch.equal(_chain(layers, idx), model(idx))
 
 

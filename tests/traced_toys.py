@@ -85,8 +85,9 @@ class MaskedBlock(nn.Module):
 
 class SkipMasked(LightningModule):
     """A causal mask built once in forward and passed to every block (the same for every
-    sample: recomputed per layer, never sent), and the embedding added back before the
-    head (alive across every cut: it travels in a tuple with the blocks' state)."""
+    sample: recomputed per layer, never sent), the embedding added back before the head
+    (alive across every cut: it travels in a tuple with the blocks' state), and an output
+    gain computed from a parameter at the top of forward but used at the end."""
 
     def __init__(self, seed: int = 1234) -> None:
         super().__init__()
@@ -94,15 +95,17 @@ class SkipMasked(LightningModule):
         self.emb = nn.Embedding(VOCAB, WIDTH)
         self.blocks = nn.ModuleList([MaskedBlock() for _ in range(3)])
         self.head = nn.Linear(WIDTH, VOCAB)
+        self.out_gain = nn.Parameter(torch.full((VOCAB,), 2.0))
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]
         mask = torch.ones(t, t, dtype=torch.bool, device=idx.device).triu(1)
+        gain = self.out_gain.tanh()  # the same for every sample: computed where it is used
         first = self.emb(idx)
         h = first
         for block in self.blocks:
             h = block(h, mask)
-        return self.head(h + first)
+        return self.head(h + first) * gain
 
     def training_step(self, batch, batch_idx):
         idx, targets = batch
