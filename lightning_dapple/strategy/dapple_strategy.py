@@ -198,7 +198,8 @@ class DappleStrategy(DDPStrategy):
     Args:
         plan: ``"auto"`` (profile and plan on the first fit), a plan JSON path, a Plan or
             its dict. A hand-written plan needs only global_batch_size, micro_batches and
-            each stage's layers and devices.
+            each stage's layers and devices; stages with devices and no layers are a shape
+            (``PlanShape``) whose layer cut the planner chooses.
         micro_batches, schedule, policy: override the plan's M, schedule ("dapple" or
             "gpipe") and K_i policy ("PA", "PB"); a policy left out (or "auto") is the
             plan's, which under plan="auto" is the one the plan simulates faster with
@@ -206,7 +207,9 @@ class DappleStrategy(DDPStrategy):
         cluster: a cluster preset/file/Cluster for auto planning; default: this machine
             as detected (``cluster.detect_cluster``: the Trainer's nodes x devices, the
             GPUs' name and memory, or the host's memory per CPU process).
-        layers: attribute path of the module's layer sequence.
+        layers: attribute path of the module's layer sequence; ``"auto"``, or a module
+            without the default ``layers``, gets the layer list traced from ``forward``
+            (``profile/traced_layers.py``), printed at setup.
         loss_reduction: "mean" (the loss is a mean over samples) or "sum".
         timeout_s: bound on every wait for a peer; a failure on one rank stops all ranks.
         profile_cache: directory for cached layer profiles.
