@@ -31,9 +31,10 @@ import inspect
 import os
 import traceback
 from bisect import bisect_left
+from contextlib import contextmanager
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.fx as fx
@@ -105,15 +106,24 @@ def _place(filename: str, line: int | None) -> str:
     return f"{shown}:{line}"
 
 
+def _forward_place(module: nn.Module) -> str:
+    """Where the module's ``forward`` is defined (for failures of forward as a whole)."""
+    forward = inspect.unwrap(type(module).forward)
+    try:
+        return _place(inspect.getsourcefile(forward) or "forward", inspect.getsourcelines(forward)[1])
+    except (OSError, TypeError):
+        return f"{type(module).__name__}.forward"
+
+
 def _is_assert(frame: FrameType) -> bool:
     """Whether the instruction now converting a value to bool is an ``assert``'s test."""
-    instructions = list(dis.get_instructions(frame.f_code))
+    instructions = [inst for inst in dis.get_instructions(frame.f_code) if inst.opname != "CACHE"]
     at = bisect_left(instructions, frame.f_lasti, key=lambda inst: inst.offset)
-    if at + 1 >= len(instructions):
-        return False
-    jump, following = instructions[at], instructions[at + 1]
-    raises = following.opname == "LOAD_ASSERTION_ERROR" or (following.opname == "LOAD_GLOBAL" and following.argval == "AssertionError")
-    return jump.opname.startswith("POP_JUMP") and "IF_TRUE" in jump.opname and raises
+    # the conversion happens at the jump (3.11, 3.12) or just before it (TO_BOOL, 3.13)
+    for jump, following in zip(instructions[at : at + 2], instructions[at + 1 : at + 3]):
+        if jump.opname.startswith("POP_JUMP") and "IF_TRUE" in jump.opname:
+            return following.opname == "LOAD_ASSERTION_ERROR" or (following.opname == "LOAD_GLOBAL" and following.argval == "AssertionError")
+    return False
 
 
 class _LeafTracer(fx.Tracer):
@@ -160,7 +170,7 @@ def _concrete_arguments(module: nn.Module, num_inputs: int) -> dict[str, Any]:
         if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
             continue
         if parameter.default is parameter.empty:
-            raise _TraceStop(f"forward's argument '{parameter.name}' has no default and self(...) does not pass it", "forward")
+            raise _TraceStop(f"forward's argument '{parameter.name}' has no default and self(...) does not pass it", _forward_place(module))
         concrete[parameter.name] = parameter.default
     return concrete
 
@@ -192,13 +202,13 @@ def _trace_once(module: nn.Module, num_inputs: int, expanded: set[str]) -> fx.Gr
     traced = fx.GraphModule(tracer.root, graph, class_name=f"{type(module).__name__}Program")
     for node in list(traced.graph.nodes):
         if node.op == "placeholder" and node.target.startswith("*"):
-            raise _TraceStop("forward takes *args/**kwargs", "forward")
+            raise _TraceStop("forward takes *args/**kwargs", _forward_place(module))
     placeholders = [node for node in traced.graph.nodes if node.op == "placeholder"]
     for node in placeholders[num_inputs:]:
         for check in [user for user in node.users if user.target is _assert_is_none]:
             traced.graph.erase_node(check)  # fx's guard that the default was passed
         if node.users:
-            raise _TraceStop(f"forward's defaulted argument '{node.target}' is used as a value", "forward")
+            raise _TraceStop(f"forward's defaulted argument '{node.target}' is used as a value", _forward_place(module))
         traced.graph.erase_node(node)
     traced.graph.eliminate_dead_code()
     traced.recompile()
@@ -224,18 +234,27 @@ def _trace_expanded(module: nn.Module, num_inputs: int) -> fx.GraphModule:
         expanded.add(wrapper)
 
 
+@contextmanager
+def _in_mode(module: nn.Module, training: bool) -> Iterator[None]:
+    """``module.train(training)``, then every submodule back in its own mode (a frozen
+    part the user keeps in evaluation mode stays there)."""
+    modes = [(m, m.training) for m in module.modules()]
+    module.train(training)
+    try:
+        yield
+    finally:
+        for m, mode in modes:
+            m.training = mode
+
+
 def _same_in_both_modes(module: nn.Module, num_inputs: int, traced: fx.GraphModule) -> None:
-    """The program is traced in training mode; one that reads ``self.training`` (e.g.
+    """The program is traced in the module's mode; one that reads ``self.training`` (e.g.
     ``F.dropout(x, training=self.training)`` in forward) would run its training branch in
     evaluation too, so it is refused."""
-    was_training = module.training
-    module.train(not was_training)
-    try:
+    with _in_mode(module, not module.training):
         other = _trace_expanded(module, num_inputs)
-    finally:
-        module.train(was_training)
     if other.code != traced.code:
-        raise _TraceStop("forward computes differently in training and evaluation mode (it reads self.training)", "forward")
+        raise _TraceStop("forward computes differently in training and evaluation mode (it reads self.training)", _forward_place(module))
 
 
 def _kind_of(value: Any, rows: int) -> tuple[bool, bool]:
@@ -262,16 +281,11 @@ def _value_kinds(module: nn.Module, traced: fx.GraphModule, samples: Sequence[tu
     """Run the program on each sample (evaluation mode, no autograd, RNG put back) and
     keep, per value, whether it was per-sample in every run and a plain value in all."""
     runs = []
-    was_training = module.training
-    module.eval()
-    try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            for args in samples:
-                recorder = _Recorder(traced, _rows(args))
-                recorder.run(*args)
-                runs.append(recorder.kinds)
-    finally:
-        module.train(was_training)
+    with _in_mode(module, False), torch.no_grad(), torch.random.fork_rng(devices=[]):
+        for args in samples:
+            recorder = _Recorder(traced, _rows(args))
+            recorder.run(*args)
+            runs.append(recorder.kinds)
     return {name: ValueKind(per_sample=all(run[name][0] for run in runs), scalar=all(run[name][1] for run in runs)) for name in runs[0]}
 
 
