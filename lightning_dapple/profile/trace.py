@@ -1,4 +1,5 @@
-"""Trace a module's ``forward`` once into a program of child-module calls and glue.
+"""Trace a module's ``forward`` once into a program of child-module calls and glue (the
+model graph DAPPLE 5.2.1 builds its stages from).
 
 A model without a layer sequence still has one in its ``forward``: an embedding, a loop
 over blocks, a final norm and a head, with a little glue between them (a position

@@ -1,8 +1,10 @@
 """The layer list found from ``forward``: the traced program cut between child-module calls.
 
-DAPPLE's stages are runs of consecutive layers (DAPPLE 4); a module that keeps no layer
-sequence still calls its children one after the other, and ``profile/trace.py`` records
-those calls and the glue between them. Here that program is cut into layers:
+DAPPLE's stages are runs of consecutive layers (DAPPLE 4), and DAPPLE builds each stage's
+forward graph from the model's, recording the boundary tensors between stages (5.2.1). A
+module that keeps no layer sequence still calls its children one after the other, and
+``profile/trace.py`` records those calls and the glue between them as one graph. Here that
+graph is cut into layers, and a cut's boundary tensors are the layer's outputs:
 
 * every child-module call starts a layer of its own, so each repeated block is a layer;
 * glue that yields a per-sample tensor runs as early as its inputs allow (a position
