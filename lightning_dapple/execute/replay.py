@@ -16,10 +16,10 @@ stash sizes (``tensor_bytes``):
 * ``save_rng``/``restore_rng``/``reseed``: a training step saves the caller's RNG state
   once, reseeds before each forward (per micro-batch seeds, so a replay draws the same
   dropout masks) and puts the caller's state back at its end;
-* ``buffer_slots(layers)`` / ``scratch_buffers(slots)``: during a replay every buffer of the layers (BatchNorm
-  running statistics) is a fresh copy that the replay may update and that is dropped
-  afterwards, so the buffers are updated once per micro-batch, by its first forward, as
-  without recomputation;
+* ``buffer_slots(layers)`` / ``scratch_buffers(slots)``: during a replay every buffer of
+  the layers (BatchNorm running statistics) is a fresh copy that the replay may update
+  and that is dropped afterwards, so the buffers are updated once per micro-batch, by its
+  first forward, as without recomputation;
 * ``weight_groups(layers)``: the unit of W work -- one layer, or several layers merged
   when they share a parameter (a layer's W then covers all uses of it);
 * ``tensor_leaves`` / ``tensor_bytes``: the tensors of a pytree and the byte rule of the
