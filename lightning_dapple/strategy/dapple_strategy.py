@@ -76,6 +76,7 @@ from lightning_dapple.strategy.module_adapter import (
     module_home,
     replay_logs,
 )
+from lightning_dapple.strategy.part_stream import PartLane, open_part_lane, to_host
 from lightning_dapple.strategy.precision import DappleMixedPrecision, agree_found_inf, as_dapple_precision
 from lightning_dapple.strategy.reporting import SILENT, OneLineLauncher, install_excepthook
 from lightning_dapple.strategy.resolve import PlanArguments, resolve_plan
@@ -244,6 +245,7 @@ class DappleStrategy(DDPStrategy):
         self.groups: PlanGroups | None = None
         self._layer_container: nn.Module | None = None
         self.checkpoint_layout: ckpt.CheckpointLayout | None = None
+        self._part_lane: PartLane | None = None  # opened at the first save
         self._freed: dict[int, nn.Module] = {}
         self._planning_inputs: PlanningInputs | None = None  # rank 0 after plan="auto"
         self._saved_grads: list[torch.Tensor | None] | None = None
@@ -321,6 +323,7 @@ class DappleStrategy(DDPStrategy):
         exit joins their threads; shutdown.py)."""
         self.runner = None
         self.groups = None
+        self._part_lane = None
 
     @override
     def setup(self, trainer: Trainer) -> None:
@@ -411,7 +414,7 @@ class DappleStrategy(DDPStrategy):
         self.checkpoint_layout = ckpt.CheckpointLayout(
             key_owner=key_owners(module, container),
             parameter_names=[name for name, _ in module.named_parameters()],
-            stage_leader=stage.devices[0] == self.global_rank,
+            stage_leaders=tuple(each.devices[0] for each in plan.stages),
             global_rank=self.global_rank,
         )
         for index in range(len(container)):
@@ -677,12 +680,20 @@ class DappleStrategy(DDPStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.plan is not None and self.checkpoint_layout is not None
-        return ckpt.consolidated_state_dict(self.lightning_module, self.checkpoint_layout)
+        return ckpt.consolidated_state_dict(self.lightning_module, self.checkpoint_layout, self._checkpoint_lane())
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         assert self.checkpoint_layout is not None
-        return ckpt.consolidated_optimizer_state(self.lightning_module, self.checkpoint_layout, optimizer)
+        return ckpt.consolidated_optimizer_state(self.lightning_module, self.checkpoint_layout, optimizer, self._checkpoint_lane())
+
+    def _checkpoint_lane(self) -> PartLane:
+        """The gloo path checkpoint parts take to rank 0 (``part_stream.py``), opened at the
+        first save: every rank saves at the same point, as opening a group requires."""
+        if self._part_lane is None:
+            assert self.failure is not None
+            self._part_lane = open_part_lane(self.failure.wait, timedelta(seconds=self.timeout_s))
+        return self._part_lane
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
@@ -695,8 +706,11 @@ class DappleStrategy(DDPStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """Rank 0 writes the file, every tensor in it on the CPU: the model and optimizer
+        parts arrive there, and what Lightning adds (a callback's best score, a metric) is
+        moved here, so the file loads on a machine without the devices that wrote it."""
         if self.is_global_zero:
-            self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            self.checkpoint_io.save_checkpoint(to_host(checkpoint), filepath, storage_options=storage_options)
 
     @override
     @property
@@ -733,7 +747,7 @@ class DappleStrategy(DDPStrategy):
         if self.plan is None or self.plan.num_stages == 1:
             return
         assert self.checkpoint_layout is not None
-        state = ckpt.consolidated_state_dict(self.lightning_module, self.checkpoint_layout)
+        state = ckpt.consolidated_state_dict(self.lightning_module, self.checkpoint_layout, self._checkpoint_lane())
         if self.global_rank != 0 or self._layer_container is None:
             return
         prefix = f"{self.layers_path}."
