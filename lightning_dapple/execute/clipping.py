@@ -34,8 +34,8 @@ def global_grad_norm(
 ) -> torch.Tensor:
     """The 2-norm of all stages' gradients (a float64 scalar on ``device``, the rank's
     device, also when this rank has no gradient); ``grads`` are this rank's."""
-    norms = [norm.to(device, torch.float64) for parts in _grouped(grads).values() for norm in torch._foreach_norm(parts, 2.0)]
-    local = torch.stack(norms).square().sum() / replicas if norms else torch.zeros((), dtype=torch.float64, device=device)
+    norms = [torch.stack(torch._foreach_norm(parts, 2.0)).to(device, torch.float64) for parts in _grouped(grads).values()]
+    local = torch.cat(norms).square().sum() / replicas if norms else torch.zeros((), dtype=torch.float64, device=device)
     if failure is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
         carrier = local.to(collective_device(group, device))
         failure.wait(dist.all_reduce(carrier, group=group, async_op=True), "gradient norm reduction")

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["CudaSpans", "HostSpans", "Span", "span_clock"]
+__all__ = ["CudaSpans", "DeviceSpan", "HostSpans", "Span", "on_host_clock", "span_clock"]
 
 Span = tuple[float, float, str, int]
 
@@ -82,12 +82,31 @@ class CudaSpans:
             return []
         origin = self._marks[0][0].event
         self._marks[-1][1].event.synchronize()  # the last mark: every earlier one is complete too
-        offsets = [
-            (origin.elapsed_time(start.event) / 1e3, origin.elapsed_time(end.event) / 1e3, start.queued, end.queued)
-            for start, end, _, _ in self._marks
-        ]
-        anchor = max(max(queued_start - start, queued_end - end) for start, end, queued_start, queued_end in offsets)
-        return [(anchor + start, anchor + end, kind, mb) for (start, end, _, _), (_, _, kind, mb) in zip(offsets, self._marks)]
+        return on_host_clock(
+            [
+                DeviceSpan(origin.elapsed_time(start.event) / 1e3, origin.elapsed_time(end.event) / 1e3, start.queued, end.queued, kind, mb)
+                for start, end, kind, mb in self._marks
+            ]
+        )
+
+
+class DeviceSpan(NamedTuple):
+    """One action as the device ran it: seconds after the step's first event, and the host
+    times at which its two events were queued."""
+
+    start: float
+    end: float
+    queued_start: float
+    queued_end: float
+    kind: str
+    microbatch: int
+
+
+def on_host_clock(spans: list[DeviceSpan]) -> list[Span]:
+    """``spans`` on the ``perf_counter`` clock: the step's first event is placed at the
+    largest lower bound its marks give (an event completes no earlier than it was queued)."""
+    anchor = max(max(s.queued_start - s.start, s.queued_end - s.end) for s in spans)
+    return [(anchor + s.start, anchor + s.end, s.kind, s.microbatch) for s in spans]
 
 
 def span_clock(device: torch.device) -> HostSpans | CudaSpans:

@@ -129,10 +129,10 @@ class _TrainCallbacks:
             return capture_input(self.module, lambda: self.step(batch, self.batch_idx))
 
     def compute_loss(self, batch: Any, forward: Callable[..., Any]) -> torch.Tensor:
-        return self.transfers.last.run(batch, lambda on_device: self._compute_loss(on_device, forward))
-
-    def _compute_loss(self, batch: Any, forward: Callable[..., Any]) -> torch.Tensor:
         weight = batch_size_of(batch) / self.batch_rows
+        return self.transfers.last.run(batch, lambda on_device: self._compute_loss(on_device, forward, weight))
+
+    def _compute_loss(self, batch: Any, forward: Callable[..., Any], weight: float) -> torch.Tensor:
         with forward_replaced(self.module, forward), self.recorder.recording(self.module, weight), self.context():
             loss = loss_of(self.step(batch, self.batch_idx))
         return self.scale_backward(loss) if self.scale_backward is not None else loss

@@ -10,8 +10,8 @@ the batch, to a ``SliceTransfer`` of the step function and role that reads it:
 
 * which leaves: the first time a step function runs in a role (or when the batch's
   structure changes), every tensor leaf of the slice moves, and a ``TorchFunctionMode``
-  records which of them the step passed to any torch call (the input the first stage
-  captures counts as read). From then on only those move; the others stay on the host, so
+  records which of them the step passed to a torch call that reads data (asking a shape
+  or dtype does not; the input the first stage captures counts as read). From then on only those move; the others stay on the host, so
   a step that reads other fields on later batches than on its first sees them there.
 * how: ``Tensor.to(device, non_blocking=True)`` on CUDA, which is asynchronous where the
   DataLoader pins its memory (``DataLoader(pin_memory=True)``), and only the slice's rows.
@@ -35,8 +35,23 @@ def to_device(leaf: torch.Tensor, device: torch.device) -> torch.Tensor:
     return leaf.to(device, non_blocking=device.type == "cuda")
 
 
+#: what a step may ask of a leaf without reading its data: the same on the host
+_METADATA = frozenset(
+    {
+        torch.Tensor.shape.__get__,
+        torch.Tensor.ndim.__get__,
+        torch.Tensor.dtype.__get__,
+        torch.Tensor.dim,
+        torch.Tensor.size,
+        torch.Tensor.numel,
+        torch.Tensor.__len__,
+    }
+)
+
+
 class _ReadLeaves(TorchFunctionMode):
-    """Records which of ``leaves`` (by identity) appear among the arguments of torch calls."""
+    """Records which of ``leaves`` (by identity) appear among the arguments of torch calls
+    that read data (anything but the shape and dtype questions of ``_METADATA``)."""
 
     def __init__(self, leaves: list[Any]) -> None:
         super().__init__()
@@ -51,7 +66,8 @@ class _ReadLeaves(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        self.note((args, kwargs))
+        if func not in _METADATA:
+            self.note((args, kwargs))
         return func(*args, **kwargs)
 
 
