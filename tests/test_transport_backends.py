@@ -1,9 +1,9 @@
 """Every wire policy of the transport, forced over gloo on CPU (execute/wires.py).
 
-The ``nccl`` wire's code (batched p2p, the flag byte on every message, bool and complex as
-bytes, no receives posted ahead, its own process groups) and the ``staged`` wire's (every
-message through the host-buffer pool) run here without a GPU, so CI covers the code that
-NCCL and the one-GPU machines run. Five ranks: ranks 0-1 hold a micro-batch's 13 rows as
+The ``nccl`` wire's code (a process group per link and direction, the flag byte on every
+message, bool and complex as bytes, no receives posted ahead) and the ``staged`` wire's
+(every message through the host-buffer pool) run here without a GPU, so CI covers the code
+that NCCL and the one-GPU machines run. Five ranks: ranks 0-1 hold a micro-batch's 13 rows as
 6 + 7 (a stage of width 2) and ranks 2-4 as 4 + 4 + 5 (width 3), so every transfer is a
 DAPPLE 5.2.2 split-concat: receiver 3 takes rows from both senders.
 """
@@ -197,13 +197,12 @@ def test_every_wire_round_trips_activations_and_gradients_over_a_split_boundary(
             receivers = 2  # each sender overlaps two of the three receivers
             assert nccl == gloo + receivers, (step, rank, gloo, nccl)
             assert results[rank]["staged"]["bytes"][step] == gloo
-            # NCCL: both receivers' messages in one batch; a layout change too (filler,
-            # header, structure and data for each receiver)
-            assert results[rank]["nccl"]["batches"][step] == 1 and results[rank]["nccl"]["batches"][step + 1] == 1
-        # the middle receiver's pieces from both senders: one batch (one per message after
-        # a layout change: filler, header, ..., in order)
-        assert results[3]["nccl"]["batches"][step] == 1, results[3]["nccl"]["batches"]
-    assert all(b == 0 for b in results[3]["gloo"]["batches"] + results[0]["staged"]["batches"])
+    # no wire coalesces messages: a coalesced batch runs on its group's one communicator, where
+    # a receive would queue behind unrelated sends (the nccl wire sends each message on its
+    # link's communicator, tests/test_wire_ordering.py)
+    for rank in range(5):
+        for wire in (*WIRES, MIXED):
+            assert not any(results[rank][wire]["batches"]), (rank, wire, results[rank][wire]["batches"])
     # host buffers are built per (peer, size) by the first transfer of each size and reused:
     # every gradient transfer of a new size added some, the repeat of the first added none
     for rank in range(5):
@@ -289,8 +288,10 @@ def test_the_wire_follows_backend_and_device_and_refuses_what_cannot_work(monkey
             wires.choose_wire(wire, device)
     # a process group with one backend per device type
     monkeypatch.setattr(wires.dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(wires.dist, "get_backend", lambda: "cpu:gloo,cuda:nccl")
+    monkeypatch.setattr(wires.dist, "get_backend", lambda group=None: "cpu:gloo,cuda:nccl")
     assert wires.backend_for(cpu) == "gloo" and wires.backend_for(cuda) == "nccl"
+    # waits happen on the GPU only where NCCL carries CUDA tensors
+    assert wires.waits_on_device(cuda) and not wires.waits_on_device(cpu)
     assert wires.choose_wire("auto", cpu) == "gloo" and wires.choose_wire("auto", cuda) == "nccl"
     monkeypatch.setattr(wires, "backend_for", lambda device: "nccl")
     assert wires.choose_wire("auto", cuda) == "nccl" and wires.choose_wire("nccl", cuda) == "nccl"
@@ -334,19 +335,6 @@ def test_host_buffers_are_reused_and_flag_bytes_come_back_zeroed() -> None:
     (host,) = stager.to_host([(values, ("send", 2, 24))])
     back = stager.to_device(host, (3, 2), torch.float32, ("send", 2, 24))
     assert torch.equal(back, values) and stager.pool.take(("send", 2, 24), 24).data_ptr() == host.data_ptr()
-
-
-def test_a_coalesced_batch_is_waited_once_through_its_first_message() -> None:
-    """Where a backend coalesces a batch into fewer works (NCCL), the works go with the
-    first message and are waited once; under gloo each message keeps its own work."""
-    from lightning_dapple.execute.wires import _per_message, flat_works
-
-    one, two = object(), object()
-    assert _per_message([one, two], ["a", "b"]) == [(one, "a"), (two, "b")]
-    coalesced = _per_message([one], ["a", "b", "c"])
-    assert coalesced == [([one], "a"), (None, "b"), (None, "c")]
-    assert flat_works([work for work, _ in coalesced]) == [one]
-    assert flat_works([[one, two], one, None, two]) == [one, two]
 
 
 def test_short_messages_cannot_be_forced_on_the_nccl_wire() -> None:
