@@ -357,3 +357,88 @@ def test_short_messages_cannot_be_forced_on_the_nccl_wire() -> None:
     finally:
         failure.close()
         dist.destroy_process_group()
+
+
+# -- the nccl wire's waits on the GPU are bounded from the side (execute/failure.py) ----------
+# CUDA events stand-ins: the watchdog only calls query() (device waits) and the host's
+# synchronize() (values it must read), so the bounds show on CPU.
+
+
+class _Never:
+    """An event whose work never completes: a peer that never sends."""
+
+    def query(self) -> bool:
+        return False
+
+    def synchronize(self) -> None:
+        import threading
+
+        threading.Event().wait()  # blocked for good, as in cudaEventSynchronize
+
+
+class _Done:
+    def query(self) -> bool:
+        return True
+
+
+def device_wait_worker(rank: int, world: int, mode: str) -> dict:
+    import time
+
+    from lightning_dapple.execute.failure import FailureChannel
+
+    channel = FailureChannel(rank, timeout_s=2.0 if mode != "peer-failed" else 30.0, poll_s=0.05, grace_s=1.0)
+    start = time.monotonic()
+    if mode == "completed":
+        for index in range(100):
+            channel.watch(_Done(), f"gradient {index} from rank 1")
+        time.sleep(1.0)
+        left = len(channel._watched)
+        channel.close()
+        return {"left": left}
+    if mode == "peer-failed" and rank == 0:
+        channel.report(RuntimeError("deliberate failure"))
+        time.sleep(8)  # reported, but stays alive (and keeps serving the store)
+        return {}
+    if mode in ("watch", "peer-failed"):
+        channel.watch(_Never(), "gradient 3 from rank 1")
+        time.sleep(20)  # the host goes on; only the watchdog sees the device wait
+    else:
+        channel.block_on(_Never(), "the flag byte of activation 2 from rank 1")
+    return {"survived_s": time.monotonic() - start}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("mode", "what"), [("watch", "gradient 3 from rank 1"), ("block", "the flag byte of activation 2 from rank 1")])
+def test_a_device_wait_that_never_completes_ends_the_job_within_the_timeout(mode: str, what: str, capfd: Any) -> None:
+    """A receive the compute stream waits for (the host went on), or a value the host waits
+    for in CUDA: either way the watchdog ends the process after ``timeout_s`` and says what
+    it was waiting for, once."""
+    import time
+
+    start = time.monotonic()
+    results = run_ranks(device_wait_worker, 1, mode, timeout_s=45)
+    assert "died with exit code 1" in results["__errors__"][0], results
+    assert time.monotonic() - start < 15  # timeout_s is 2 s; the worker alone would live 20 s or forever
+    lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith("lightning_dapple:")]
+    assert lines == [f"lightning_dapple: rank 0: no progress for 2 s while waiting for {what}; a peer may be stuck or dead. "
+                     "Raise DappleStrategy(timeout_s=...) if steps are this slow.; rank 0 exits"], lines
+
+
+@pytest.mark.timeout(60)
+def test_completed_device_waits_are_dropped_and_end_nothing() -> None:
+    results = run_ranks(device_wait_worker, 1, "completed", timeout_s=45, raise_on_error=True)
+    assert results[0] == {"left": 0}
+
+
+@pytest.mark.timeout(60)
+def test_a_stalled_device_wait_counts_as_blocked_after_a_peers_report(capfd: Any) -> None:
+    """Rank 0 reports a failure and stays alive; rank 1's host is not blocked, but its
+    device waits (for rank 0, say): its watchdog ends it after ``grace_s``, not ``timeout_s``."""
+    results = run_ranks(device_wait_worker, 2, "peer-failed", timeout_s=45)
+    assert "died with exit code 1" in results["__errors__"][1], results
+    # the grace rule's line (the timeout's would say "no progress for 30 s")
+    lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith("lightning_dapple:")]
+    assert lines == [
+        "lightning_dapple: rank 0 raised RuntimeError: deliberate failure (seen on rank 1, blocked 1 s in gradient 3 from rank 1); "
+        "rank 1 exits"
+    ], lines
