@@ -84,9 +84,10 @@ def receives_ahead_pay(device: torch.device, local_ranks: int | None = None, thr
     """Whether posting receives one transfer ahead (DAPPLE 5.2: overlap transfers with
     compute) speeds this rank up rather than slowing it down.
 
-    * Only under gloo. Under NCCL the host runs ahead of the GPU and receives start as soon
-      as they are posted (``wires.NcclWire``), so the transfer overlaps compute without
-      posting ahead; the ``nccl`` wire never does.
+    * Only under gloo. Under NCCL a receive starts as soon as it is posted, whatever compute
+      is queued (``wires.NcclWire``), and the host, whose kernel launches return at once,
+      reaches a receive action before the GPU has run the compute queued ahead of it: the
+      transfer overlaps that compute without posting ahead, and the ``nccl`` wire never does.
     * Only when the machine has a core left for every rank's gloo I/O thread. gloo sends a
       message's data once its receive is posted; with the receive posted ahead the data
       arrives while the receiver computes, and gloo's loop thread must run then. With every

@@ -262,13 +262,16 @@ class HostReader:
         return hosts
 
 
-def link_groups(links: Sequence[tuple[int, int]], device: torch.device, failure: FailureChannel) -> dict[tuple[str, int], Any]:
+def link_groups(
+    links: Sequence[tuple[int, int]], device: torch.device, index: int | None, failure: FailureChannel
+) -> dict[tuple[str, int], Any]:
     """One two-rank process group per link and direction; this rank's, by (direction, peer).
 
-    Collective: every rank makes every group, in one order. Under NCCL each group then
-    carries one byte in its direction, in that same order, so that every pair is connected
-    before the schedule runs (a rank reaching a pair's first operation blocks until the
-    peer does; in one global order, the earliest pending pair always has both ranks there).
+    Collective: every rank makes every group, in one order. Under NCCL (``index``: the CUDA
+    device's) each group then carries one byte in its direction, in that same order, so that
+    every pair is connected before the schedule runs (a rank reaching a pair's first
+    operation blocks until the peer does; in one global order, the earliest pending pair
+    always has both ranks there).
     """
     rank = dist.get_rank()
     oriented: dict[tuple[int, int], tuple[int, int]] = {}
@@ -290,7 +293,7 @@ def link_groups(links: Sequence[tuple[int, int]], device: torch.device, failure:
         for group, peer, sends in first:
             byte = torch.zeros(1, dtype=torch.uint8, device=device)
             works.append((dist.isend if sends else dist.irecv)(byte, peer, group=group))
-        failure.wait_on_device(works, "the first message of every link", device.index)
+        failure.wait_on_device(works, "the first message of every link", index)
         done = torch.cuda.Event()
         done.record()
         failure.block_on(done, "the first message of every link")
@@ -314,13 +317,13 @@ class NcclWire(Wire):
     def __init__(self, device: torch.device, failure: FailureChannel, links: Sequence[tuple[int, int]] | None = None) -> None:
         super().__init__(device, failure)
         self.cuda = device.type == "cuda"
-        if links is None:
-            links = list(combinations(range(dist.get_world_size()), 2))
-        self.groups = link_groups(links, device, failure)  # a collective: every rank builds its wire
-        self.reader = HostReader(device, failure) if self.cuda else None
         self.index: int | None = None  # the CUDA device's index, for the failure channel's watchdog
         if self.cuda:
             self.index = device.index if device.index is not None else torch.cuda.current_device()
+        if links is None:
+            links = list(combinations(range(dist.get_world_size()), 2))
+        self.groups = link_groups(links, device, self.index, failure)  # a collective: every rank builds its wire
+        self.reader = HostReader(device, failure) if self.cuda else None
 
     @staticmethod
     def typed(dtype: torch.dtype) -> bool:
