@@ -243,23 +243,35 @@ class HostReader:
     def __init__(self, device: torch.device, failure: FailureChannel) -> None:
         self.failure = failure
         self.stream = torch.cuda.Stream(device)
+        self._scratch: dict[tuple[int, tuple[int, ...], torch.dtype], torch.Tensor] = {}  # see ``read``
 
     def issuing(self) -> Any:
         """The context in which to allocate receive buffers and issue receives."""
         return torch.cuda.stream(self.stream)
 
-    def read(self, works: Sequence[Any], tensors: Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
-        """Host copies of ``tensors`` once ``works`` (their receives) have completed."""
+    def read(self, works: Sequence[Any], tensors: Sequence[torch.Tensor], what: str, keep: bool = True) -> list[torch.Tensor]:
+        """Host copies of ``tensors`` once ``works`` (their receives) have completed; without
+        ``keep``, in pinned buffers reused by the next read (for values read at once, such as
+        flag bytes: no allocation per receive)."""
         with torch.cuda.stream(self.stream):
             for work in works:
                 work.wait()  # this stream waits for the receive; the host does not
-            hosts = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+            hosts = [self._host(index, t, keep) for index, t in enumerate(tensors)]
             for host, tensor in zip(hosts, tensors):
                 host.copy_(tensor, non_blocking=True)
             copied = torch.cuda.Event()
             copied.record(self.stream)
         self.failure.block_on(copied, what)
         return hosts
+
+    def _host(self, index: int, tensor: torch.Tensor, keep: bool) -> torch.Tensor:
+        if keep:
+            return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        key = (index, tuple(tensor.shape), tensor.dtype)
+        host = self._scratch.get(key)
+        if host is None:
+            host = self._scratch[key] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        return host
 
 
 def link_groups(
@@ -373,11 +385,11 @@ class NcclWire(Wire):
         # the host reads flag bytes and control messages (a layout change changes what to
         # receive next), and waits for those receives alone
         read = [item for item in incoming if item.flagged or item.control]
-        values = iter(
-            self.reader.read([item.work for item in read], [item.buffer if item.control else item.buffer[-1:] for item in read], what)
-            if read
-            else ()
-        )
+        values: Any = iter(())
+        if read:
+            keep = any(item.control for item in read)  # flag bytes alone are read at once: scratch buffers
+            tensors = [item.buffer if item.control else item.buffer[-1:] for item in read]
+            values = iter(self.reader.read([item.work for item in read], tensors, what, keep))
         data = [item for item in incoming if not item.control]
         if data:  # the compute stream waits for the data, the host goes on
             self.failure.wait_on_device([item.work for item in data], what, self.index)
