@@ -72,7 +72,7 @@ def test_both_ends_of_every_communicator_issue_the_same_order_in_every_schedule(
             assert not mismatched_links(orders), (case, mismatched_links(orders))
             links = set(plan_links(plan))
             for (direction, sender, receiver), (sent, _) in orders.items():
-                # one communicator per link and direction, and every transfer of the step on it
+                # a communicator per link and direction carries each micro-batch at most once
                 link = (sender, receiver) if direction is Direction.ACTIVATION else (receiver, sender)
                 assert link in links, (case, direction, sender, receiver)
                 assert sorted(sent) == sorted(set(sent)), (case, sent)
