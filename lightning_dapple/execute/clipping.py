@@ -9,7 +9,8 @@ clip coefficient is the one ``torch.nn.utils.clip_grad_norm_`` would use on one 
 Computed as torch computes it: one ``_foreach_norm`` per (device, dtype) group of
 gradients and one ``_foreach_mul_`` to scale them, with every intermediate on the device.
 Nothing is read on the host; a gloo process group reduces the one squared norm through
-the host (gloo reduces host tensors), NCCL on the device.
+the host (gloo reduces host tensors), NCCL on the device, where the compute stream (not
+the host) waits for it.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import torch.distributed as dist
 
 from lightning_dapple.execute.failure import FailureChannel
 from lightning_dapple.execute.groups import collective_device
+from lightning_dapple.execute.wires import waits_on_device
 
 
 def _grouped(grads: list[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
@@ -38,7 +40,11 @@ def global_grad_norm(
     local = torch.cat(norms).square().sum() / replicas if norms else torch.zeros((), dtype=torch.float64, device=device)
     if failure is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
         carrier = local.to(collective_device(group, device))
-        failure.wait(dist.all_reduce(carrier, group=group, async_op=True), "gradient norm reduction")
+        work = dist.all_reduce(carrier, group=group, async_op=True)
+        if waits_on_device(device, group):  # NCCL: the stream waits, the watchdog bounds it
+            failure.wait_on_device([work], "gradient norm reduction", carrier.device.index)
+        else:
+            failure.wait(work, "gradient norm reduction")
         local = carrier.to(device, non_blocking=True)
     return local.sqrt()
 

@@ -40,6 +40,7 @@ from lightning_dapple.execute.failure import FailureChannel
 from lightning_dapple.execute.grad_sync import GradientSync
 from lightning_dapple.execute.groups import PlanGroups
 from lightning_dapple.execute.keys import TransferKey, transfer_key
+from lightning_dapple.execute.links import plan_links
 from lightning_dapple.execute.replay import restore_rng, save_rng
 from lightning_dapple.execute.results import ResultChannel
 from lightning_dapple.execute.slicing import batch_size_of, slice_rows, take_rows
@@ -127,7 +128,8 @@ class StageRunner:
         self.layers = list(layers)
         self.device = device
         self.failure = failure
-        self.transport = Transport(failure, device, wire=wire)  # a collective under NCCL: every rank builds its runner
+        # a collective under NCCL (a communicator per link and direction): every rank builds its runner
+        self.transport = Transport(failure, device, wire=wire, links=plan_links(plan))
         self.results = ResultChannel(plan, rank, device, failure)
         # post each receive one transfer ahead (None: where that pays, see receives_ahead_pay)
         self.post_ahead = self.transport.posts_ahead and (receives_ahead_pay(device) if post_ahead is None else post_ahead)

@@ -234,8 +234,8 @@ class DappleStrategy(DDPStrategy):
         recompute: "never", "always", "except_last", one mode per stage, or "auto"
             (chosen by the memory model under plan="auto").
         wire: how stage boundaries travel (``execute/wires.py``): "auto" (gloo for CPU
-            tensors, pinned host staging for CUDA tensors over gloo, batched p2p under
-            NCCL), or one of them forced.
+            tensors, pinned host staging for CUDA tensors over gloo, a communicator per
+            link and direction under NCCL), or one of them forced.
         kwargs: Lightning's ``accelerator``, ``parallel_devices``, ``cluster_environment``,
             ``checkpoint_io``, ``precision_plugin`` and ``process_group_backend``. Options
             of DDP's wrapper (``find_unused_parameters``, ``ddp_comm_hook``, ...) are
