@@ -4,7 +4,10 @@ Every rank holds one stage's layers, but a checkpoint must be loadable by the pl
 LightningModule (no dapple) and resumable under a different plan (other stage or device
 counts). So the state dict is gathered to rank 0 with the module's original keys, and
 the optimizer state is keyed by parameter *name* instead of by position; on resume each
-rank picks the entries of the parameters it owns under the new plan. Files are written
+rank picks the entries of the parameters it owns under the new plan. A tensor the module
+reaches by several keys (tied weights, a second path to a layer) is held once: one stage
+contributes it under its canonical key, and every other key of it names the same tensor in
+the file, as in a plain module's own state dict. Files are written
 to a temporary name in the target directory, flushed, and renamed, so a crash leaves the
 previous checkpoint intact.
 """
@@ -12,7 +15,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -45,13 +48,28 @@ class CheckpointLayout:
     outside the layer list, kept by rank 0); ``parameter_names``: the whole module's
     parameter names in ``named_parameters`` order (what a plain run's optimizer indexes);
     ``stage_leader``: this rank is its stage's first replica, the one that contributes
-    the stage's entries.
+    the stage's entries; ``aliases``: each key whose tensor another key (its canonical
+    key) also names -> that key (tied weights, handles); ``layers``: this rank's stage's
+    layer range (a tied parameter's optimizer state comes from the stage of its first
+    layer only).
     """
 
     key_owner: dict[str, int | None]
     parameter_names: list[str]
     stage_leader: bool
     global_rank: int
+    aliases: dict[str, str] = field(default_factory=dict)
+    layers: tuple[int, int] | None = None
+
+    def canonical(self, key: str) -> str:
+        """The key a tensor is held under (``key`` itself unless it is an alias)."""
+        return self.aliases.get(key, key)
+
+    def owns_parameter(self, name: str) -> bool:
+        """Whether this rank's stage contributes the optimizer state of parameter ``name``:
+        the stage holding the first layer that uses it."""
+        owner = self.key_owner.get(self.canonical(name))
+        return self.layers is None or owner is None or self.layers[0] <= owner < self.layers[1]
 
 
 def consolidated_state_dict(module: nn.Module, layout: CheckpointLayout) -> dict[str, Any]:
@@ -61,7 +79,7 @@ def consolidated_state_dict(module: nn.Module, layout: CheckpointLayout) -> dict
     if layout.stage_leader:
         for key, value in local.items():
             owner = layout.key_owner.get(key)
-            if owner is not None or layout.global_rank == 0:
+            if key not in layout.aliases and (owner is not None or layout.global_rank == 0):
                 mine[key] = value.detach().cpu()
     gathered = _gather_to_zero(mine)
     if gathered is None:
@@ -69,6 +87,9 @@ def consolidated_state_dict(module: nn.Module, layout: CheckpointLayout) -> dict
     merged: dict[str, Any] = {}
     for part in gathered:
         merged.update(part)
+    for alias, key in layout.aliases.items():  # one tensor, every name of it
+        if key in merged:
+            merged[alias] = merged[key]
     ordered = {key: merged[key] for key in layout.key_owner if key in merged}
     missing = [key for key in layout.key_owner if key not in merged]
     if missing:
@@ -76,19 +97,21 @@ def consolidated_state_dict(module: nn.Module, layout: CheckpointLayout) -> dict
     return ordered
 
 
-def _names_by_param(module: nn.Module) -> dict[int, str]:
-    return {id(p): name for name, p in module.named_parameters()}
+def _names_by_param(module: nn.Module, layout: CheckpointLayout) -> dict[int, str]:
+    """Each local parameter's canonical name (a tied copy answers to its first name)."""
+    return {id(p): layout.canonical(name) for name, p in module.named_parameters()}
 
 
-def _named_optimizer_state(module: nn.Module, optimizer: Any) -> dict[str, Any]:
-    names = _names_by_param(module)
+def _named_optimizer_state(module: nn.Module, layout: CheckpointLayout, optimizer: Any) -> dict[str, Any]:
+    names = _names_by_param(module, layout)
     state_dict = optimizer.state_dict()
     params = [p for group in optimizer.param_groups for p in group["params"]]
     index_to_name = {index: names[id(p)] for index, p in enumerate(params)}
+    mine = {index for index, name in index_to_name.items() if layout.owns_parameter(name)}
     return {
-        "state": {index_to_name[index]: value for index, value in state_dict["state"].items()},
+        "state": {index_to_name[index]: value for index, value in state_dict["state"].items() if index in mine},
         "param_groups": [
-            {**{k: v for k, v in group.items() if k != "params"}, "params": [index_to_name[i] for i in group["params"]]}
+            {**{k: v for k, v in group.items() if k != "params"}, "params": [index_to_name[i] for i in group["params"] if i in mine]}
             for group in state_dict["param_groups"]
         ],
     }
@@ -96,7 +119,7 @@ def _named_optimizer_state(module: nn.Module, optimizer: Any) -> dict[str, Any]:
 
 def consolidated_optimizer_state(module: nn.Module, layout: CheckpointLayout, optimizer: Any) -> dict[str, Any]:
     """Optimizer state of all stages keyed by parameter name, on rank 0; {} elsewhere."""
-    named = _named_optimizer_state(module, optimizer) if layout.stage_leader else None
+    named = _named_optimizer_state(module, layout, optimizer) if layout.stage_leader else None
     gathered = _gather_to_zero(named)
     if gathered is None:
         return {}
@@ -130,7 +153,7 @@ def load_local_state_dict(module: nn.Module, state_dict: dict[str, Any], strict:
 
 def load_local_optimizer_states(module: nn.Module, layout: CheckpointLayout, optimizers: list[Any], states: list[dict[str, Any]]) -> None:
     """Give each local optimizer the saved state of the parameters it now holds."""
-    names = _names_by_param(module)
+    names = _names_by_param(module, layout)
     for optimizer, saved in zip(optimizers, states):
         if not saved.get(NAMED_MARKER):
             saved = _index_keyed_to_named(layout, saved)

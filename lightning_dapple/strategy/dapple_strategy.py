@@ -55,10 +55,12 @@ from lightning_dapple.execute.groups import PlanGroups, build_groups
 from lightning_dapple.execute.runner import StageRunner
 from lightning_dapple.execute.shutdown import destroy_groups_at_exit
 from lightning_dapple.execute.slicing import batch_size_of, take_rows
+from lightning_dapple.execute.tied import build_tied_sync, tied_groups
 from lightning_dapple.execute.topology import report_placement
 from lightning_dapple.execute.wires import WIRES, choose_wire
 from lightning_dapple.plan.explain import plan_summary, plan_table
 from lightning_dapple.plan.plan import Plan, atomic_write_text, load_plan, plan_from_dict
+from lightning_dapple.profile.ties import TiedParameter, tied_parameters
 from lightning_dapple.simulate.plans import schedule_for_plan
 from lightning_dapple.strategy import checkpoint as ckpt
 from lightning_dapple.strategy.auto_plan import PlanningContext, PlanningInputs, auto_plan
@@ -75,10 +77,12 @@ from lightning_dapple.strategy.module_adapter import (
     loss_of,
     module_home,
     replay_logs,
+    state_aliases,
 )
 from lightning_dapple.strategy.precision import DappleMixedPrecision, agree_found_inf, as_dapple_precision
 from lightning_dapple.strategy.reporting import SILENT, OneLineLauncher, install_excepthook
 from lightning_dapple.strategy.resolve import PlanArguments, resolve_plan
+from lightning_dapple.strategy.tied_layers import KeptTensors, free_layer, retie
 
 
 
@@ -245,6 +249,7 @@ class DappleStrategy(DDPStrategy):
         self._layer_container: nn.Module | None = None
         self.checkpoint_layout: ckpt.CheckpointLayout | None = None
         self._freed: dict[int, nn.Module] = {}
+        self._ties: tuple[TiedParameter, ...] = ()  # parameters several layers use (profile/ties.py)
         self._planning_inputs: PlanningInputs | None = None  # rank 0 after plan="auto"
         self._saved_grads: list[torch.Tensor | None] | None = None
 
@@ -408,20 +413,22 @@ class DappleStrategy(DDPStrategy):
         self._save_plan(trainer)
         report_placement(self.cluster_environment, self.num_nodes, self.num_processes, plan)  # every rank: the launch's nodes agree with the plan; rank 0 prints them
         stage = plan.stages[self.stage]
+        self._ties = tied_parameters(container)
+        aliases = state_aliases(module, container)
         self.checkpoint_layout = ckpt.CheckpointLayout(
             key_owner=key_owners(module, container),
-            parameter_names=[name for name, _ in module.named_parameters()],
+            parameter_names=[aliases.get(name, name) for name, _ in module.named_parameters()],
             stage_leader=stage.devices[0] == self.global_rank,
             global_rank=self.global_rank,
+            aliases=aliases,
+            layers=(stage.start, stage.end),
         )
-        for index in range(len(container)):
-            if not (stage.start <= index < stage.end):
-                self._freed[index] = container[index].to("meta")  # structure kept, memory released
-                container[index] = FreedLayer(index, self._stage_of_layer(index))
+        self._free_other_stages(container, stage.start, stage.end)
         self._layer_container = container
         self._close_runner()
         self.failure = FailureChannel(self.global_rank, timeout_s=self.timeout_s)
         self.groups = build_groups(plan)
+        tie_groups = tied_groups(plan, self._ties)  # a collective: every rank makes every group
         mixed = self._mixed()
         if mixed is not None:
             mixed.agree = self._agree_found_inf
@@ -437,7 +444,17 @@ class DappleStrategy(DDPStrategy):
             self.loss_reduction,
             forward_context=self._forward_context(),
             wire=self.wire,
+            tied=build_tied_sync(plan, self._ties, self.global_rank, local, tie_groups, self.failure),
         )
+
+    def _free_other_stages(self, container: nn.Module, start: int, end: int) -> None:
+        """Free every layer outside [start, end) to the meta device (structure kept, memory
+        released); what a kept layer shares with a freed one (a tied weight) stays real."""
+        kept = KeptTensors(container[i] for i in range(start, end))
+        for index in range(len(container)):
+            if not (start <= index < end):
+                self._freed[index] = free_layer(container[index], kept)
+                container[index] = FreedLayer(index, self._stage_of_layer(index))
 
     def _stage_of_layer(self, index: int) -> int:
         assert self.plan is not None
@@ -576,7 +593,11 @@ class DappleStrategy(DDPStrategy):
             assert strategy.plan is not None
             params = [p for group in optimizer.param_groups for p in group["params"]]
             replicas = strategy.plan.stages[strategy.stage].replicas
-            clip_grad_norm_global(params, float(clip_val), replicas, strategy.failure, group=strategy.groups.plan if strategy.groups else None)
+            tied = strategy.runner.tied if strategy.runner is not None else None
+            clip_grad_norm_global(
+                params, float(clip_val), replicas, strategy.failure, group=strategy.groups.plan if strategy.groups else None,
+                copies=tied.copies if tied is not None else None,
+            )
 
         plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
 
@@ -742,4 +763,5 @@ class DappleStrategy(DDPStrategy):
             head = f"{prefix}{index}."
             layer.load_state_dict({k[len(head):]: v for k, v in state.items() if k.startswith(head)})
             self._layer_container[index] = layer
+        retie(self._layer_container, self._ties)  # the whole model again: one Parameter per tie
         self._freed = {}
