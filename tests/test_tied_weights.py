@@ -224,24 +224,40 @@ def _executor_cases() -> list[tuple[str, dict]]:
     return cases
 
 
-@pytest.mark.timeout(600)
-def test_tied_gpt_matches_one_process_on_every_plan_and_the_copies_stay_identical() -> None:
-    cases = _executor_cases()
-    results = run_ranks(run_cases, 4, [data for _, data in cases], timeout_s=500)
+def _check_executor(cases: list[tuple[str, dict]], results: dict, tolerance: float) -> None:
+    """Every rank within ``tolerance`` of one process (parameters relative to the model's
+    scale, losses, clipping norms), and every copy of the tie equal bit for bit."""
     assert "__errors__" not in results, results.get("__errors__")
     for index, (name, data) in enumerate(cases):
         per_rank = {rank: results[rank][index] for rank in range(4) if results[rank][index] is not None}
         holders = {stage for stage, spec in enumerate(data["stages"]) if any(spec["layers"][0] <= layer < spec["layers"][1] for layer in TIE)}
         for rank, res in per_rank.items():
             assert min(res["reference_norms"]) > CLIP, "clipping must be active for the norm to matter"
-            assert res["relative_diff"] <= 1e-10, (name, rank, res["relative_diff"])
-            assert res["loss_diff"] <= 1e-10 and res["norm_diff"] <= 1e-10, (name, rank, res)  # the tie counted once in the norm
+            assert res["relative_diff"] <= tolerance, (name, rank, res["relative_diff"])
+            assert res["loss_diff"] <= tolerance and res["norm_diff"] <= tolerance, (name, rank, res)  # the tie counted once in the norm
             split = len(holders) > 1
             assert res["tied_in_runner"] == (1 if split and res["stage"] in holders else 0), (name, rank)
         copies = [res["tied_copy"] for res in per_rank.values() if res["tied_copy"] is not None]
         if len(holders) > 1:
             assert len(copies) == sum(len(data["stages"][s]["devices"]) for s in holders), name
             assert all(copy == copies[0] for copy in copies), f"{name}: tied copies differ"  # bit for bit
+
+
+@pytest.mark.timeout(600)
+def test_tied_gpt_matches_one_process_on_every_plan_and_the_copies_stay_identical() -> None:
+    cases = _executor_cases()
+    results = run_ranks(run_cases, 4, [data for _, data in cases], timeout_s=500)
+    _check_executor(cases, results, 1e-10)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_tied_gpt_on_ranks_sharing_one_gpu_keeps_its_copies_identical() -> None:
+    """Four ranks on one GPU (gloo, pinned staging; the tied AllReduce of CUDA tensors over
+    gloo): the copies stay bit-identical; against the CPU reference within GPU rounding."""
+    cases = [(name, data) for name, data in _executor_cases() if name.split("/")[0] in ("2x2", "3:1", "3-stage")]
+    results = run_ranks(run_cases, 4, [data for _, data in cases], "cuda:0", timeout_s=500)
+    _check_executor(cases, results, 1e-8)
 
 
 # --------------------------------------------------------------------------- Trainer

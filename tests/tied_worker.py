@@ -58,8 +58,17 @@ def _scale(layers: list[dict[str, torch.Tensor]]) -> float:
     return max(float(value.abs().max()) for state in layers for value in state.values() if value.is_floating_point())
 
 
-def run_cases(rank: int, world: int, cases: list[dict]) -> list[dict | None]:
-    """``cases``: plan dicts (with schedule, ooo and recompute). Per case this rank's result."""
+def _on(batch: tuple[torch.Tensor, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
+    return tuple(t.to(device) for t in batch)
+
+
+def run_cases(rank: int, world: int, cases: list[dict], device: str = "cpu") -> list[dict | None]:
+    """``cases``: plan dicts (with schedule, ooo and recompute). Per case this rank's result.
+    ``device``: where the stage runs ("cuda:0": every rank on one GPU, gloo with pinned
+    staging); the reference runs on the CPU."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
     failure = FailureChannel(rank, timeout_s=60)
     ref_layers, ref_losses, ref_norms = reference_run()
     ties = tied_parameters(list(tied_gpt_layers()))
@@ -74,7 +83,7 @@ def run_cases(rank: int, world: int, cases: list[dict]) -> list[dict | None]:
         if rank >= plan.world_size:
             out.append(None)
             continue
-        model = tied_gpt_layers()
+        model = tied_gpt_layers().to(dev)  # in place: the tie stays one Parameter
         stage = plan.stages[plan.stage_of_rank(rank)]
         kept = KeptTensors(model[i] for i in range(stage.start, stage.end))
         for other in [i for i in range(len(model)) if not stage.start <= i < stage.end]:
@@ -82,19 +91,19 @@ def run_cases(rank: int, world: int, cases: list[dict]) -> list[dict | None]:
         local = [model[i] for i in range(stage.start, stage.end)]
         tied = build_tied_sync(plan, ties, rank, local, tie_groups, failure)
         runner = StageRunner(
-            plan, schedule_for_plan(plan), rank, local, torch.device("cpu"), failure, groups, post_ahead=index % 2 == 0, tied=tied
+            plan, schedule_for_plan(plan), rank, local, dev, failure, groups, post_ahead=index % 2 == 0, tied=tied
         )
         opt = torch.optim.Adam(runner.parameters, lr=LR)
         losses, norms = [], []
         for step in range(STEPS):
-            loss, _ = runner.train_step(gpt_batch(step), Callbacks())
+            loss, _ = runner.train_step(_on(gpt_batch(step), dev), Callbacks())
             copies = tied.copies if tied is not None else None
             norms.append(float(clip_grad_norm_global(runner.parameters, CLIP, stage.replicas, failure, group=groups.plan, copies=copies)))
             opt.step()
             losses.append(float(loss.detach()))
         runner.finish()
         diff = max(
-            float((value - ref_layers[stage.start + offset][key]).abs().max())
+            float((value.cpu() - ref_layers[stage.start + offset][key]).abs().max())
             for offset, layer in enumerate(local)
             for key, value in layer.state_dict().items()
         )
@@ -106,7 +115,7 @@ def run_cases(rank: int, world: int, cases: list[dict]) -> list[dict | None]:
                 "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
                 "norm_diff": max(abs(a - b) for a, b in zip(norms, ref_norms)),
                 "reference_norms": ref_norms,
-                "tied_copy": copy_of_tie[0].detach().reshape(-1).tolist() if copy_of_tie else None,
+                "tied_copy": copy_of_tie[0].detach().cpu().reshape(-1).tolist() if copy_of_tie else None,
                 "tied_in_runner": len(copy_of_tie),
                 "parameters": len(runner.parameters),
             }
