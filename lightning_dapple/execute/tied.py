@@ -82,17 +82,11 @@ class TiedSync:
     def __init__(self, buckets: Sequence[tuple[Sequence[nn.Parameter], Any, int]], failure: FailureChannel) -> None:
         self.failure = failure
         self._buckets = [_TiedBucket(list(params), group, copies) for params, group, copies in buckets if params]
-
-    @property
-    def params(self) -> list[nn.Parameter]:
-        """The local copies of tied parameters (kept out of the stage's replica buckets)."""
-        return [p for bucket in self._buckets for p in bucket.params]
-
-    @property
-    def copies(self) -> dict[int, int]:
-        """id(parameter) -> how many ranks hold its summed gradient (gradient clipping
-        counts a tied parameter once: each copy contributes 1/copies of its square)."""
-        return {id(p): bucket.copies for bucket in self._buckets for p in bucket.params}
+        # the local copies of tied parameters (kept out of the stage's replica buckets)
+        self.params: list[nn.Parameter] = [p for bucket in self._buckets for p in bucket.params]
+        # id(parameter) -> how many ranks hold its summed gradient (gradient clipping counts
+        # a tied parameter once: each copy contributes 1/copies of its square)
+        self.copies: dict[int, int] = {id(p): bucket.copies for bucket in self._buckets for p in bucket.params}
 
     def finish(self) -> None:
         """Launch every tied AllReduce, wait for them and put the sums into ``.grad``."""
