@@ -31,7 +31,6 @@ looked up once per step.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, NamedTuple, Sequence
 
@@ -46,6 +45,7 @@ from lightning_dapple.execute.keys import TransferKey, transfer_key
 from lightning_dapple.execute.replay import restore_rng, save_rng
 from lightning_dapple.execute.results import ResultChannel
 from lightning_dapple.execute.slicing import batch_size_of, slice_rows, take_rows
+from lightning_dapple.execute.spans import CudaSpans, HostSpans, Span, span_clock
 from lightning_dapple.execute.stage import EvalCallbacks, Stage, StageCallbacks
 from lightning_dapple.execute.stash_ledger import KnownSizes, StashLedger, StashSizes, StepSizes
 from lightning_dapple.execute.tied import TiedSync
@@ -65,14 +65,19 @@ class StageStats:
     """What the executor measured on this rank during the last step.
 
     ``timeline`` holds (start, end, kind, micro-batch) of every F, B (recomputation
-    included) and W, in ``time.perf_counter`` seconds.
+    included) and W, in ``time.perf_counter`` seconds: host times on a CPU, CUDA event
+    times on a GPU, read when first asked for (``execute/spans.py``).
     """
 
     peak_in_flight: int = 0
     peak_stash_bytes: int = 0
     stash_bytes: dict[int, int] = field(default_factory=dict)
-    timeline: list[tuple[float, float, str, int]] = field(default_factory=list)
+    spans: HostSpans | CudaSpans = field(default_factory=HostSpans)
     recomputed: int = 0
+
+    @property
+    def timeline(self) -> list[Span]:
+        return self.spans.read()
 
 
 class _Op(NamedTuple):
@@ -322,19 +327,19 @@ class StageRunner:
         batch: Any,
         callbacks: StageCallbacks,
         extras: Callable[[], Any] | None = None,
-        loss_scale: float = 1.0,
     ) -> tuple[torch.Tensor, list[Any]]:
         """Run one optimizer step's forward/backward work; gradients are left in ``.grad``.
 
-        The backward starts from the loss times ``loss_scale`` (fp16 loss scaling); the
-        returned loss of the whole global batch (the same on every rank) is unscaled, with
-        the list of what ``extras()`` returned on each last-stage replica (on every rank).
+        Returns the loss of the whole global batch (the same on every rank, on the host:
+        the step's one device-to-host read on the last stage) with the list of what
+        ``extras()`` returned on each last-stage replica (on every rank). ``batch`` may stay
+        where the DataLoader put it: the stage hands slices (views) of it to ``callbacks``.
         """
         batch_rows = batch_size_of(batch)
         self.check_batch(batch_rows)
         for param in self.parameters:
             param.grad = None
-        self.stats = stats = StageStats()
+        self.stats = stats = StageStats(spans=span_clock(self.device))
         sizes = self._step_sizes = self.sizes.for_step((batch_rows, bool(self.layers) and self.layers[0].training))
         routes = self._step_routes = self._routes_for(batch_rows)
         self.ledger.start()
@@ -345,7 +350,7 @@ class StageRunner:
         rng = save_rng(self.device)  # every F reseeds; the caller's RNG stream is put back when the step ends
         # the seed base is read before any reseed changes what initial_seed() answers
         seed = (torch.initial_seed(), self.steps_done)
-        self.pipeline_stage.begin_step(batch, batch_rows, [route.rows for route in routes], callbacks, float(loss_scale), seed)
+        self.pipeline_stage.begin_step(batch, batch_rows, [route.rows for route in routes], callbacks, 1.0, seed)
         try:
             for op in self._program:
                 op.run(op)
@@ -368,18 +373,18 @@ class StageRunner:
 
     # -- op handlers: compute ---------------------------------------------------------
     def _forward(self, op: _Op) -> None:
-        start = time.perf_counter()
+        begun = self.stats.spans.begin()
         self.ledger.forwarded(op.mb, self._step_sizes.forward(self.pipeline_stage.forward, op.mb))
-        self.stats.timeline.append((start, time.perf_counter(), "F", op.mb))
+        self.stats.spans.end(begun, "F", op.mb)
 
     def _forward_keeping_input(self, op: _Op) -> None:
-        start = time.perf_counter()
+        begun = self.stats.spans.begin()
         kept = self.pipeline_stage.forward_keeping_input(op.mb)
         self.ledger.forwarded(op.mb, self._step_sizes.kept(op.mb, kept))
-        self.stats.timeline.append((start, time.perf_counter(), "F", op.mb))
+        self.stats.spans.end(begun, "F", op.mb)
 
     def _backward(self, op: _Op) -> None:
-        start = time.perf_counter()
+        begun = self.stats.spans.begin()
         mb, stage = op.mb, self.pipeline_stage
         if op.replay:
             replayed = self._step_sizes.replay(stage.recompute, mb)
@@ -398,12 +403,12 @@ class StageRunner:
             self.ledger.hold(mb, kept)  # the output gradients its W needs
         else:
             self.ledger.drop(mb)
-        self.stats.timeline.append((start, time.perf_counter(), "B", mb))
+        self.stats.spans.end(begun, "B", mb)
 
     def _weight(self, op: _Op) -> None:
-        start = time.perf_counter()
+        begun = self.stats.spans.begin()
         self.pipeline_stage.backward_weight(op.mb, op.span)
-        self.stats.timeline.append((start, time.perf_counter(), "W", op.mb))
+        self.stats.spans.end(begun, "W", op.mb)
         if not op.pending_w:
             self.ledger.drop(op.mb)
 

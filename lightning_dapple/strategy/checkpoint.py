@@ -7,7 +7,9 @@ the optimizer state is keyed by parameter *name* instead of by position; on resu
 rank picks the entries of the parameters it owns under the new plan. A tensor the module
 reaches by several keys (tied weights, a second path to a layer) is held once: one stage
 contributes it under its canonical key, and every other key of it names the same tensor in
-the file, as in a plain module's own state dict. Files are written
+the file, as in a plain module's own state dict. The parts reach rank 0 on the CPU, one
+stage leader after another (``part_stream.py``), so a save needs no GPU memory on rank 0,
+and no host memory there beyond the checkpoint and one part's header. Files are written
 to a temporary name in the target directory, flushed, and renamed, so a crash leaves the
 previous checkpoint intact.
 """
@@ -20,24 +22,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from torch import nn
-from torch.utils import _pytree as pytree
 from typing_extensions import override
 
 from lightning_dapple.errors import DappleConfigError
+from lightning_dapple.strategy.part_stream import PartLane, receive_part, send_part, to_host
 
 NAMED_MARKER = "dapple_keyed_by_name"
-
-
-def _gather_to_zero(obj: Any) -> list[Any] | None:
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [obj]
-    out: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(obj, out, dst=0)
-    return out
 
 
 @dataclass(frozen=True)
@@ -47,16 +40,16 @@ class CheckpointLayout:
     ``key_owner``: each state-dict key of the whole module -> the layer owning it (None:
     outside the layer list, kept by rank 0); ``parameter_names``: the whole module's
     parameter names in ``named_parameters`` order (what a plain run's optimizer indexes);
-    ``stage_leader``: this rank is its stage's first replica, the one that contributes
-    the stage's entries; ``aliases``: each key whose tensor another key (its canonical
-    key) also names -> that key (tied weights, handles); ``layers``: this rank's stage's
-    layer range (a tied parameter's optimizer state comes from the stage of its first
-    layer only).
+    ``stage_leaders``: each stage's first replica, the rank that contributes the stage's
+    entries (replicas hold the same state after the synchronous update, DAPPLE 5.2.3);
+    ``aliases``: each key whose tensor another key (its canonical key) also names -> that
+    key (tied weights, handles); ``layers``: this rank's stage's layer range (a tied
+    parameter's optimizer state comes from the stage of its first layer only).
     """
 
     key_owner: dict[str, int | None]
     parameter_names: list[str]
-    stage_leader: bool
+    stage_leaders: tuple[int, ...]
     global_rank: int
     aliases: dict[str, str] = field(default_factory=dict)
     layers: tuple[int, int] | None = None
@@ -71,30 +64,46 @@ class CheckpointLayout:
         owner = self.key_owner.get(self.canonical(name))
         return self.layers is None or owner is None or self.layers[0] <= owner < self.layers[1]
 
+    @property
+    def stage_leader(self) -> bool:
+        return self.global_rank in self.stage_leaders
 
-def consolidated_state_dict(module: nn.Module, layout: CheckpointLayout) -> dict[str, Any]:
-    """The whole module's state dict on rank 0 (original keys and order); {} elsewhere."""
-    local = module.state_dict()
-    mine: dict[str, torch.Tensor] = {}
-    if layout.stage_leader:
-        for key, value in local.items():
-            owner = layout.key_owner.get(key)
-            if key not in layout.aliases and (owner is not None or layout.global_rank == 0):
-                mine[key] = value.detach().cpu()
-    gathered = _gather_to_zero(mine)
-    if gathered is None:
+    def contributes(self, key: str) -> bool:
+        """Whether this rank's state-dict entry ``key`` goes into the checkpoint: rank 0
+        keeps the entries outside the layers, a stage leader its layers' entries; an
+        alias never (its tensor travels once, under its canonical key)."""
+        if key in self.aliases:
+            return False
+        if self.key_owner.get(key) is None:
+            return self.global_rank == 0
+        return self.stage_leader
+
+    @property
+    def senders(self) -> list[int]:
+        """The ranks whose parts rank 0 receives, in the order it takes them."""
+        return sorted(set(self.stage_leaders) - {0})
+
+
+def consolidated_state_dict(module: nn.Module, layout: CheckpointLayout, lane: PartLane | None = None) -> dict[str, Any]:
+    """The whole module's state dict on rank 0, on the CPU (original keys and order); {}
+    elsewhere. Rank 0 contributes the entries outside the layers and, as a stage leader,
+    its stage's; the other leaders stream theirs to it (``part_stream.py``)."""
+    lane = lane if lane is not None else PartLane()
+    mine = {key: value for key, value in module.state_dict().items() if layout.contributes(key)}
+    if layout.global_rank != 0:
+        if layout.stage_leader:
+            send_part(mine, lane)
         return {}
-    merged: dict[str, Any] = {}
-    for part in gathered:
-        merged.update(part)
+    merged: dict[str, Any] = to_host(mine)
+    for source in layout.senders:
+        merged.update(receive_part(source, lane))
     for alias, key in layout.aliases.items():  # one tensor, every name of it
         if key in merged:
             merged[alias] = merged[key]
-    ordered = {key: merged[key] for key in layout.key_owner if key in merged}
     missing = [key for key in layout.key_owner if key not in merged]
     if missing:
         raise RuntimeError(f"checkpoint consolidation lost keys {missing[:3]}")
-    return ordered
+    return {key: merged[key] for key in layout.key_owner}
 
 
 def _names_by_param(module: nn.Module, layout: CheckpointLayout) -> dict[int, str]:
@@ -117,26 +126,35 @@ def _named_optimizer_state(module: nn.Module, layout: CheckpointLayout, optimize
     }
 
 
-def consolidated_optimizer_state(module: nn.Module, layout: CheckpointLayout, optimizer: Any) -> dict[str, Any]:
-    """Optimizer state of all stages keyed by parameter name, on rank 0; {} elsewhere."""
+def consolidated_optimizer_state(
+    module: nn.Module, layout: CheckpointLayout, optimizer: Any, lane: PartLane | None = None
+) -> dict[str, Any]:
+    """Optimizer state of all stages keyed by parameter name, on rank 0 and on the CPU; {}
+    elsewhere. Each stage leader contributes its stage's, rank 0 first, then the others
+    streamed in rank order (``part_stream.py``)."""
+    lane = lane if lane is not None else PartLane()
     named = _named_optimizer_state(module, layout, optimizer) if layout.stage_leader else None
-    gathered = _gather_to_zero(named)
-    if gathered is None:
+    if layout.global_rank != 0:
+        if named is not None:
+            send_part(named, lane)
         return {}
-    parts = [part for part in gathered if part is not None]
     merged: dict[str, Any] = {"state": {}, "param_groups": [], NAMED_MARKER: True}
-    for part in parts:
-        merged["state"].update(_to_cpu(part["state"]))
-        for index, group in enumerate(part["param_groups"]):
-            if index == len(merged["param_groups"]):
-                merged["param_groups"].append({**group, "params": list(group["params"])})
-            else:
-                merged["param_groups"][index]["params"].extend(group["params"])
+    if named is not None:
+        _merge_optimizer_part(merged, to_host(named))
+    for source in layout.senders:
+        _merge_optimizer_part(merged, receive_part(source, lane))
     return merged
 
 
-def _to_cpu(value: Any) -> Any:
-    return pytree.tree_map(lambda x: x.detach().cpu() if isinstance(x, torch.Tensor) else x, value)
+def _merge_optimizer_part(merged: dict[str, Any], part: dict[str, Any]) -> None:
+    """Add one stage's named optimizer state: its entries, and its parameters' names to the
+    parameter groups of the same position."""
+    merged["state"].update(part["state"])
+    for index, group in enumerate(part["param_groups"]):
+        if index == len(merged["param_groups"]):
+            merged["param_groups"].append({**group, "params": list(group["params"])})
+        else:
+            merged["param_groups"][index]["params"].extend(group["params"])
 
 
 def load_local_state_dict(module: nn.Module, state_dict: dict[str, Any], strict: bool = True) -> None:

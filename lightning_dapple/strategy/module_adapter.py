@@ -188,14 +188,25 @@ def loss_of(output: Any) -> torch.Tensor:
 
 @dataclass
 class LoggedValue:
-    weighted_sum: float
+    """One name's values of a step: the sum of value x slice weight (a float64 tensor where
+    the value was logged, or a float), and the sum of the weights."""
+
+    weighted_sum: torch.Tensor | float
     weight: float
     kwargs: dict[str, Any]
 
 
+Logs = dict[str, tuple["torch.Tensor | float", float, dict[str, Any]]]
+
+
 @dataclass
 class LogRecorder:
-    """Collects ``self.log`` calls made on the last stage during one step."""
+    """Collects ``self.log`` calls made on the last stage during one step.
+
+    A logged tensor is weighted and summed where it lives, per micro-batch, in float64 (the
+    same arithmetic as on the host, so the numbers are identical); the host reads the sums
+    once per step, and only when they travel to other ranks (``summary(on_host=True)``).
+    """
 
     values: dict[str, LoggedValue] = field(default_factory=dict)
     weight: float = 1.0
@@ -234,22 +245,43 @@ class LogRecorder:
                     "call the metric (metric(preds, target)) before logging it, or log metric.compute()",
                 )
             value = cache
-        number = float(value.detach().to(torch.float64).mean()) if isinstance(value, torch.Tensor) else float(value)
+        number = value.detach().to(torch.float64).mean() if isinstance(value, torch.Tensor) else float(value)
         kwargs = {k: v for k, v in kwargs.items() if k not in ("batch_size", "sync_dist", "rank_zero_only")}
         entry = self.values.get(name)
         if entry is None:
             self.values[name] = LoggedValue(number * self.weight, self.weight, kwargs)
         else:
-            entry.weighted_sum += number * self.weight
+            entry.weighted_sum = entry.weighted_sum + number * self.weight
             entry.weight += self.weight
 
-    def summary(self) -> dict[str, tuple[float, float, dict[str, Any]]] | None:
-        """What was logged, or None when nothing was (then nothing needs to travel)."""
-        return {name: (v.weighted_sum, v.weight, v.kwargs) for name, v in self.values.items()} or None
+    def summary(self, on_host: bool = False) -> Logs | None:
+        """What was logged, or None when nothing was (then nothing needs to travel). With
+        ``on_host`` the sums are floats, read from the device in one transfer."""
+        if not self.values:
+            return None
+        sums = [v.weighted_sum for v in self.values.values()]
+        if on_host:
+            sums = _to_floats(sums)
+        return {name: (total, v.weight, v.kwargs) for (name, v), total in zip(self.values.items(), sums)}
 
 
-def replay_logs(module: nn.Module, logs: dict[str, tuple[float, float, dict[str, Any]]], batch_size: int, dtype: torch.dtype) -> None:
-    """Log the combined values on this rank, weighted per step by the global batch size."""
+def _to_floats(values: list[torch.Tensor | float]) -> list[float]:
+    """Floats of scalar tensors and numbers, with one device-to-host read for all tensors."""
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    if not tensors:
+        return [float(v) for v in values]  # type: ignore[arg-type]
+    home = tensors[0].device
+    read = iter(torch.stack([t.to(home) for t in tensors]).tolist())
+    return [next(read) if isinstance(v, torch.Tensor) else float(v) for v in values]
+
+
+def replay_logs(module: nn.Module, logs: Logs, batch_size: int, dtype: torch.dtype) -> None:
+    """Log the combined values on this rank, weighted per step by the global batch size
+    (a value still on the device is logged from there, without a host read)."""
+    log_dtype = dtype if dtype.is_floating_point else torch.float32
     for name, (weighted_sum, weight, kwargs) in logs.items():
-        value = torch.tensor(weighted_sum / weight if weight else 0.0, dtype=torch.float64)
-        module.log(name, value.to(dtype if dtype.is_floating_point else torch.float32), batch_size=batch_size, **kwargs)
+        if isinstance(weighted_sum, torch.Tensor):
+            value = weighted_sum / weight if weight else torch.zeros_like(weighted_sum)
+        else:
+            value = torch.tensor(weighted_sum / weight if weight else 0.0, dtype=torch.float64)
+        module.log(name, value.to(log_dtype), batch_size=batch_size, **kwargs)
