@@ -16,7 +16,9 @@ simulator times) and hands each action to the collaborator that does it:
 * gradient AllReduce among the stage's replicas to the ``GradientSync``
   (``execute/grad_sync.py``): bucketed and started as soon as each bucket's gradients are
   final, overlapping the rest of the backward; the ALLREDUCE actions of the list mark where
-  the simulator expects the last of them, and the step waits for all at its end;
+  the simulator expects the last of them, and the step waits for all at its end; tied
+  parameters this stage shares with others stay out of the buckets and are summed over
+  every stage holding them after that (``execute/tied.py``);
 * stashed bytes to the ``StashLedger`` and their sizes to ``StashSizes``
   (``execute/stash_ledger.py``: ``schedule.ooo.stash_walk``'s rule with measured sizes).
 
@@ -47,6 +49,7 @@ from lightning_dapple.execute.slicing import batch_size_of, slice_rows, take_row
 from lightning_dapple.execute.spans import CudaSpans, HostSpans, Span, span_clock
 from lightning_dapple.execute.stage import EvalCallbacks, Stage, StageCallbacks
 from lightning_dapple.execute.stash_ledger import KnownSizes, StashLedger, StashSizes, StepSizes
+from lightning_dapple.execute.tied import TiedSync
 from lightning_dapple.execute.transport import Peer, Transport, receives_ahead_pay
 from lightning_dapple.plan.buckets import BUCKET_BYTES, bucket_layers
 from lightning_dapple.plan.plan import Plan
@@ -118,6 +121,7 @@ class StageRunner:
         forward_context: Callable[[], ContextManager[Any]] | None = None,
         bucket_bytes: int = BUCKET_BYTES,
         wire: str = "auto",
+        tied: TiedSync | None = None,
     ) -> None:
         self.plan = plan
         self.schedule = schedule
@@ -139,7 +143,9 @@ class StageRunner:
         self.is_first = self.stage == 0
         self.is_last = self.stage == plan.num_stages - 1
         self.stats = StageStats()
-        self.parameters = [p for layer in self.layers for p in layer.parameters() if p.requires_grad]
+        # each once: layers of one stage may share a parameter (tied weights)
+        self.parameters = list({id(p): p for layer in self.layers for p in layer.parameters() if p.requires_grad}.values())
+        self.tied = tied
         self.steps_done = 0  # training steps run so far (part of every dropout seed; a resume sets it)
         self.ledger = StashLedger()
         self.sizes = StashSizes(self.parameters)
@@ -183,7 +189,7 @@ class StageRunner:
         if group is None or not self.parameters:
             return None
         owned: list[list[nn.Parameter]] = []
-        seen: set[int] = set()
+        seen: set[int] = {id(p) for p in self.tied.params} if self.tied is not None else set()  # summed by TiedSync
         for layer in self.layers:
             owned.append([p for p in layer.parameters() if p.requires_grad and id(p) not in seen])
             seen.update(id(p) for p in owned[-1])
@@ -353,6 +359,8 @@ class StageRunner:
             self.transport.flush()
             if self.sync is not None:
                 self.sync.finish()
+            if self.tied is not None:
+                self.tied.finish()
         finally:
             restore_rng(rng)
             losses = self.pipeline_stage.end_step()

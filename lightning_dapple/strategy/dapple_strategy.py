@@ -62,10 +62,12 @@ from lightning_dapple.execute.groups import PlanGroups, build_groups
 from lightning_dapple.execute.runner import StageRunner
 from lightning_dapple.execute.shutdown import destroy_groups_at_exit
 from lightning_dapple.execute.slicing import batch_size_of, take_rows
+from lightning_dapple.execute.tied import build_tied_sync, tied_groups
 from lightning_dapple.execute.topology import report_placement
 from lightning_dapple.execute.wires import WIRES, choose_wire
 from lightning_dapple.plan.explain import plan_summary, plan_table
 from lightning_dapple.plan.plan import Plan, atomic_write_text, load_plan, plan_from_dict
+from lightning_dapple.profile.ties import TiedParameter, tied_parameters
 from lightning_dapple.simulate.plans import schedule_for_plan
 from lightning_dapple.strategy import checkpoint as ckpt
 from lightning_dapple.strategy.auto_plan import PlanningContext, PlanningInputs, auto_plan
@@ -84,6 +86,7 @@ from lightning_dapple.strategy.module_adapter import (
     loss_of,
     module_home,
     replay_logs,
+    state_aliases,
 )
 from lightning_dapple.strategy.part_stream import PartLane, open_part_lane, to_host
 from lightning_dapple.strategy.precision import (
@@ -96,6 +99,7 @@ from lightning_dapple.strategy.precision import (
 from lightning_dapple.strategy.reporting import SILENT, OneLineLauncher, install_excepthook
 from lightning_dapple.strategy.resolve import PlanArguments, resolve_plan
 from lightning_dapple.strategy.slice_transfer import StepTransfers
+from lightning_dapple.strategy.tied_layers import KeptTensors, free_layer, retie
 
 
 
@@ -287,6 +291,7 @@ class DappleStrategy(DDPStrategy):
         self.checkpoint_layout: ckpt.CheckpointLayout | None = None
         self._part_lane: PartLane | None = None  # opened at the first save
         self._freed: dict[int, nn.Module] = {}
+        self._ties: tuple[TiedParameter, ...] = ()  # parameters several layers use (profile/ties.py)
         self._planning_inputs: PlanningInputs | None = None  # rank 0 after plan="auto"
         self._saved_grads: list[torch.Tensor | None] | None = None
         self._transfers: dict[str, StepTransfers] = {}  # per step function: what its slices move
@@ -444,7 +449,9 @@ class DappleStrategy(DDPStrategy):
         assert self.plan is not None
         replicas = self.plan.stages[self.stage].replicas
         group = self.groups.plan if self.groups else None
-        clip_grad_norm_global(params, max_norm, replicas, self.failure, group=group, device=self.root_device)
+        tied = self.runner.tied if self.runner is not None else None  # tied copies count once
+        copies = tied.copies if tied is not None else None
+        clip_grad_norm_global(params, max_norm, replicas, self.failure, group=group, device=self.root_device, copies=copies)
 
     def _agree_found_inf(self, scaler: Any, optimizer: Any) -> torch.Tensor:
         """fp16: every rank of the plan skips or takes the step together (precision.py)."""
@@ -472,20 +479,22 @@ class DappleStrategy(DDPStrategy):
         self._save_plan(trainer)
         report_placement(self.cluster_environment, self.num_nodes, self.num_processes, plan)  # every rank: the launch's nodes agree with the plan; rank 0 prints them
         stage = plan.stages[self.stage]
+        self._ties = tied_parameters(container)
+        aliases = state_aliases(module, container)
         self.checkpoint_layout = ckpt.CheckpointLayout(
             key_owner=key_owners(module, container),
-            parameter_names=[name for name, _ in module.named_parameters()],
+            parameter_names=[aliases.get(name, name) for name, _ in module.named_parameters()],
             stage_leaders=tuple(each.devices[0] for each in plan.stages),
             global_rank=self.global_rank,
+            aliases=aliases,
+            layers=(stage.start, stage.end),
         )
-        for index in range(len(container)):
-            if not (stage.start <= index < stage.end):
-                self._freed[index] = container[index].to("meta")  # structure kept, memory released
-                container[index] = FreedLayer(index, self._stage_of_layer(index))
+        self._free_other_stages(container, stage.start, stage.end)
         self._layer_container = container
         self._close_runner()
         self.failure = FailureChannel(self.global_rank, timeout_s=self.timeout_s)
         self.groups = build_groups(plan)
+        tie_groups = tied_groups(plan, self._ties)  # a collective: every rank makes every group
         local = [container[i] for i in range(stage.start, stage.end)]
         self.runner = StageRunner(
             plan,
@@ -498,7 +507,17 @@ class DappleStrategy(DDPStrategy):
             self.loss_reduction,
             forward_context=self._forward_context(),
             wire=self.wire,
+            tied=build_tied_sync(plan, self._ties, self.global_rank, local, tie_groups, self.failure),
         )
+
+    def _free_other_stages(self, container: nn.Module, start: int, end: int) -> None:
+        """Free every layer outside [start, end) to the meta device (structure kept, memory
+        released); what a kept layer shares with a freed one (a tied weight) stays real."""
+        kept = KeptTensors(container[i] for i in range(start, end))
+        for index in range(len(container)):
+            if not (start <= index < end):
+                self._freed[index] = free_layer(container[index], kept)
+                container[index] = FreedLayer(index, self._stage_of_layer(index))
 
     def _stage_of_layer(self, index: int) -> int:
         assert self.plan is not None
@@ -824,4 +843,5 @@ class DappleStrategy(DDPStrategy):
             head = f"{prefix}{index}."
             layer.load_state_dict({k[len(head):]: v for k, v in state.items() if k.startswith(head)})
             self._layer_container[index] = layer
+        retie(self._layer_container, self._ties)  # the whole model again: one Parameter per tie
         self._freed = {}

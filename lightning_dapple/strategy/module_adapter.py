@@ -70,6 +70,9 @@ def find_layers(module: nn.Module, path: str) -> nn.Module:
 
 
 def check_parameters_in_layers(module: nn.Module, layers: nn.Module, path: str) -> None:
+    """Every parameter of ``module`` must belong to a layer of the sequence (a stage owns
+    it). A parameter several layers use (tied weights) is allowed: each stage holding one
+    of those layers keeps a copy (``execute/tied.py``)."""
     inside = {id(p) for p in layers.parameters()}
     outside = [name for name, p in module.named_parameters() if id(p) not in inside]
     if outside:
@@ -78,15 +81,6 @@ def check_parameters_in_layers(module: nn.Module, layers: nn.Module, path: str) 
             f"{outside[:3]} live outside '{path}', so no pipeline stage would own them",
             f"move them into a layer of '{path}'",
         )
-    owners: dict[int, int] = {}
-    for index, layer in enumerate(layers):
-        for p in layer.parameters():
-            if owners.setdefault(id(p), index) != index:
-                raise DappleConfigError(
-                    "model parameters",
-                    f"a parameter is shared by layers {owners[id(p)]} and {index} (tied weights)",
-                    "untie the weights; a parameter cannot live on two pipeline stages",
-                )
 
 
 @contextlib.contextmanager
@@ -143,6 +137,35 @@ def key_owners(module: nn.Module, layers: nn.Module) -> dict[str, int | None]:
         for tensor in (*layer.parameters(), *layer.buffers()):
             holder.setdefault(id(tensor), index)
     return {key: holder.get(id(value)) for key, value in module.state_dict(keep_vars=True).items()}
+
+
+def state_aliases(module: nn.Module, layers: nn.Module) -> dict[str, str]:
+    """State-dict keys of ``module`` that name a tensor another key names too -> that key.
+
+    A tied weight (``head.weight`` is ``embed.weight``) or a second path to a layer gives
+    one tensor several keys. The checkpoint holds it once, under the canonical key: the one
+    under the first layer holding the tensor (so that layer's stage has it), then the
+    first in state-dict order; every other key is an alias of it.
+    """
+    layer_of: dict[int, int] = {}
+    for index, layer in enumerate(layers):
+        for sub in layer.modules():
+            layer_of.setdefault(id(sub), index)
+    keys_of: dict[int, list[str]] = {}
+    for key, value in module.state_dict(keep_vars=True).items():
+        keys_of.setdefault(id(value), []).append(key)
+
+    def rank(key: str, position: int) -> tuple[int, int]:
+        path = key.rpartition(".")[0]
+        index = layer_of.get(id(module.get_submodule(path) if path else module))
+        return (index if index is not None else len(layers), position)
+
+    aliases: dict[str, str] = {}
+    for keys in keys_of.values():
+        if len(keys) > 1:
+            canonical = min(keys, key=lambda key: rank(key, keys.index(key)))
+            aliases.update({key: canonical for key in keys if key != canonical})
+    return aliases
 
 
 def module_home(module: nn.Module) -> torch.device:
