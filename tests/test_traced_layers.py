@@ -27,6 +27,7 @@ from dist_harness import run_ranks
 from lightning_dapple.cli import plan as plan_cli
 from lightning_dapple.cli import profile as profile_cli
 from lightning_dapple.errors import DappleConfigError
+from lightning_dapple.profile.ties import tied_parameters
 from lightning_dapple.profile.traced_layers import TracedLayers, traced_layers
 from lightning_dapple.strategy import DappleStrategy
 from lightning_dapple.strategy.module_adapter import check_parameters_in_layers, find_layers
@@ -125,16 +126,19 @@ def test_a_trace_failure_is_one_line_with_the_place_and_the_fix(tmp_path: Path) 
         )
 
 
-def test_mode_dependent_forward_and_tied_parameters_are_refused() -> None:
+def test_a_forward_that_reads_self_training_is_refused() -> None:
     images = next(iter(image_loader()))[0]
     with pytest.raises(DappleConfigError, match="differently in training and evaluation mode"):
         traced_layers(ModeDependent().double(), _samples(images))
+
+
+def test_a_head_tied_to_the_embedding_is_a_tie_between_traced_layers() -> None:
     model = TiedHead().double()
     idx = next(iter(token_loader()))[0]
     layers = find_layers(model, "layers", lambda: _samples(idx))  # no `layers` attribute: traced
     assert isinstance(layers, TracedLayers)
-    with pytest.raises(DappleConfigError, match="shared by layers 0 and 4 .tied weights."):
-        check_parameters_in_layers(model, layers, "layers")
+    check_parameters_in_layers(model, layers, "layers")  # allowed: a copy per holding stage
+    assert [tie.layers for tie in tied_parameters(layers)] == [(0, 4)]
 
 
 PLANS = {
@@ -193,6 +197,18 @@ def test_nanogpt_on_two_stages_whose_cut_the_planner_chooses(tmp_path: Path) -> 
     plain = NanoGPT().double()
     plain.load_state_dict(checkpoint["state_dict"])  # strict: the module's own keys
     assert relative_difference(plain.state_dict(), reference) <= 1e-10
+
+
+@pytest.mark.timeout(600)
+def test_tied_traced_layers_on_two_stages(tmp_path: Path) -> None:
+    """The embedding on stage 0, the head that reads its weight on stage 1: each keeps a
+    copy (tied weights), and training equals one process."""
+    plan = {"global_batch_size": 8, "micro_batches": 2, "stages": [{"layers": [0, 2], "devices": [0]}, {"layers": [2, 5], "devices": [1]}]}
+    reference = plain_run(TiedHead(), token_loader())
+    model = TiedHead().double()
+    _strategy_trainer(tmp_path, plan).fit(model, token_loader())
+    assert relative_difference(model.state_dict(), reference) <= 1e-10
+    assert model.head.weight is model.emb.weight  # rank 0: one parameter again
 
 
 @pytest.mark.timeout(600)
