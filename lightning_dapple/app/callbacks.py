@@ -12,7 +12,6 @@ import json
 import os
 import socket
 import statistics
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -21,13 +20,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
-from rich.console import Console
 from typing_extensions import override
 
-from lightning_dapple.app.report import plan_table, render_text, write_text
+from lightning_dapple.app.report import plan_table, write_text
 from lightning_dapple.app.timelines import MeasuredTimeline, draw_measured_timeline
 from lightning_dapple.cluster import load_cluster
 from lightning_dapple.plan import explain
+from lightning_dapple.plan.console import make_console, render_text
 from lightning_dapple.profile.model_profile import profile_from_dict
 from lightning_dapple.simulate import draw_timeline, simulate_plan
 
@@ -213,10 +212,10 @@ class PipelineReport(Callback):
                 parts = []
         if not parts:
             parts = [plan_table(plan)]
-        console = Console(width=None if sys.stdout.isatty() else 160)
+        console = make_console()
         for part in parts:
             console.print(part)
-        write_text(run_dir / "dapple_plan.txt", "".join(render_text(part, width=160) for part in parts))
+        write_text(run_dir / "dapple_plan.txt", "".join(render_text(part) for part in parts))
 
     def _simulate(self, plan: Any, profile: Any, run_dir: Path) -> None:
         if profile is None:

@@ -62,7 +62,6 @@ from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
-from rich.console import Console
 from rich.table import Table
 
 from lightning_dapple.app.callbacks import PipelineReport, StepTimer, WorkerSetup, quiet_warnings
@@ -74,6 +73,7 @@ from lightning_dapple.data import DATAMODULES
 from lightning_dapple.errors import DappleConfigError, require
 from lightning_dapple.execute.slicing import take_rows
 from lightning_dapple.models import MODELS
+from lightning_dapple.plan.console import make_console
 from lightning_dapple.plan.plan import Plan, plan_from_dict
 from lightning_dapple.profile.profiler import profile_layers
 from lightning_dapple.strategy import DappleStrategy
@@ -590,7 +590,7 @@ def _print_run_summary(result: dict[str, Any]) -> None:
     for key in sorted(result.get("metrics") or {}):
         table.add_row(key, f"{result['metrics'][key]:.4f}")
     table.add_row("wall time", f"{result.get('wall_s')} s")
-    Console().print(table)
+    make_console().print(table)
 
 
 if __name__ == "__main__":
