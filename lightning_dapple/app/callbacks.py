@@ -33,6 +33,11 @@ from lightning_dapple.simulate import draw_timeline, simulate_plan
 __all__ = ["PipelineReport", "StepTimer", "WorkerSetup", "gather_to_zero", "quiet_warnings"]
 
 
+# the timeline pictures each run directory gets (simulated plan, measured last step)
+SIMULATED_TIMELINE = "timeline_simulated.png"
+MEASURED_TIMELINE = "timeline_measured.png"
+
+
 def _world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -223,14 +228,14 @@ class PipelineReport(Callback):
             return
         result = simulate_plan(plan, profile, load_cluster(dict(self.cluster)))
         write_text(run_dir / "timeline_simulated.json", json.dumps(result.to_dict(), indent=1) + "\n")
-        tmp = run_dir / ".timeline_simulated.png.tmp.png"
+        tmp = run_dir / f".{SIMULATED_TIMELINE}.tmp.png"
         draw_timeline(
             result,
             tmp,
             title=f"simulated: {result.schedule}, M={result.micro_batches}, step {result.latency_ms:.2f} ms, "
             f"bubble {100 * result.bubble_fraction:.1f}% ({profile.device} profile, cluster {self.cluster.get('name')})",
         )
-        os.replace(tmp, run_dir / "timeline_simulated.png")
+        os.replace(tmp, run_dir / SIMULATED_TIMELINE)
 
     def _note(self, run_dir: Path, text: str) -> None:
         self.notes.append(text)
@@ -255,9 +260,9 @@ class PipelineReport(Callback):
         timeline = MeasuredTimeline.from_gathered(gathered, plan)
         write_text(run_dir / "timeline_measured.json", json.dumps(timeline.to_dict(), indent=1) + "\n")
         try:
-            tmp = run_dir / ".timeline_measured.png.tmp.png"
+            tmp = run_dir / f".{MEASURED_TIMELINE}.tmp.png"
             draw_measured_timeline(timeline, tmp)
-            os.replace(tmp, run_dir / "timeline_measured.png")
+            os.replace(tmp, run_dir / MEASURED_TIMELINE)
         except Exception as exc:
             self._note(run_dir, f"measured timeline not drawn: {type(exc).__name__}: {exc}")
 
