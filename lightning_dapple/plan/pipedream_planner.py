@@ -150,23 +150,23 @@ def pipedream_micro_batch_size(stages: tuple[StagePlan, ...], minibatch: int, gl
     )
 
 
-def _partition(request: PlanRequest, states: PipeDreamStates, memory: float | None) -> tuple[PipeDreamResult, Scored]:
+def _partition(request: PlanRequest, states: PipeDreamStates, minibatch: int, memory: float | None) -> tuple[PipeDreamResult, Scored]:
     """PipeDream's choice for its minibatch as plan stages, scored at the micro-batch
     ``pipedream_micro_batch_size`` gives them."""
     profile, cluster, global_batch_size = request.profile, request.cluster, request.global_batch_size
-    result = pipedream_partition(profile, cluster, profile.micro_batch_size, states=states, memory=memory)
+    result = pipedream_partition(profile, cluster, minibatch, states=states, memory=memory)
     if result is None:
         raise DappleConfigError(
             "profile",
             f"PipeDream's partition of {profile.num_layers} layers over {cluster.num_devices} devices puts two cuts on one layer of the linear order",
             "plan this model with the DAPPLE planner, or give a profile with one layer per operator",
         )
-    count = global_batch_size // pipedream_micro_batch_size(result.stages, profile.micro_batch_size, global_batch_size)
+    count = global_batch_size // pipedream_micro_batch_size(result.stages, minibatch, global_batch_size)
     return result, score_stages(profile, cluster, result.stages, global_batch_size, count, request.policy, request.schedule)
 
 
-def _reason(profile: ModelProfile, result: PipeDreamResult, chosen: Scored, global_batch_size: int, constrained: bool) -> str:
-    minibatch, size = profile.micro_batch_size, global_batch_size // chosen.micro_batches
+def _reason(minibatch: int, result: PipeDreamResult, chosen: Scored, global_batch_size: int, constrained: bool) -> str:
+    size = global_batch_size // chosen.micro_batches
     batches = f"M = {global_batch_size} / {minibatch} = {chosen.micro_batches}"
     if size != minibatch:
         batches = f"M = {chosen.micro_batches} micro-batches of {size // minibatch} minibatches (every replica gets a sample)"
@@ -192,23 +192,24 @@ def plan_pipedream(
     """Plan with PipeDream's optimizer (3.1) for its minibatch, priced and scheduled like a
     DAPPLE plan; ``simulate`` (``simulate.plans.simulate_plan``) adds the simulated step to
     the result. ``micro_batches``, when given, must be the M that PipeDream's minibatch
-    makes. ``policy`` "auto" runs the partition with the K_i policy it simulates faster
+    makes; ``min_slice`` is checked but binds nothing (PipeDream's replicas split its
+    minibatch). ``policy`` "auto" runs the partition with the K_i policy it simulates faster
     with, as for DAPPLE's plans (``policy_choice``), so the two planners differ only in
     partitioning."""
-    pipedream_minibatch(profile, global_batch_size)
+    minibatch = pipedream_minibatch(profile, global_batch_size)
     request = PlanRequest.build(profile, cluster, global_batch_size, None, schedule, policy, num_devices, min_slice, simulate=simulate)
     cluster = request.cluster
     states = pipedream_states(profile)
-    result, chosen = _partition(request, states, None)
+    result, chosen = _partition(request, states, minibatch, None)
     constrained = not chosen.fits(cluster)
     if constrained:  # PipeDream's own memory constraint, off by default, on when its choice does not fit
-        result, chosen = _partition(request, states, cluster.device_memory_bytes)
+        result, chosen = _partition(request, states, minibatch, cluster.device_memory_bytes)
     if not chosen.fits(cluster):
         raise_no_memory(profile, cluster, chosen.peak_memory_bytes, f"PipeDream's {chosen.kind()} plan, M={chosen.micro_batches}")
     require(
         micro_batches is None or micro_batches == chosen.micro_batches,
         "micro_batches",
-        f"is {micro_batches}, but PipeDream plans for its minibatch of {profile.micro_batch_size} samples (the profile's batch per worker), "
+        f"is {micro_batches}, but PipeDream plans for its minibatch of {minibatch} samples (the profile's batch per worker), "
         f"which makes M = {chosen.micro_batches} for a global batch of {global_batch_size}",
         f"leave the number of micro-batches out (or pass {chosen.micro_batches}) with the PipeDream planner",
     )
@@ -216,7 +217,7 @@ def plan_pipedream(
     policy = choice.policy if choice is not None else request.policy
     sim = choice.simulation if choice is not None else None
     chosen = rescored(request, chosen, choice)
-    reason = _reason(profile, result, chosen, global_batch_size, constrained)
+    reason = _reason(minibatch, result, chosen, global_batch_size, constrained)
     if choice is not None and choice.note():
         reason += "; " + choice.note()
     return finish_plan(chosen, profile, cluster, global_batch_size, policy, schedule, "pipedream", reason, sim, {"slowest_stage_ms": result.slowest_stage_ms})
