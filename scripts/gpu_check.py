@@ -72,7 +72,8 @@ def run_tests(pattern: str, seconds: float) -> list[dict[str, str]]:
         return [{"test": pattern, "outcome": "error", "message": "no test file matches"}]
     with tempfile.TemporaryDirectory() as folder:
         junit = Path(folder) / "tests.xml"
-        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", *files]
+        # a hanging test fails alone (pytest-timeout) instead of costing the whole run its report
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout=150", f"--junitxml={junit}", *files]
         try:
             done = subprocess.run(command, cwd=ROOT, timeout=seconds, env={**os.environ, "PYTHONFAULTHANDLER": "1"}, capture_output=True, text=True)
         except subprocess.TimeoutExpired:
