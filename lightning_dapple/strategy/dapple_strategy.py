@@ -575,9 +575,12 @@ class DappleStrategy(DDPStrategy):
         """The layer sequence at ``layers``, or the layer list traced from ``forward``
         (``layers="auto"``, or a module without the default ``layers``): traced on the
         arguments ``self(...)`` gets for one and two rows of the sample batch, and printed."""
-        rows = batch_size_of(batch)
         step_name = _step_name(trainer)
-        samples = lambda: [_forward_args(module, take_rows(batch, 0, count), step_name) for count in sorted({1, min(2, rows)})]  # noqa: E731
+
+        def samples() -> list[tuple]:
+            counts = sorted({1, min(2, batch_size_of(batch))})
+            return [_forward_args(module, take_rows(batch, 0, count), step_name) for count in counts]
+
         container = find_layers(module, self.layers_path, samples)
         if isinstance(container, TracedLayers):
             for line in container.describe():
@@ -869,7 +872,8 @@ class DappleStrategy(DDPStrategy):
 
         Every rank takes part in gathering the consolidated weights; rank 0 rebuilds the
         layers it freed from their meta-device skeletons on the CPU (the whole model need
-        not fit its device; ``teardown`` moves the module to the CPU anyway) and loads them.
+        not fit its device; ``teardown`` moves the module to the CPU anyway) and loads them,
+        then points handles and the tensors forward reads back at them (``handles.py``).
         """
         if self.plan is None or self.plan.num_stages == 1:
             return
