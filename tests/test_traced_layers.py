@@ -110,6 +110,22 @@ def test_lightning_demo_transformer_is_cut_around_its_wrapper_and_nn_transformer
     assert torch.equal(_chain(layers, (inputs, target)), model(inputs, target))
 
 
+class _EncoderWrapper(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(8, 2, 16, batch_first=True), 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.encoder(x)
+
+
+def test_a_torch_module_called_alone_is_not_expanded() -> None:
+    """Only the user's own wrappers are traced into: ``nn.TransformerEncoder``'s forward
+    (with its fast-path checks on tensor values) stays one leaf."""
+    x = torch.randn(4, 5, 8)
+    assert traced_layers(_EncoderWrapper(), _samples(x)).calls == [["encoder"]]
+
+
 def test_a_trace_failure_is_one_line_with_the_place_and_the_fix(tmp_path: Path) -> None:
     source, first = inspect.getsourcelines(Untraceable.forward)
     line = first + next(i for i, text in enumerate(source) if "the line the error must name" in text)

@@ -19,8 +19,9 @@ Lightning's demo Transformer and on Hugging Face GPT-2), and its functionalised 
 need not give bit-identical gradients.
 
 Two kinds of child are expanded instead of kept whole: a plain ``nn.Sequential`` (its
-forward is the sequence itself) and a wrapper that is the only module its parent's
-forward calls (``forward(x): return self.model(x)``), whose own forward is then traced.
+forward is the sequence itself) and a wrapper of the user's own that is the only module
+its parent's forward calls (``forward(x): return self.model(x)``), whose own forward is
+then traced.
 ``assert`` statements on traced values become ``torch._assert`` calls. Any other use of a
 traced value in Python control flow, or any other failure, is one ``DappleConfigError``
 naming what failed, where (file:line) and the manual fix.
@@ -217,12 +218,15 @@ def _trace_once(module: nn.Module, num_inputs: int, expanded: set[str]) -> fx.Gr
 
 
 def _delegate(traced: fx.GraphModule, expanded: set[str]) -> str | None:
-    """The one child module a forward calls, when it has children of its own to expand."""
+    """The one child module a forward calls, when it is the user's own wrapper around
+    children of its own (a torch module such as ``nn.TransformerEncoder`` stays a leaf)."""
     calls = [node for node in traced.graph.nodes if node.op == "call_module"]
     if len(calls) != 1 or calls[0].target in expanded:
         return None
     child = traced.get_submodule(calls[0].target)
-    return calls[0].target if any(True for _ in child.children()) else None
+    if type(child).__module__.startswith("torch.") or not any(True for _ in child.children()):
+        return None
+    return calls[0].target
 
 
 def _trace_expanded(module: nn.Module, num_inputs: int) -> fx.GraphModule:
