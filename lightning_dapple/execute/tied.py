@@ -84,3 +84,30 @@ class TiedSync:
             bucket.launch(group)
         for bucket, _, _ in self._buckets:
             bucket.finish(self.failure, "AllReduce of tied parameters")
+
+
+def build_tied_sync(
+    plan: Plan,
+    ties: Sequence[TiedParameter],
+    rank: int,
+    layers: Sequence[nn.Module],
+    groups: dict[tuple[int, ...], Any],
+    failure: FailureChannel,
+) -> TiedSync | None:
+    """This rank's ``TiedSync`` (None when its stage shares no parameter with another).
+
+    ``layers`` are the stage's layers (``plan.stages[stage]``'s range, in order); each
+    tie's local copy is found by its name in the first of its layers on this stage."""
+    stage_index = plan.stage_of_rank(rank)
+    stage = plan.stages[stage_index]
+    by_ranks: dict[tuple[int, ...], list[nn.Parameter]] = {}
+    for tie, holders in split_ties(plan, ties):
+        if stage_index not in holders:
+            continue
+        layer = next(index for index in tie.layers if stage.start <= index < stage.end)
+        param = layers[layer - stage.start].get_parameter(tie.name_in(layer))
+        if param.requires_grad:
+            by_ranks.setdefault(_ranks(plan, holders), []).append(param)
+    if not by_ranks:
+        return None
+    return TiedSync([(params, groups[ranks], len(ranks)) for ranks, params in by_ranks.items()], failure)
