@@ -49,7 +49,6 @@ from lightning.pytorch.trainer.connectors.data_connector import _request_dataloa
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from rich.console import Console
 from torch import nn
 from torch.utils import _pytree as pytree
 from typing_extensions import override
@@ -65,6 +64,7 @@ from lightning_dapple.execute.slicing import batch_size_of, take_rows
 from lightning_dapple.execute.tied import build_tied_sync, tied_groups
 from lightning_dapple.execute.topology import report_placement
 from lightning_dapple.execute.wires import WIRES, choose_wire
+from lightning_dapple.plan.console import make_console, render_text
 from lightning_dapple.plan.explain import plan_summary, plan_table
 from lightning_dapple.plan.plan import Plan, atomic_write_text, load_plan, plan_from_dict
 from lightning_dapple.profile.ties import TiedParameter, tied_parameters
@@ -637,11 +637,15 @@ class DappleStrategy(DDPStrategy):
         self.plan.save(directory / "dapple_plan.json")
         if self._planning_inputs is not None:
             profile, cluster = self._planning_inputs.profile, self._planning_inputs.cluster
-            console = Console(record=True, width=160)
-            console.print(plan_table(self.plan, profile, cluster))
-            console.print(plan_summary(self.plan))
-            console.print(f"out-of-order backprop: {self.plan.extra.get('ooo_choice', self.plan.ooo)}")
-            atomic_write_text(directory / "dapple_plan.txt", console.export_text())
+            parts = [
+                plan_table(self.plan, profile, cluster),
+                plan_summary(self.plan),
+                f"out-of-order backprop: {self.plan.extra.get('ooo_choice', self.plan.ooo)}",
+            ]
+            console = make_console()
+            for part in parts:
+                console.print(part)
+            atomic_write_text(directory / "dapple_plan.txt", "".join(render_text(part) for part in parts))
             return
         rank_zero_info(f"dapple plan ({self.plan.kind()}, M={self.plan.micro_batches}, schedule={self.plan.schedule}):")
         for index, stage in enumerate(self.plan.stages):
