@@ -1,5 +1,5 @@
-"""A second attribute path to a layer (``self.head = self.layers[-1]``) or to a part of one
-(``self.middle_linear = self.layers[1][0]``) beside the layer sequence.
+"""A second attribute path to a layer (``self.head = self.layers[-1]``), to a part of one
+(``self.middle_linear = self.layers[1][0]``) or to a parameter beside the layer sequence.
 
 In this process: each stage's view of the module after freeing (what setup then moves to
 the device and what its checkpoint part holds), and rank 0's whole module after the rebuild.
@@ -49,10 +49,11 @@ def test_each_stage_holds_only_its_paths_and_can_move_to_its_device(stage: int) 
     assert not any(value.is_meta for value in state.values())
     expected = {"layers.0.0.weight", "layers.0.0.bias", "layers.1.0.weight", "layers.1.0.bias", "middle_linear.weight", "middle_linear.bias"}
     if stage == 1:
-        expected = {"layers.2.0.weight", "layers.2.0.bias", "layers.3.weight", "layers.3.bias", "head.weight", "head.bias"}
+        expected = {"layers.2.0.weight", "layers.2.0.bias", "layers.3.weight", "layers.3.bias", "head.weight", "head.bias", "head_bias"}
     assert set(state) == expected  # the handle's keys live with the layer they name
     assert all(torch.equal(state[key], whole[key]) for key in expected)
     assert isinstance(model.head if stage == 0 else model.middle_linear, FreedLayer)
+    assert (model.head_bias is None) == (stage == 0)
     assert sum(p.numel() for p in model.parameters()) == sum(whole[key].numel() for key in expected if not key.startswith(("head", "middle")))
 
 
@@ -64,7 +65,7 @@ def test_rank_zero_rebuilds_the_model_with_every_path_shared_again() -> None:
     for index, skeleton in sorted(freed.items()):
         model.layers[index] = tensors.rebuild(skeleton, index, state)
     detached.reattach(model.layers)
-    assert model.head is model.layers[3] and model.middle_linear is model.layers[1][0]
+    assert model.head is model.layers[3] and model.middle_linear is model.layers[1][0] and model.head_bias is model.layers[3].bias
     assert all(torch.equal(value, state[key]) for key, value in model.state_dict().items() if key.startswith(("layers.2", "layers.3", "head")))
 
 
@@ -127,6 +128,7 @@ def test_handles_train_and_checkpoint_on_two_stages(tmp_path: Path) -> None:
     trainer.fit(model, vector_loader())
     assert relative_difference(model.state_dict(), reference) <= 1e-10
     assert model.head is model.layers[-1] and model.middle_linear is model.layers[1][0]  # rank 0: the paths are one module again
+    assert model.head_bias is model.layers[-1].bias
     plain = Handles().double()
     plain.load_state_dict(torch.load(next((tmp_path / "ckpt").iterdir()), weights_only=False)["state_dict"])  # strict
     assert relative_difference(plain.state_dict(), reference) <= 1e-10

@@ -207,9 +207,9 @@ class Untraceable(LightningModule):
 
 
 class Handles(LightningModule):
-    """A layer sequence with a second path to its last layer (``self.head``) and to a
-    sub-module of a middle layer (``self.middle_linear``), as models keep them for
-    convenience."""
+    """A layer sequence with a second path to its last layer (``self.head``), to a
+    sub-module of a middle layer (``self.middle_linear``) and to a parameter
+    (``self.head_bias``), as models keep them for convenience."""
 
     def __init__(self, seed: int = 1234) -> None:
         super().__init__()
@@ -222,6 +222,7 @@ class Handles(LightningModule):
         )
         self.head = self.layers[-1]
         self.middle_linear = self.layers[1][0]
+        self.head_bias = self.layers[-1].bias  # a parameter registered a second time
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.layers(x)
