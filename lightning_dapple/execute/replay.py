@@ -97,14 +97,18 @@ def reseed(seed: int, device: torch.device) -> None:
 
 @contextlib.contextmanager
 def frozen_buffers(buffers: Sequence[torch.Tensor]) -> Iterator[None]:
-    """Restore ``buffers`` to their values on entry when leaving."""
+    """Restore ``buffers`` to their values on entry when leaving.
+
+    Through ``.data``, which leaves the version counter alone: BatchNorm's kernel updates
+    its running statistics without a new version, and the replayed graph has saved them,
+    so a counted restore would make that graph's backward refuse to run."""
     saved = [buffer.detach().clone() for buffer in buffers]
     try:
         yield
     finally:
         with torch.no_grad():
             for buffer, value in zip(buffers, saved):
-                buffer.copy_(value)
+                buffer.data.copy_(value)
 
 
 def weight_groups(layers: Sequence[nn.Module]) -> list[tuple[int, int]]:

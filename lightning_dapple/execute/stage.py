@@ -117,7 +117,6 @@ class Stage:
         self.forward_context = forward_context or contextlib.nullcontext
         self.store = WeightGradStore()
         self._w_count = dict(w_count or {}) if split else {}
-        self._buffers = [buffer for layer in self.layers for buffer in layer.buffers()]
         self._groups = weight_groups(self.layers)
         # per layer: the parameters whose gradients W computes (empty unless split)
         self.deferred: list[list[nn.Parameter]] = [[] for _ in self.layers]
@@ -293,7 +292,8 @@ class Stage:
         self.store.recording = microbatch if self.split else None
         try:
             reseed(self._seed(microbatch), self.device)  # the step restores the caller's RNG state
-            with frozen_buffers(self._buffers), self.forward_context():
+            # the buffers as they are now: moving a module to its device replaces buffer tensors
+            with frozen_buffers([b for layer in self.layers for b in layer.buffers()]), self.forward_context():
                 outputs = self.run_layers(item.inputs, meter)
         finally:
             self.store.recording = None

@@ -1,0 +1,125 @@
+"""BatchNorm on a pipeline (``execute/batchnorm.py``; GPipe 2.2): replicas of a stage never
+diverge, ``sync`` normalises over the whole micro-batch across the replicas, ``deferred``
+moves running statistics once per step from the whole global batch.
+
+The executor cases run in one spawned group of 4 gloo ranks (float64, Adam, 3 steps) on a
+CNN with BatchNorm inside layers and as a layer of its own, and compare every rank's
+parameters, running statistics and evaluation with one process (``batchnorm_worker``).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from batchnorm_worker import make_model, reference_run, run_cases
+from dist_harness import run_ranks
+from lightning_dapple.errors import DappleConfigError
+from lightning_dapple.execute.batchnorm import PipelineBatchNorm, convert_batchnorm
+
+DP = [{"layers": [0, 5], "devices": [0, 1]}]
+HYBRID = [{"layers": [0, 2], "devices": [0, 1]}, {"layers": [2, 5], "devices": [2, 3]}]
+STRAIGHT = [{"layers": [0, 2], "devices": [0]}, {"layers": [2, 5], "devices": [1]}]
+
+
+def _plan(stages: list, micro_batches: int, schedule: str = "dapple", ooo: bool = False, recompute: str = "never") -> dict:
+    return {
+        "global_batch_size": 24, "micro_batches": micro_batches, "schedule": schedule, "ooo": ooo,
+        "stages": [{**stage, "recompute": recompute} for stage in stages],
+    }
+
+
+CASES = [
+    # (a) replicas never diverge: the first replica's buffers, also under recomputation
+    ("default", _plan(DP, 2)),
+    ("default", _plan(HYBRID, 2)),
+    ("default", _plan(HYBRID, 2, "gpipe", recompute="always")),
+    # (b) statistics over the stage's replicas: at M=1 one process on the whole batch
+    ("sync", _plan(DP, 1)),
+    ("sync", _plan(HYBRID, 1)),
+    ("sync", _plan(HYBRID, 1, ooo=True, recompute="always")),
+    ("sync", _plan(DP, 2, ooo=True, recompute="always")),
+    # (c) running statistics once per step from the whole global batch
+    ("deferred", _plan(DP, 4)),
+    ("deferred", _plan(STRAIGHT, 4)),
+    ("deferred", _plan(DP, 4, recompute="always")),
+    ("deferred", _plan(STRAIGHT, 4, ooo=True, recompute="always")),
+    ("both", _plan(HYBRID, 2, ooo=True, recompute="except_last")),
+]
+
+
+def _diff(a: dict, b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((torch.as_tensor(a[k]).double() - b[k].double()).abs().max()) for k in a)
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    got = run_ranks(run_cases, 4, CASES, timeout_s=500)
+    assert "__errors__" not in got, got.get("__errors__")
+    return got
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", range(len(CASES)), ids=[f"{m}-{len(p['stages'])}st-{p['stages'][0]['devices']}-M{p['micro_batches']}-{p['stages'][0]['recompute']}{'-ooo' if p['ooo'] else ''}" for m, p in CASES])
+def test_stage_matches_one_process(results: dict, case: int) -> None:
+    """Every rank's parameters and buffers equal the reference to 1e-10 (num_batches_tracked
+    exactly), replicas of a stage hold bit-identical state, and every rank's evaluation
+    (each replica evaluates its own rows) equals the reference model's."""
+    mode, plan = CASES[case]
+    replicas = len(plan["stages"][0]["devices"])
+    reference, evaluated = reference_run(mode, replicas, plan["micro_batches"])
+    per_rank = [results[rank][case] for rank in range(4) if results[rank][case] is not None]
+    for got in per_rank:
+        for index, state in got["state"].items():
+            expected = reference[index].state_dict()
+            assert _diff(state, expected) < 1e-10, (mode, index, got["replica"], _diff(state, expected))
+            for key, value in state.items():
+                if key.endswith("num_batches_tracked"):
+                    assert int(value) == int(expected[key]), (key, int(value), int(expected[key]))
+        assert float((torch.as_tensor(got["eval"]) - evaluated).abs().max()) < 1e-10
+        for other in per_rank:
+            if other["stage"] == got["stage"]:
+                for index, state in got["state"].items():
+                    assert all((value == other["state"][index][key]).all() for key, value in state.items())
+
+
+def test_reference_modes_differ() -> None:
+    """The four reference semantics are told apart by the running statistics they leave,
+    so each case above could fail with the wrong one."""
+    stats = {}
+    for mode in ("default", "sync", "deferred", "both"):
+        model, _ = reference_run(mode, 2, 2)
+        stats[mode] = torch.cat([model[0].norm.running_var, model[3].running_var, model[3].num_batches_tracked.double().view(1)])
+    modes = list(stats)
+    for i, a in enumerate(modes):
+        for b in modes[i + 1 :]:
+            assert float((stats[a] - stats[b]).abs().max()) > 1e-6, (a, b)
+
+
+def test_conversion_shares_state_and_follows_every_reference() -> None:
+    """The swapped-in module holds the original's parameters and buffers (the same state-dict
+    keys, checkpoints load into the plain module), and a second attribute naming the same
+    BatchNorm (a handle beside the layer list) is swapped too."""
+    root = nn.Module()
+    root.layers = make_model()
+    root.head = root.layers[3]
+    before = root.state_dict(keep_vars=True)
+    replaced = convert_batchnorm(root, list(root.layers), None, 0, 1, sync=False, deferred=True)
+    assert replaced == 3
+    assert isinstance(root.layers[3], PipelineBatchNorm) and root.head is root.layers[3]
+    assert isinstance(root.layers[0].norm, PipelineBatchNorm)
+    after = root.state_dict(keep_vars=True)
+    assert list(after) == list(before) and all(after[k] is before[k] for k in before)
+    untouched = make_model()
+    assert convert_batchnorm(untouched, list(untouched), None, 0, 1, sync=True, deferred=False) == 0  # one replica: nothing to sync
+
+
+def test_a_batchnorm_with_its_own_forward_is_refused() -> None:
+    class Custom(nn.BatchNorm1d):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x) * 2
+
+    layers = nn.Sequential(nn.Linear(3, 4), Custom(4))
+    with pytest.raises(DappleConfigError, match="overrides forward"):
+        convert_batchnorm(layers, list(layers), None, 0, 1, sync=False, deferred=True)
