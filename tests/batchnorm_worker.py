@@ -12,8 +12,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from lightning.pytorch import Callback, LightningModule
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dapple.execute.batchnorm import convert_batchnorm
 from lightning_dapple.execute.failure import FailureChannel
@@ -162,3 +164,39 @@ def reference_run(mode: str, replicas: int, micro_batches: int) -> tuple[nn.Sequ
     model.eval()
     with torch.no_grad():
         return model, model(make_batch(STEPS)[0])
+
+
+class CNNModule(LightningModule):
+    """The CNN as people write it for Lightning: the layers under ``self.layers``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = make_model()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=LR)
+
+
+def cnn_loader(steps: int = STEPS) -> DataLoader:
+    xs, ys = zip(*(make_batch(step) for step in range(steps)))
+    return DataLoader(TensorDataset(torch.cat(xs), torch.cat(ys)), batch_size=ROWS, shuffle=False)
+
+
+class StateDump(Callback):
+    """Each rank's module state (its stage's layers) when training ends, in ``state_rank<r>.pt``."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        torch.save({k: v.detach().cpu().clone() for k, v in pl_module.state_dict().items()}, f"{self.directory}/state_rank{trainer.global_rank}.pt")
+

@@ -8,14 +8,19 @@ parameters, running statistics and evaluation with one process (``batchnorm_work
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
-from batchnorm_worker import make_model, reference_run, run_cases
+from batchnorm_worker import CNNModule, StateDump, cnn_loader, make_model, reference_run, run_cases
 from dist_harness import run_ranks
 from lightning_dapple.errors import DappleConfigError
 from lightning_dapple.execute.batchnorm import PipelineBatchNorm, convert_batchnorm
+from lightning_dapple.strategy import DappleStrategy
 
 DP = [{"layers": [0, 5], "devices": [0, 1]}]
 HYBRID = [{"layers": [0, 2], "devices": [0, 1]}, {"layers": [2, 5], "devices": [2, 3]}]
@@ -115,6 +120,18 @@ def test_conversion_shares_state_and_follows_every_reference() -> None:
     assert convert_batchnorm(untouched, list(untouched), None, 0, 1, sync=True, deferred=False) == 0  # one replica: nothing to sync
 
 
+def test_a_users_sync_batchnorm_on_one_replica_is_plain_batchnorm() -> None:
+    """``nn.SyncBatchNorm`` would synchronise over the whole job (every stage) and refuses CPU
+    tensors: on a stage without replicas it becomes plain BatchNorm."""
+    torch.manual_seed(0)
+    plain = nn.BatchNorm1d(4).double()
+    layers = nn.Sequential(nn.SyncBatchNorm(4).double())
+    assert convert_batchnorm(layers, list(layers), None, 0, 1, sync=False, deferred=False) == 1
+    x = torch.randn(6, 4, dtype=torch.float64)
+    assert torch.allclose(layers(x), plain(x), atol=1e-12)
+    assert torch.allclose(layers[0].running_var, plain.running_var, atol=1e-12) and int(layers[0].num_batches_tracked) == 1
+
+
 def test_a_batchnorm_with_its_own_forward_is_refused() -> None:
     class Custom(nn.BatchNorm1d):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -123,3 +140,68 @@ def test_a_batchnorm_with_its_own_forward_is_refused() -> None:
     layers = nn.Sequential(nn.Linear(3, 4), Custom(4))
     with pytest.raises(DappleConfigError, match="overrides forward"):
         convert_batchnorm(layers, list(layers), None, 0, 1, sync=False, deferred=True)
+
+
+def _fit(tmp_path: Path, plan: dict, devices: int, callbacks: list, **kwargs) -> CNNModule:
+    strategy = DappleStrategy(plan=plan, start_method="spawn", timeout_s=60, **kwargs.pop("strategy_kwargs", {}))
+    trainer = Trainer(
+        strategy=strategy, accelerator="cpu", devices=devices, precision="64-true", max_steps=3, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path), callbacks=callbacks, **kwargs,
+    )
+    model = CNNModule()
+    trainer.fit(model, cnn_loader())
+    return model
+
+
+def _layers_state(reference: nn.Module) -> dict[str, torch.Tensor]:
+    return {f"layers.{key}": value for key, value in reference.state_dict().items()}
+
+
+@pytest.mark.timeout(300)
+def test_trainer_sync_batchnorm_at_one_micro_batch_equals_one_process(tmp_path: Path) -> None:
+    """``Trainer(sync_batchnorm=True)`` on a 2-replica stage at M=1 is one process on the whole
+    batch (parameters and running statistics), on both ranks, and the checkpoint holds exactly
+    what each rank holds."""
+    checkpoints = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"))
+    _fit(tmp_path, _plan(DP, 1), 2, [StateDump(str(tmp_path)), checkpoints], sync_batchnorm=True)
+    expected = _layers_state(reference_run("sync", 2, 1)[0])
+    saved = torch.load(next((tmp_path / "ckpt").glob("*.ckpt")), weights_only=False)["state_dict"]
+    for rank in range(2):
+        state = torch.load(tmp_path / f"state_rank{rank}.pt")
+        assert _diff(state, expected) < 1e-10, rank
+        assert state.keys() == saved.keys() and all(torch.equal(state[k], saved[k]) for k in saved), rank
+
+
+@pytest.mark.timeout(300)
+def test_trainer_deferred_batchnorm_on_two_stages_with_recomputation(tmp_path: Path) -> None:
+    """``DappleStrategy(deferred_batchnorm=True)``: running statistics once per step from the
+    global batch, on each stage; the whole model handed back to the plain module equals it."""
+    plan = _plan(STRAIGHT, 4, recompute="always")
+    model = _fit(tmp_path, plan, 2, [StateDump(str(tmp_path))], strategy_kwargs={"deferred_batchnorm": True})
+    expected = _layers_state(reference_run("deferred", 1, 4)[0])
+    for rank in range(2):
+        state = torch.load(tmp_path / f"state_rank{rank}.pt")
+        assert state and _diff(state, {k: expected[k] for k in state}) < 1e-10, rank
+    assert not any(isinstance(m, PipelineBatchNorm) for m in model.modules())  # the caller's module, loaded back
+    assert _diff(model.state_dict(), expected) < 1e-10
+    assert int(model.layers[3].num_batches_tracked) == 3
+
+
+def test_a_foreign_layer_sync_plugin_is_refused(tmp_path: Path) -> None:
+    from lightning.pytorch.plugins.layer_sync import LayerSync
+
+    class Custom(LayerSync):
+        def apply(self, model: nn.Module) -> nn.Module:
+            return model
+
+        def revert(self, model: nn.Module) -> nn.Module:
+            return model
+
+    strategy = DappleStrategy(plan=_plan([{"layers": [0, 5], "devices": [0]}], 1))
+    trainer = Trainer(
+        strategy=strategy, accelerator="cpu", devices=1, precision="64-true", max_steps=1, logger=False, plugins=[Custom()],
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(tmp_path),
+    )
+    with pytest.raises(DappleConfigError, match="layer-sync plugin"):
+        trainer.fit(CNNModule(), cnn_loader())
+

@@ -87,7 +87,8 @@ class PipelineBatchNorm(_BatchNorm):
         return f"{super().extra_repr()}, sync={self.group is not None}, deferred={self.deferred}"
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if not self.training:  # evaluation: running statistics (or the batch's, untracked), as plain BatchNorm
+        if not self.training or (self.group is None and not self.deferred):
+            # evaluation, or a user's nn.SyncBatchNorm on an unreplicated stage: plain BatchNorm
             return super().forward(input)
         self._check_input_dim(input)
         if self.group is None:  # deferred only: this slice's statistics, running ones untouched here
@@ -201,10 +202,11 @@ def convert_batchnorm(
         for module in layer.modules():
             if not isinstance(module, _BatchNorm) or id(module) in replaced:
                 continue
-            synced = (sync or isinstance(module, nn.SyncBatchNorm)) and replicas > 1
-            if not synced and not (deferred and module.track_running_stats):
+            user_sync = isinstance(module, nn.SyncBatchNorm)  # never left to synchronise over the whole job
+            synced = (sync or user_sync) and replicas > 1
+            if not (synced or user_sync or (deferred and module.track_running_stats)):
                 continue
-            if type(module).forward is not _BatchNorm.forward and not isinstance(module, nn.SyncBatchNorm):
+            if type(module).forward is not _BatchNorm.forward and not user_sync:
                 raise DappleConfigError(
                     f"{type(module).__name__}",
                     "overrides forward, so its statistics cannot be synchronised across replicas or deferred",

@@ -35,6 +35,7 @@ from typing import Any, Callable, ContextManager, Generator, Literal
 import torch
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
 from lightning.pytorch.plugins.precision import DoublePrecision, Precision
 from lightning.pytorch.plugins.precision.half import HalfPrecision
 from lightning.pytorch.strategies import DDPStrategy
@@ -49,6 +50,7 @@ from typing_extensions import override
 
 from lightning_dapple.cluster import detect_cluster, load_cluster
 from lightning_dapple.errors import DappleConfigError, require
+from lightning_dapple.execute.batchnorm import convert_batchnorm
 from lightning_dapple.execute.clipping import clip_grad_norm_global
 from lightning_dapple.execute.failure import FailureChannel
 from lightning_dapple.execute.groups import PlanGroups, build_groups
@@ -58,7 +60,7 @@ from lightning_dapple.execute.slicing import batch_size_of, take_rows
 from lightning_dapple.execute.topology import report_placement
 from lightning_dapple.execute.wires import WIRES, choose_wire
 from lightning_dapple.plan.explain import plan_summary, plan_table
-from lightning_dapple.plan.plan import Plan, atomic_write_text, load_plan, plan_from_dict
+from lightning_dapple.plan.plan import Plan, StagePlan, atomic_write_text, load_plan, plan_from_dict
 from lightning_dapple.simulate.plans import schedule_for_plan
 from lightning_dapple.strategy import checkpoint as ckpt
 from lightning_dapple.strategy.auto_plan import PlanningContext, PlanningInputs, auto_plan
@@ -200,6 +202,11 @@ class DappleStrategy(DDPStrategy):
         wire: how stage boundaries travel (``execute/wires.py``): "auto" (gloo for CPU
             tensors, pinned host staging for CUDA tensors over gloo, batched p2p under
             NCCL), or one of them forced.
+        deferred_batchnorm: BatchNorm running statistics updated once per step from the
+            whole global batch, each micro-batch still normalised with its own statistics
+            (torchgpipe's DeferredBatchNorm, GPipe 2.2; ``execute/batchnorm.py``). Off, they
+            move once per micro-batch slice. ``Trainer(sync_batchnorm=True)`` normalises each
+            micro-batch over all replicas of its stage.
     """
 
     strategy_name = "dapple"
@@ -219,6 +226,7 @@ class DappleStrategy(DDPStrategy):
         recompute: Any = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         wire: str = "auto",
+        deferred_batchnorm: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(start_method=start_method, timeout=timedelta(seconds=timeout_s), **kwargs)
@@ -232,6 +240,7 @@ class DappleStrategy(DDPStrategy):
         )
         require(wire in WIRES, "wire", f"is {wire!r}", f"use one of {', '.join(WIRES)}")
         self.wire = wire
+        self.deferred_batchnorm = deferred_batchnorm
         self.plan_spec = plan
         self.cluster_spec = cluster
         self.layers_path = layers
@@ -425,6 +434,7 @@ class DappleStrategy(DDPStrategy):
         mixed = self._mixed()
         if mixed is not None:
             mixed.agree = self._agree_found_inf
+        self._convert_batchnorm(module, container, stage)
         local = [container[i] for i in range(stage.start, stage.end)]
         self.runner = StageRunner(
             plan,
@@ -438,6 +448,24 @@ class DappleStrategy(DDPStrategy):
             forward_context=self._forward_context(),
             wire=self.wire,
         )
+
+    def _convert_batchnorm(self, module: LightningModule, container: nn.Module, stage: StagePlan) -> None:
+        """This stage's BatchNorm as asked (``execute/batchnorm.py``): statistics over the
+        stage's replicas under ``Trainer(sync_batchnorm=True)`` (Lightning's DDP converts to
+        ``nn.SyncBatchNorm`` instead, which would synchronise over the whole job and refuses
+        CPU tensors), running statistics once per step under ``deferred_batchnorm``."""
+        layer_sync = self._layer_sync
+        require(
+            layer_sync is None or isinstance(layer_sync, TorchSyncBatchNorm),
+            "Trainer(plugins)",
+            f"include a {type(layer_sync).__name__} layer-sync plugin, which the dapple strategy cannot apply per pipeline stage",
+            "use Trainer(sync_batchnorm=True) (BatchNorm statistics over each stage's replicas) or leave the plugin out",
+        )
+        assert self.groups is not None
+        scope = [container[i] for i in range(stage.start, stage.end)]
+        replica = stage.devices.index(self.global_rank)
+        sync = layer_sync is not None
+        convert_batchnorm(module, scope, self.groups.replicas.get(self.stage), replica, stage.replicas, sync, self.deferred_batchnorm)
 
     def _stage_of_layer(self, index: int) -> int:
         assert self.plan is not None
