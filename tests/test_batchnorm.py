@@ -205,3 +205,23 @@ def test_a_foreign_layer_sync_plugin_is_refused(tmp_path: Path) -> None:
     with pytest.raises(DappleConfigError, match="layer-sync plugin"):
         trainer.fit(CNNModule(), cnn_loader())
 
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["default", "deferred"])
+def test_one_gpu_with_recomputation_moves_statistics_as_one_process(tmp_path: Path, mode: str) -> None:
+    """On a GPU the module's buffers are new tensors once moved to the device, after the runner
+    was built: a replay must restore those (not the CPU originals), so running statistics
+    move once per micro-batch (default) or once per step (deferred), as in one process."""
+    plan = _plan([{"layers": [0, 5], "devices": [0]}], 2, ooo=True, recompute="always")
+    strategy = DappleStrategy(plan=plan, timeout_s=60, deferred_batchnorm=mode == "deferred")
+    trainer = Trainer(
+        strategy=strategy, accelerator="gpu", devices=1, precision="64-true", max_steps=3, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(tmp_path),
+    )
+    model = CNNModule()
+    trainer.fit(model, cnn_loader())
+    state = {key: value.detach().cpu() for key, value in model.state_dict().items()}
+    assert _diff(state, _layers_state(reference_run(mode, 1, 2)[0])) < 1e-10
+    assert int(state["layers.3.num_batches_tracked"]) == (3 if mode == "deferred" else 6)
