@@ -79,7 +79,7 @@ from lightning_dapple.strategy.module_adapter import (
     replay_logs,
 )
 from lightning_dapple.strategy.precision import DappleMixedPrecision, agree_found_inf, as_dapple_precision
-from lightning_dapple.strategy.reporting import SILENT, OneLineLauncher, install_excepthook
+from lightning_dapple.strategy.reporting import SILENT, OneLineLauncher, failure_known, install_excepthook, watch_for_peer_failures
 from lightning_dapple.strategy.resolve import PlanArguments, resolve_plan
 
 
@@ -319,11 +319,13 @@ class DappleStrategy(DDPStrategy):
         destroy_groups_at_exit(self)
         # an uncaught error prints one line, once (reporting.py; DAPPLE_DEBUG=1: tracebacks)
         install_excepthook(self.global_rank if self._start_method == "popen" else SILENT)
+        watch_for_peer_failures(self.global_rank)  # a peer's failure in Lightning's own hooks, before setup: it speaks
         choose_wire(self.wire, self.root_device)  # a forced wire this backend cannot run fails before training
 
     def exit_failed(self) -> bool:
-        """Whether this rank has seen a failure (then the exit handler leaves the groups alone)."""
-        return self.failure is not None and self.failure.known_failed
+        """Whether this rank has seen a failure (then the exit handler leaves the groups alone):
+        in training (the failure channel) or before it (``reporting.failure_known``)."""
+        return (self.failure is not None and self.failure.known_failed) or failure_known()
 
     def release_groups(self) -> None:
         """Drop this strategy's references to process groups (so that destroying them at
