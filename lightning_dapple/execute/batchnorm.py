@@ -113,7 +113,7 @@ class PipelineBatchNorm(_BatchNorm):
         data = input.float() if input.dtype in (torch.float16, torch.bfloat16) else input
         variance, mean = torch.var_mean(data, dim=_reduced_dims(data), correction=0)
         row = torch.cat([mean, variance, mean.new_full((1,), input.numel() / input.shape[1])])
-        table = torch.stack([row if index == self.replica else torch.zeros_like(row) for index in range(self.replicas)])
+        table = F.pad(row.unsqueeze(0), (0, 0, self.replica, self.replicas - 1 - self.replica))  # this replica's row, zeros elsewhere
         table = funcol.all_reduce(table, "sum", self.group)
         channels = self.num_features
         counts = table[:, 2 * channels :]
