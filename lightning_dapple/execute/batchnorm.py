@@ -24,8 +24,8 @@ mini-batch". Three pieces, chosen once per plan:
     ``num_batches_tracked`` once, from the whole global batch (all micro-batches, all
     replicas), as one device that saw it would.
 
-  The accumulators are buffers on purpose: a recomputed micro-batch's replay restores every
-  buffer of the stage (``replay.frozen_buffers``), so a replay counts nothing twice.
+  The accumulators are buffers on purpose: a recomputed micro-batch's replay runs on scratch
+  copies of every buffer of the stage (``replay.scratch_buffers``), so it counts nothing twice.
 * ``convert_batchnorm`` swaps the modules in, sharing the originals' parameters and buffers
   (state-dict keys unchanged, so checkpoints load into the plain module).
 * ``StageBuffers.end_step`` runs where the runner's step ends: the deferred update, then
@@ -46,6 +46,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_dapple.errors import DappleConfigError
 from lightning_dapple.execute.failure import FailureChannel
+from lightning_dapple.execute.replay import buffer_slots
 
 __all__ = ["PipelineBatchNorm", "StageBuffers", "convert_batchnorm"]
 
@@ -242,13 +243,8 @@ class StageBuffers:
         modules = list({id(m): m for layer in layers for m in layer.modules()}.values())
         self.deferred = [m for m in modules if isinstance(m, PipelineBatchNorm) and m.deferred]
         self.exchange = group is not None and any(m.group is None for m in self.deferred)
-        self.slots = [] if group is None else [
-            (module, name)
-            for module in modules
-            if not isinstance(module, PipelineBatchNorm)
-            for name, buffer in module._buffers.items()
-            if buffer is not None
-        ]
+        slots = buffer_slots(layers) if group is not None else []
+        self.slots = [(module, name) for module, name in slots if not isinstance(module, PipelineBatchNorm)]
 
     def end_step(self) -> None:
         """Apply the deferred statistics, then make every replica's buffers the first one's."""

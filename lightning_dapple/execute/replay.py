@@ -16,8 +16,10 @@ stash sizes (``tensor_bytes``):
 * ``save_rng``/``restore_rng``/``reseed``: a training step saves the caller's RNG state
   once, reseeds before each forward (per micro-batch seeds, so a replay draws the same
   dropout masks) and puts the caller's state back at its end;
-* ``frozen_buffers(modules)``: buffers (BatchNorm running statistics) are put back after
-  a replay, so they are updated once per micro-batch as without it;
+* ``buffer_slots(layers)`` / ``scratch_buffers(slots)``: during a replay every buffer of
+  the layers (BatchNorm running statistics) is a fresh copy that the replay may update
+  and that is dropped afterwards, so the buffers are updated once per micro-batch, by its
+  first forward, as without recomputation;
 * ``weight_groups(layers)``: the unit of W work -- one layer, or several layers merged
   when they share a parameter (a layer's W then covers all uses of it);
 * ``tensor_leaves`` / ``tensor_bytes``: the tensors of a pytree and the byte rule of the
@@ -35,7 +37,8 @@ from torch.utils import _pytree as pytree
 __all__ = [
     "detached",
     "discard_saved",
-    "frozen_buffers",
+    "buffer_slots",
+    "scratch_buffers",
     "save_rng",
     "restore_rng",
     "reseed",
@@ -95,20 +98,46 @@ def reseed(seed: int, device: torch.device) -> None:
     torch.default_generator.manual_seed(seed)
 
 
-@contextlib.contextmanager
-def frozen_buffers(buffers: Sequence[torch.Tensor]) -> Iterator[None]:
-    """Restore ``buffers`` to their values on entry when leaving.
+def buffer_slots(layers: Sequence[nn.Module]) -> list[tuple[nn.Module, str]]:
+    """Where the buffers of ``layers`` live: (module, buffer name), each module once (a
+    module reached through several layers too). Decided once per stage: a device or dtype
+    move replaces the buffer tensors but not where they are registered."""
+    slots: list[tuple[nn.Module, str]] = []
+    seen: set[int] = set()
+    for layer in layers:
+        for module in layer.modules():
+            if id(module) not in seen:
+                seen.add(id(module))
+                slots.extend((module, name) for name, _ in module.named_buffers(recurse=False))
+    return slots
 
-    Through ``.data``, which leaves the version counter alone: BatchNorm's kernel updates
-    its running statistics without a new version, and the replayed graph has saved them,
-    so a counted restore would make that graph's backward refuse to run."""
-    saved = [buffer.detach().clone() for buffer in buffers]
+
+@contextlib.contextmanager
+def scratch_buffers(slots: Sequence[tuple[nn.Module, str]]) -> Iterator[None]:
+    """Inside, every buffer in ``slots`` (``buffer_slots``) is a copy of itself; on leaving,
+    the originals are back.
+
+    A replayed forward (gpipe.txt 2.3) must not touch the buffers: the first forward of the
+    micro-batch already updated BatchNorm's running statistics and ``num_batches_tracked``,
+    and updating them again would count the micro-batch twice. Writing the old values back
+    afterwards is no way out: ``copy_`` bumps the version of the running statistics, which
+    the batch-norm backward of every graph still waiting for its B has saved, so that B
+    fails ("modified by an inplace operation"). Here the replay updates copies instead
+    (its graph saves those), and the real buffers are never written.
+
+    The tensors are read from their modules when the replay starts, not when the stage
+    was built: moving a module to another device or dtype replaces its buffer tensors.
+    ``setattr`` swaps them and keeps each buffer's persistence.
+    """
+    originals = [(module, name, getattr(module, name)) for module, name in slots]
     try:
+        for module, name, buffer in originals:
+            if buffer is not None:
+                setattr(module, name, buffer.detach().clone())
         yield
     finally:
-        with torch.no_grad():
-            for buffer, value in zip(buffers, saved):
-                buffer.data.copy_(value)
+        for module, name, buffer in originals:
+            setattr(module, name, buffer)
 
 
 def weight_groups(layers: Sequence[nn.Module]) -> list[tuple[int, int]]:

@@ -23,9 +23,9 @@ the compute actions; the stage keeps what each micro-batch needs between them:
   Algorithm 2);
 * recomputation (gpipe.txt 2.3, per stage ``never``/``always``/``except_last``): the F of a
   recomputed micro-batch (``forward_keeping_input``) keeps only the stage input; right
-  before its B the stage forward is replayed (``recompute``) under the same seed, buffers
-  restored, and B/W then use that replay (see ``execute/replay.py`` for why this is not
-  ``torch.utils.checkpoint``).
+  before its B the stage forward is replayed (``recompute``) under the same seed, on
+  scratch copies of the buffers, and B/W then use that replay (see ``execute/replay.py``
+  for why this is not ``torch.utils.checkpoint``).
 
 Which micro-batches are recomputed, whether backward is split and how many W actions each
 micro-batch gets are facts of the plan: the runner decides them once and calls the matching
@@ -41,7 +41,7 @@ from typing import Any, Callable, ContextManager, Mapping, Protocol, Sequence
 import torch
 from torch import nn
 
-from lightning_dapple.execute.replay import detached, discard_saved, frozen_buffers, reseed, tensor_leaves, weight_groups
+from lightning_dapple.execute.replay import buffer_slots, detached, discard_saved, reseed, scratch_buffers, tensor_leaves, weight_groups
 from lightning_dapple.execute.slicing import flatten, take_rows
 from lightning_dapple.execute.weight_grad import WeightGradStore, deferrable_modules, install_deferred_weights
 from lightning_dapple.profile.stash import StashMeter
@@ -118,6 +118,7 @@ class Stage:
         self.store = WeightGradStore()
         self._w_count = dict(w_count or {}) if split else {}
         self._groups = weight_groups(self.layers)
+        self._buffer_slots = buffer_slots(self.layers)  # where the buffers a replay must not write live
         # per layer: the parameters whose gradients W computes (empty unless split)
         self.deferred: list[list[nn.Parameter]] = [[] for _ in self.layers]
         if split:
@@ -280,7 +281,8 @@ class Stage:
 
     def recompute(self, microbatch: int, meter: StashMeter | None = None) -> None:
         """Replay the stage forward of a recomputed ``microbatch`` with autograd (same seed,
-        buffers kept), right before its B; B then starts from the replayed outputs."""
+        buffers untouched: its first forward updated them), right before its B; B then
+        starts from the replayed outputs."""
         item = self._state[microbatch]
         if self.is_last:
             assert item.loss is not None and item.y is not None
@@ -292,8 +294,7 @@ class Stage:
         self.store.recording = microbatch if self.split else None
         try:
             reseed(self._seed(microbatch), self.device)  # the step restores the caller's RNG state
-            # the buffers as they are now: moving a module to its device replaces buffer tensors
-            with frozen_buffers([b for layer in self.layers for b in layer.buffers()]), self.forward_context():
+            with scratch_buffers(self._buffer_slots), self.forward_context():
                 outputs = self.run_layers(item.inputs, meter)
         finally:
             self.store.recording = None

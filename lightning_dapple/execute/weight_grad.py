@@ -18,6 +18,9 @@ keeps nothing of the graph alive between B and W, only the pairs W needs.
 Mixed precision: under autocast the function casts its inputs to the autocast dtype itself
 (as autocast does for ``F.linear``), computes with autocast off, and returns weight
 gradients in the parameter's dtype, which is what autograd gives through autocast's casts.
+What a pending W keeps is (cast input, output gradient) and nothing of the weight: the
+forward's cast copy of the weight is freed with the graph in B, for linear and
+convolution layers alike.
 """
 from __future__ import annotations
 
@@ -145,15 +148,27 @@ class _DeferredConv(torch.autograd.Function):
         grad_in = None
         if ctx.needs_input_grad[0]:
             grad_in = torch.ops.aten.convolution_backward(grad_out, x, weight, bias_sizes, *args, [True, False, False])[0]
-
-        def work() -> None:
-            _, grad_w, grad_b = torch.ops.aten.convolution_backward(grad_out, x, weight, bias_sizes, *args, [False, True, ctx.has_bias])
-            _accumulate(module.weight, grad_w)
-            if ctx.has_bias and module.bias.requires_grad:
-                _accumulate(module.bias, grad_b)
-
+        work = partial(_conv_weight_work, module, grad_out, x, weight.shape, bias_sizes, args)
         store.defer(microbatch, layer, work, grad_out.numel() * grad_out.element_size())
         return grad_in, None, None, None
+
+
+def _conv_weight_work(
+    module: nn.Module, grad_out: torch.Tensor, x: torch.Tensor, weight_shape: torch.Size, bias_sizes: list[int] | None, args: tuple
+) -> None:
+    """The W of one convolution: its weight (and bias) gradient from (x, dy).
+
+    The weight's values do not enter its own gradient, only its shape and dtype, so W keeps
+    neither the weight nor, under autocast, the cast copy of it that the forward made
+    (weight bytes per pending micro-batch): a one-element stand-in expanded to the weight's
+    shape takes its place, as ``torch.nn.grad.conv2d_weight`` does.
+    """
+    stand_in = grad_out.new_empty(1).expand(weight_shape)
+    has_bias = bias_sizes is not None
+    _, grad_w, grad_b = torch.ops.aten.convolution_backward(grad_out, x, stand_in, bias_sizes, *args, [False, True, has_bias])
+    _accumulate(module.weight, grad_w)
+    if has_bias and module.bias.requires_grad:
+        _accumulate(module.bias, grad_b)
 
 
 def _padding(module: nn.Module) -> Any:

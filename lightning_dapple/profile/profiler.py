@@ -27,7 +27,9 @@ Measured quantities, per layer:
 * ``backward_ms``: gradient w.r.t. the floating inputs and the parameters together;
 * ``backward_input_ms`` / ``backward_weight_ms``: the B / W split above;
 * ``output_bytes``: every tensor in the output, whether or not it requires grad;
-* ``param_bytes``: the layer's parameters;
+* ``param_bytes``: the layer's parameters; a parameter several layers use (tied
+  weights) counts in the first of them only, and the profile's ``tied`` says which
+  layers share it (``profile/ties.py``);
 * ``stash_bytes``: distinct storages saved for backward during the forward (observed with
   ``torch.autograd.graph.saved_tensors_hooks``), the layer's own parameters excluded. A
   tensor saved by two consecutive layers (one's output is the next one's input) is counted
@@ -43,6 +45,7 @@ import hashlib
 import json
 import statistics
 import time
+from dataclasses import replace
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -54,6 +57,7 @@ from torch import nn
 
 from lightning_dapple.errors import DappleConfigError, require
 from lightning_dapple.profile.model_profile import LayerProfile, ModelProfile, profile_from_dict
+from lightning_dapple.profile.ties import first_use_param_bytes, tied_params_records, tied_parameters
 
 __all__ = ["profile_layers", "tensor_bytes", "iter_tensors", "map_tensors"]
 
@@ -192,6 +196,7 @@ def _call(layer: nn.Module, index: int, x: Any, autocast: torch.dtype | None = N
 def _cache_key(
     layers: list[nn.Module], sample_input: Any, device: torch.device, batch: int, repeats: int, warmup: int, autocast: torch.dtype | None = None
 ) -> str:
+    ties = [tie.uses for tie in tied_parameters(layers)]
     description = {
         "version": _CACHE_VERSION,
         "layers": [
@@ -208,6 +213,7 @@ def _cache_key(
         "repeats": repeats,
         "warmup": warmup,
         **({"autocast": str(autocast)} if autocast is not None else {}),
+        **({"tied": ties} if ties else {}),  # untied models keep their cache keys
     }
     return hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()
 
@@ -333,9 +339,11 @@ def profile_layers(
         if cached is not None:
             return cached
     results = _measure_layers(layer_list, labels, sample_input, dev, repeats, warmup, autocast_dtype)
+    owned = first_use_param_bytes(layer_list)  # a tied parameter counts in its first layer
     result = ModelProfile(
         micro_batch_size=batch,
-        layers=tuple(results),
+        layers=tuple(replace(layer, param_bytes=size) for layer, size in zip(results, owned)),
+        tied=tied_params_records(tied_parameters(layer_list)),
         device=str(dev),
         name=name,
         input_bytes=float(tensor_bytes(sample_input)),
@@ -389,6 +397,7 @@ def _cached_profile(cache_file: Path, name: str) -> ModelProfile | None:
         name=name,
         input_bytes=cached.input_bytes,
         meta={**cached.meta, "cache": "hit"},
+        tied=cached.tied,
     )
 
 
