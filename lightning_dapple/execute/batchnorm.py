@@ -94,10 +94,10 @@ class PipelineBatchNorm(_BatchNorm):
         self._check_input_dim(input)
         if self.group is None:  # deferred only: this slice's statistics, running ones untouched here
             output = F.batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
-            if self.deferred:
-                with torch.no_grad():
-                    variance, mean = torch.var_mean(input, dim=_reduced_dims(input), correction=0)
-                    self._accumulate(mean, variance, input.numel() / input.shape[1])
+            with torch.no_grad():
+                data = _statistics_dtype(input)
+                variance, mean = torch.var_mean(data, dim=_reduced_dims(data), correction=0)
+                self._accumulate(mean, variance, input.numel() / input.shape[1])
             return output
         mean, variance, count = self._replica_statistics(input)
         if self.deferred:
@@ -111,7 +111,7 @@ class PipelineBatchNorm(_BatchNorm):
     def _replica_statistics(self, input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Mean, biased variance and count of the whole micro-batch across the replicas
         (differentiable: the AllReduce's backward sums the replicas' gradients)."""
-        data = input.float() if input.dtype in (torch.float16, torch.bfloat16) else input
+        data = _statistics_dtype(input)
         variance, mean = torch.var_mean(data, dim=_reduced_dims(data), correction=0)
         row = torch.cat([mean, variance, mean.new_full((1,), input.numel() / input.shape[1])])
         table = F.pad(row.unsqueeze(0), (0, 0, self.replica, self.replicas - 1 - self.replica))  # this replica's row, zeros elsewhere
@@ -136,6 +136,11 @@ class PipelineBatchNorm(_BatchNorm):
 
 def _reduced_dims(input: torch.Tensor) -> list[int]:
     return [0, *range(2, input.dim())]
+
+
+def _statistics_dtype(input: torch.Tensor) -> torch.Tensor:
+    """Statistics of half-precision inputs in float32, as ``nn.SyncBatchNorm`` computes them."""
+    return input.float() if input.dtype in (torch.float16, torch.bfloat16) else input
 
 
 def _normalise(input: torch.Tensor, mean: torch.Tensor, variance: torch.Tensor, weight: Any, bias: Any, eps: float) -> torch.Tensor:

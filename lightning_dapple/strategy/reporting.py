@@ -108,9 +108,12 @@ def install_excepthook(rank: int | None) -> None:
             previous(kind, value, tb)
             return
         if not _should_print(value, current):
+            if isinstance(value, PeerFailedError):
+                _acknowledge()  # the failing rank may be waiting for that
             return
-        ours = current is None or isinstance(value, (DappleConfigError, DappleRunError)) or _peer_failure(value, current) is None
-        if not ours:
+        first = current is None or isinstance(value, (DappleConfigError, DappleRunError)) or _peer_failure(value, current) is None
+        if not first:
+            _acknowledge()
             return  # a peer failed first and says so; this error is its consequence
         where = f" rank {current}:" if current is not None and not isinstance(value, (DappleConfigError, DappleRunError)) else ""
         sys.stderr.write(f"{PREFIX}{where} {one_line(value) if not isinstance(value, DappleRunError) else value} {HINT}\n")
@@ -138,7 +141,7 @@ def _peer_failure(exc: BaseException, rank: int) -> str | None:
     global _FAILED
     _FAILED = True
     if _WATCH is not None and _WATCH.peer_report is not None:
-        return _WATCH.peer_report  # seen already: no store call (its host may be gone)
+        return _WATCH.peer_report  # seen (and acknowledged) already: no store call (its host may be gone)
     store = _job_store()
     if store is None:
         return None
@@ -153,6 +156,20 @@ def _peer_failure(exc: BaseException, rank: int) -> str | None:
     except Exception:  # the store's host (rank 0) is gone: what its report said, if this rank saw it
         return _WATCH.peer_report if _WATCH is not None else None
     return None if message is None or message.startswith(f"rank {rank} raised") else message
+
+
+def _acknowledge() -> None:
+    """Count this rank, once, among the peers that have seen the job's failure."""
+    global _ACKNOWLEDGED
+    store = _job_store()
+    with _ACK_LOCK:  # the watch thread and the failing main thread may both get here
+        if _ACKNOWLEDGED or store is None:
+            return
+        _ACKNOWLEDGED = True
+    try:
+        store.add(SEEN_KEY, 1)
+    except Exception:  # the store's host is gone: nobody waits for the count
+        pass
 
 
 def _linger_until_seen() -> None:
@@ -194,7 +211,7 @@ class _PeerWatch:
                 message = self.store.get(FAILURE_KEY).decode()
                 if not message.startswith(f"rank {self.rank} raised"):
                     self.peer_report = message
-                    self.store.add(SEEN_KEY, 1)
+                    _acknowledge()
             except Exception:  # the store's host is gone
                 pass
             return
@@ -208,6 +225,8 @@ class _PeerWatch:
 
 _WATCH: _PeerWatch | None = None
 _FAILED = False  # this process has raised to the top (see ``failure_known``)
+_ACKNOWLEDGED = False  # this process is counted in SEEN_KEY
+_ACK_LOCK = threading.Lock()
 
 
 def failure_known() -> bool:
