@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
@@ -118,6 +119,32 @@ def test_conversion_shares_state_and_follows_every_reference() -> None:
     assert list(after) == list(before) and all(after[k] is before[k] for k in before)
     untouched = make_model()
     assert convert_batchnorm(untouched, list(untouched), None, 0, 1, sync=True, deferred=False) == 0  # one replica: nothing to sync
+
+
+def test_layers_traced_from_forward_run_the_converted_modules() -> None:
+    """A layer traced from ``forward`` holds the module's children itself (not under the
+    module): it must call the swapped-in BatchNorm too."""
+    from lightning_dapple.profile.traced_layers import traced_layers
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3, bias=False)
+            self.norm = nn.BatchNorm2d(4)
+            self.head = nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(torch.flatten(F.adaptive_avg_pool2d(torch.relu(self.norm(self.conv(x))), 1), 1))
+
+    net = Net().double()
+    layers = traced_layers(net, [(torch.randn(1, 3, 6, 6, dtype=torch.float64),), (torch.randn(2, 3, 6, 6, dtype=torch.float64),)])
+    assert convert_batchnorm(net, list(layers), None, 0, 1, sync=False, deferred=True) == 1
+    called = [m for layer in layers for m in layer.modules() if isinstance(m, nn.BatchNorm2d | PipelineBatchNorm)]
+    assert called and all(isinstance(m, PipelineBatchNorm) for m in called) and isinstance(net.norm, PipelineBatchNorm)
+    x = torch.randn(5, 3, 6, 6, dtype=torch.float64)
+    for layer in layers:
+        x = layer(x)
+    assert int(net.norm.num_batches_tracked) == 0 and float(net.norm.deferred_count) == 5 * 4 * 4  # deferred, not updated
 
 
 def test_a_users_sync_batchnorm_on_one_replica_is_plain_batchnorm() -> None:

@@ -5,6 +5,7 @@
                 [--profile-batch-size N] [--memory-gib X] [--activation-bytes-per-sample B]
                 [--json] [--out plan.json]
     dapple-plan --recipe bert --cluster paper-a
+    dapple-plan --model my_pkg.models:make_model --cluster 1x2 --global-batch-size 8
 
 Prints a rich table of stages and the one-line reason; ``--json`` prints only the plan
 JSON (docs/formats.md), the file ``DappleStrategy(plan=...)`` executes. Bad input prints one
@@ -14,13 +15,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Sequence
+from typing import Any, Sequence
 
-from rich.console import Console
 
 from lightning_dapple.app.recipe_profile import recipe_global_batch, recipe_profile
 from lightning_dapple.cluster import load_cluster
 from lightning_dapple.errors import DappleConfigError
+from lightning_dapple.plan.console import make_console
 from lightning_dapple.plan.explain import plan_summary, plan_table
 from lightning_dapple.profile.loader import load_profile
 from lightning_dapple.simulate.plans import make_plan
@@ -31,6 +32,12 @@ def build_parser() -> argparse.ArgumentParser:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--profile", help="profile JSON or PipeDream graph text file")
     source.add_argument("--recipe", help="plan a recipe's full-size model (bert, gnmt, vgg)")
+    source.add_argument(
+        "--model",
+        help="profile 'pkg.module:factory' on this machine's CPU first (as dapple-profile does; a model without a layer sequence "
+        "gets the layer list traced from forward)",
+    )
+    parser.add_argument("--layers", default="layers", help="with --model: attribute holding the layer sequence, or 'auto' (default: layers)")
     parser.add_argument("--cluster", required=True, help="paper-a, paper-b, paper-c, MxD (e.g. 2x8) or a JSON/YAML file")
     parser.add_argument("--global-batch-size", type=int, help="samples per optimizer step (default for --recipe: the paper's)")
     parser.add_argument("--micro-batches", type=int, help="M; chosen by the planner when left out")
@@ -40,7 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--policy", choices=("auto", "PA", "PB"), default="auto",
         help="K_i warm-up policy (DAPPLE 5.3); auto: the one each plan simulates faster with",
     )
-    parser.add_argument("--profile-batch-size", type=int, help="batch size of a graph-text profile without pbs-N in its name")
+    parser.add_argument(
+        "--profile-batch-size", type=int,
+        help="batch size of a graph-text profile without pbs-N in its name; with --model, the samples it is profiled on",
+    )
     parser.add_argument("--memory-gib", type=float, help="override the cluster's device memory")
     parser.add_argument(
         "--activation-bytes-per-sample", type=float,
@@ -83,6 +93,9 @@ def _run(args: argparse.Namespace) -> int:
     if args.recipe:
         profile = recipe_profile(args.recipe, device=args.device)
         global_batch = args.global_batch_size or recipe_global_batch(args.recipe)
+    elif args.model:
+        profile = _profile_of_model(args)
+        global_batch = args.global_batch_size
     else:
         profile = load_profile(args.profile, args.profile_batch_size, args.activation_bytes_per_sample)
         global_batch = args.global_batch_size
@@ -100,7 +113,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.json:
         print(plan.to_json())
         return 0
-    console = Console()
+    console = make_console()
     console.print(plan_table(plan, profile, cluster))
     console.print(plan_summary(plan))
     memory = profile.meta.get("activation_memory")
@@ -109,6 +122,16 @@ def _run(args: argparse.Namespace) -> int:
     if args.out:
         console.print(f"plan written to {args.out}")
     return 0
+
+
+def _profile_of_model(args: argparse.Namespace) -> Any:
+    """``dapple-profile``'s measurement of ``--model`` with its defaults (CPU, 5 timed runs)."""
+    from lightning_dapple.cli.profile_run import profile_model  # torch: only when a model is to be timed
+
+    settings = argparse.Namespace(
+        model=args.model, layers=args.layers, batch_size=args.profile_batch_size, device="cpu", repeats=5, warmup=2, cache_dir=None, name=None
+    )
+    return profile_model(settings, say=lambda text: print(text, file=sys.stderr))  # stdout may be the plan JSON
 
 
 if __name__ == "__main__":

@@ -8,7 +8,9 @@ device for one micro-batch. See ``lightning_dapple.profile.profiler`` for what i
         --batch-size 8 --device cuda --out profile.json
 
 ``--model`` names a callable (``module:attr``) returning an ``nn.Module`` or a
-``LightningModule``, or a class instantiated with no arguments. The sample micro-batch is
+``LightningModule``, or a class instantiated with no arguments. A model without a layer
+sequence (or ``--layers auto``) gets the layer list traced from its ``forward``
+(``profile/traced_layers.py``), printed before the profile. The sample micro-batch is
 the module's ``example_input_array`` (the Lightning convention); ``--batch-size`` resizes
 its leading dimension. Bad input prints one ``error: ...`` line and exits with status 2.
 """
@@ -26,7 +28,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Measure per-layer forward/backward time, output, parameter and stash sizes (DAPPLE 4.1).",
     )
     parser.add_argument("--model", required=True, help="import path 'pkg.module:factory' of a callable or class returning the model")
-    parser.add_argument("--layers", default="layers", help="attribute holding the layer sequence; dotted paths allowed (default: layers)")
+    parser.add_argument(
+        "--layers",
+        default="layers",
+        help="attribute holding the layer sequence; dotted paths allowed; 'auto' traces the layer list from forward, "
+        "as happens for a model without the default (default: layers)",
+    )
     parser.add_argument("--batch-size", type=int, default=None, help="resize example_input_array's leading dimension to N samples")
     parser.add_argument("--device", default="cpu", help="device to time each layer on (default: cpu)")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per layer; the median is kept (default: 5)")

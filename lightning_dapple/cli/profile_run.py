@@ -8,19 +8,21 @@ from __future__ import annotations
 import importlib
 import inspect
 import sys
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-from rich.console import Console
 from rich.table import Table
 from torch import nn
 
 from lightning_dapple.errors import DappleConfigError, require
+from lightning_dapple.plan.console import make_console
 from lightning_dapple.profile.model_profile import ModelProfile
 from lightning_dapple.profile.profiler import iter_tensors, map_tensors, profile_layers
+from lightning_dapple.profile.traced_layers import finds_layers_from_forward, traced_layers
 
-__all__ = ["load_model", "print_profile", "resolve_layers", "run", "sample_input_of"]
+__all__ = ["layers_of", "load_model", "print_profile", "profile_model", "resolve_layers", "run", "sample_input_of"]
 
 
 def load_model(spec: str) -> nn.Module:
@@ -68,6 +70,44 @@ def resolve_layers(model: nn.Module, path: str) -> Any:
             )
         target = getattr(target, part)
     return target
+
+
+def layers_of(model: nn.Module, path: str, say: Callable[[str], Any] = print) -> nn.Module:
+    """The layer sequence at ``path``, or, for ``auto`` or a model without the default
+    ``layers``, the layer list traced from its ``forward`` on ``example_input_array`` (at one
+    and two samples; ``profile.traced_layers``), which is shown with ``say``."""
+    if not finds_layers_from_forward(model, path):
+        return resolve_layers(model, path)
+    layers = traced_layers(model, [_positional(sample_input_of(model, rows)) for rows in (1, 2)])
+    say("\n".join(layers.describe()))
+    return layers
+
+
+def _positional(sample: Any) -> tuple:
+    """``forward``'s positional arguments, as Lightning reads ``example_input_array``."""
+    require(
+        not isinstance(sample, Mapping),
+        "example_input_array",
+        "is a dict (keyword arguments), which a traced layer list cannot take",
+        "set it to a tensor or a tuple of forward's positional arguments",
+    )
+    return sample if isinstance(sample, tuple) else (sample,)
+
+
+def profile_model(args: Any, say: Callable[[str], Any] = print) -> ModelProfile:
+    """Load the model ``args.model`` names, find its layers (``args.layers``) and time them
+    on ``example_input_array`` resized to ``args.batch_size``."""
+    model = load_model(args.model)
+    layers = layers_of(model, args.layers, say)
+    return profile_layers(
+        layers,
+        sample_input_of(model, args.batch_size),
+        device=args.device,
+        repeats=args.repeats,
+        warmup=args.warmup,
+        cache_dir=args.cache_dir,
+        name=args.name or args.model.split(":", 1)[1],
+    )
 
 
 def sample_input_of(model: nn.Module, batch_size: int | None = None) -> Any:
@@ -118,24 +158,13 @@ def print_profile(profile: ModelProfile) -> None:
             _human_bytes(layer.param_bytes),
             _human_bytes(layer.stash_bytes),
         )
-    Console().print(table)
+    make_console().print(table)
 
 
 def run(args: Any) -> int:
     """Profile the model the parsed ``args`` name and write the JSON; 2 on bad input."""
     try:
-        model = load_model(args.model)
-        layers = resolve_layers(model, args.layers)
-        sample = sample_input_of(model, args.batch_size)
-        profile = profile_layers(
-            layers,
-            sample,
-            device=args.device,
-            repeats=args.repeats,
-            warmup=args.warmup,
-            cache_dir=args.cache_dir,
-            name=args.name or args.model.split(":", 1)[1],
-        )
+        profile = profile_model(args)
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(profile.to_json() + "\n")

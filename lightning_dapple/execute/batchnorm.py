@@ -196,8 +196,9 @@ def convert_batchnorm(
     deferred: bool,
 ) -> int:
     """Replace the BatchNorm modules inside the layers ``scope`` by ``PipelineBatchNorm``
-    wherever every reference under ``root`` points (a layer that is itself a BatchNorm, a
-    second attribute naming one); returns how many were replaced.
+    wherever they are referenced, under ``root`` (a layer that is itself a BatchNorm, a second
+    attribute naming one) and inside the layers (a layer traced from ``forward`` holds the
+    module's children itself); returns how many were replaced.
 
     ``sync`` asks for statistics over the stage's replicas (``group``, ``replicas`` > 1; a
     user's ``nn.SyncBatchNorm`` is synchronised over them too, never over the whole job),
@@ -220,7 +221,7 @@ def convert_batchnorm(
                 )
             replaced[id(module)] = PipelineBatchNorm(module, group if synced else None, replica, replicas, deferred)
     if replaced:
-        for parent in [root, *root.modules()]:
+        for parent in [root, *root.modules(), *(module for layer in scope for module in layer.modules())]:
             for name, child in list(parent._modules.items()):
                 if child is not None and id(child) in replaced:
                     parent._modules[name] = replaced[id(child)]

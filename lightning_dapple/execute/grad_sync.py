@@ -33,17 +33,54 @@ from torch import nn
 from lightning_dapple.execute.failure import FailureChannel
 from lightning_dapple.execute.wires import waits_on_device
 
-__all__ = ["GradientSync"]
+__all__ = ["FlatBucket", "GradientSync"]
 
 
-class _Bucket:
-    __slots__ = ("params", "flat", "work", "missing")
+class FlatBucket:
+    """Parameters whose gradients are summed by one flat AllReduce: packed into one buffer
+    (made on the first step, reused after: dtypes and devices do not change), reduced
+    asynchronously, and unpacked into ``.grad``. Shared by the replica buckets here and the
+    tied-parameter sums (``execute/tied.py``); under NCCL the compute stream, not the host,
+    waits for the sum (``failure.wait_on_device``), under gloo the host does."""
 
-    def __init__(self, params: list[nn.Parameter]) -> None:
+    __slots__ = ("params", "flat", "work", "missing", "on_device", "device_index")
+
+    def __init__(self, params: list[nn.Parameter], group: Any) -> None:
         self.params = params
         self.flat: torch.Tensor | None = None
         self.work: Any = None
         self.missing = len(params)
+        device = params[0].device if params else torch.device("cpu")
+        self.on_device, self.device_index = waits_on_device(device, group), device.index
+
+    def launch(self, group: Any) -> None:
+        """Pack the gradients (zeros where a parameter got none) and start their sum."""
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        if self.flat is None:
+            dtype = grads[0].dtype
+            for grad in grads[1:]:
+                dtype = torch.promote_types(dtype, grad.dtype)
+            self.flat = torch.empty(sum(g.numel() for g in grads), dtype=dtype, device=grads[0].device)
+        torch.cat([g.reshape(-1) for g in grads], out=self.flat)
+        self.work = dist.all_reduce(self.flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
+
+    def finish(self, failure: FailureChannel, what: str) -> None:
+        """Wait for the sum (bounded by ``failure``) and put it into ``.grad``."""
+        if self.on_device:
+            failure.wait_on_device([self.work], what, self.device_index)
+        else:
+            failure.wait(self.work, what)
+        assert self.flat is not None
+        offset = 0
+        for param in self.params:
+            count = param.numel()
+            summed = self.flat[offset : offset + count].view_as(param)
+            if param.grad is None:
+                param.grad = summed.clone()
+            else:
+                param.grad.copy_(summed)
+            offset += count
+        self.work = None
 
 
 class GradientSync:
@@ -64,15 +101,12 @@ class GradientSync:
         self.group = group
         self.failure = failure
         self.stage = stage
-        self._buckets = [_Bucket(list(params)) for params in buckets if params]
+        self._buckets = [FlatBucket(list(params), group) for params in buckets if params]
         self._bucket_of = {id(p): index for index, bucket in enumerate(self._buckets) for p in bucket.params}
         self._ready: set[int] = set()
         self._next = 0
         self.launched_early = 0  # buckets of the last step started before its end (overlapped)
         self.live = False  # hooks report only during the stage's last ordinary backward
-        # under NCCL the compute stream waits for each bucket, not the host (failure.wait_on_device)
-        device = next((p.device for params in buckets for p in params), torch.device("cpu"))
-        self._on_device, self._device_index = waits_on_device(device, group), device.index
         for param in hooked:
             param.register_post_accumulate_grad_hook(self._hook)
 
@@ -111,15 +145,8 @@ class GradientSync:
         for param in params:
             self.ready(param)
 
-    def _launch(self, bucket: _Bucket) -> None:
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
-        if bucket.flat is None:  # built on the first step, reused after (dtypes and devices do not change)
-            dtype = grads[0].dtype
-            for grad in grads[1:]:
-                dtype = torch.promote_types(dtype, grad.dtype)
-            bucket.flat = torch.empty(sum(g.numel() for g in grads), dtype=dtype, device=grads[0].device)
-        torch.cat([g.reshape(-1) for g in grads], out=bucket.flat)
-        bucket.work = dist.all_reduce(bucket.flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+    def _launch(self, bucket: FlatBucket) -> None:
+        bucket.launch(self.group)
 
     def finish(self) -> None:
         """Launch what is left (parameters that got no gradient this step), wait for every
@@ -130,18 +157,4 @@ class GradientSync:
             self._next += 1
         what = f"gradient AllReduce of stage {self.stage}"
         for bucket in self._buckets:
-            if self._on_device:
-                self.failure.wait_on_device([bucket.work], what, self._device_index)
-            else:
-                self.failure.wait(bucket.work, what)
-            assert bucket.flat is not None
-            offset = 0
-            for param in bucket.params:
-                count = param.numel()
-                summed = bucket.flat[offset : offset + count].view_as(param)
-                if param.grad is None:
-                    param.grad = summed.clone()
-                else:
-                    param.grad.copy_(summed)
-                offset += count
-            bucket.work = None
+            bucket.finish(self.failure, what)

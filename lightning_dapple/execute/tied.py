@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_dapple.execute.failure import FailureChannel
+from lightning_dapple.execute.grad_sync import FlatBucket
 from lightning_dapple.plan.costs import stages_holding
 from lightning_dapple.plan.plan import Plan
 from lightning_dapple.profile.ties import TiedParameter
@@ -65,52 +66,24 @@ def tied_groups(plan: Plan, ties: Sequence[TiedParameter], backend: str | None =
     return groups
 
 
-class _TiedBucket:
-    __slots__ = ("params", "group", "flat", "work", "copies")
-
-    def __init__(self, params: list[nn.Parameter], group: Any, copies: int) -> None:
-        self.params = params
-        self.group = group
-        self.copies = copies
-        self.flat: torch.Tensor | None = None
-        self.work: Any = None
-
-
 class TiedSync:
     """Sums this rank's tied copies' gradients over every rank holding one (module docstring)."""
 
     def __init__(self, buckets: Sequence[tuple[Sequence[nn.Parameter], Any, int]], failure: FailureChannel) -> None:
         self.failure = failure
-        self._buckets = [_TiedBucket(list(params), group, copies) for params, group, copies in buckets if params]
+        self._buckets = [(FlatBucket(list(params), group), group, copies) for params, group, copies in buckets if params]
         # the local copies of tied parameters (kept out of the stage's replica buckets)
-        self.params: list[nn.Parameter] = [p for bucket in self._buckets for p in bucket.params]
+        self.params: list[nn.Parameter] = [p for bucket, _, _ in self._buckets for p in bucket.params]
         # id(parameter) -> how many ranks hold its summed gradient (gradient clipping counts
         # a tied parameter once: each copy contributes 1/copies of its square)
-        self.copies: dict[int, int] = {id(p): bucket.copies for bucket in self._buckets for p in bucket.params}
+        self.copies: dict[int, int] = {id(p): copies for bucket, _, copies in self._buckets for p in bucket.params}
 
     def finish(self) -> None:
         """Launch every tied AllReduce, wait for them and put the sums into ``.grad``."""
-        for bucket in self._buckets:
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
-            if bucket.flat is None:  # built once, reused (dtypes and devices do not change)
-                dtype = grads[0].dtype
-                for grad in grads[1:]:
-                    dtype = torch.promote_types(dtype, grad.dtype)
-                bucket.flat = torch.empty(sum(g.numel() for g in grads), dtype=dtype, device=grads[0].device)
-            torch.cat([g.reshape(-1) for g in grads], out=bucket.flat)
-            bucket.work = dist.all_reduce(bucket.flat, op=dist.ReduceOp.SUM, group=bucket.group, async_op=True)
-        for bucket in self._buckets:
-            self.failure.wait(bucket.work, "AllReduce of tied parameters")
-            assert bucket.flat is not None
-            offset = 0
-            for param in bucket.params:
-                summed = bucket.flat[offset : offset + param.numel()].view_as(param)
-                if param.grad is None:
-                    param.grad = summed.clone()
-                else:
-                    param.grad.copy_(summed)
-                offset += param.numel()
-            bucket.work = None
+        for bucket, group, _ in self._buckets:
+            bucket.launch(group)
+        for bucket, _, _ in self._buckets:
+            bucket.finish(self.failure, "AllReduce of tied parameters")
 
 
 def build_tied_sync(

@@ -16,7 +16,7 @@ from lightning_dapple.plan.request import PlanRequest
 from lightning_dapple.plan.search import SearchSettings, StageSearch
 from lightning_dapple.plan.search_tables import RangeTables, p2p_ms_fast
 
-__all__ = ["balanced_variant", "data_parallel_candidates", "smallest_memory", "straight_candidates"]
+__all__ = ["balanced_variant", "data_parallel_candidates", "shape_candidates", "smallest_memory", "straight_candidates"]
 
 _INF = float("inf")
 
@@ -124,6 +124,29 @@ def straight_candidates(request: PlanRequest, keep: int = 1) -> list[Scored]:
             out.append(item)
     out.sort(key=lambda item: (item.latency_ms, item.micro_batches))
     return out[:keep]
+
+
+def shape_candidates(request: PlanRequest, devices: Sequence[tuple[int, ...]]) -> list[Scored]:
+    """Plans of one given shape, stage ``s`` on ``devices[s]``: for every M whose
+    micro-batch can be sliced over each stage's replicas, the layer cut that minimises the
+    slowest stage (``_balanced_cuts``), priced by formula 2; those that fit, best first.
+    ``straight_candidates`` is this for the straight shape."""
+    profile, cluster, global_batch_size = request.profile, request.cluster, request.global_batch_size
+    widest = max(len(stage) for stage in devices)
+    out = []
+    for m in request.micro_batches:
+        mbs = global_batch_size // m
+        if mbs < widest:
+            continue
+        cuts = _balanced_cuts(request.tables, cluster, devices, mbs)
+        if cuts is None:
+            continue
+        stages = tuple(StagePlan(layers=(cuts[s], cuts[s + 1]), devices=tuple(devices[s])) for s in range(len(devices)))
+        item = score_stages(profile, cluster, stages, global_batch_size, m, request.policy, request.schedule)
+        if item.fits(cluster):
+            out.append(item)
+    out.sort(key=lambda item: (item.latency_ms, item.micro_batches))
+    return out
 
 
 def smallest_memory(request: PlanRequest) -> tuple[float, str]:

@@ -272,7 +272,12 @@ def plan_from_dict(data: Any, source: str = "plan") -> Plan:
         require(isinstance(entry, dict), where, "is not an object", "write each stage as {\"layers\": [start, end], \"devices\": [...]}")
         check_keys(entry, STAGE_KEYS, where)
         for name in ("layers", "devices"):
-            require(name in entry, f"{where}.{name}", "is missing", "every stage needs layers [start, end) and devices")
+            require(
+                name in entry,
+                f"{where}.{name}",
+                "is missing",
+                "every stage needs layers [start, end) and devices (or every stage devices alone: the planner then chooses the cut)",
+            )
         layers = entry["layers"]
         require(
             isinstance(layers, list) and len(layers) == 2 and all(isinstance(v, int) for v in layers),
@@ -329,14 +334,93 @@ def plan_from_dict(data: Any, source: str = "plan") -> Plan:
     return plan.validate()
 
 
-def load_plan(path: str | Path) -> Plan:
-    path = Path(path)
+def _read_json(path: Path) -> Any:
     require(path.is_file(), "plan", f"file {str(path)!r} does not exist", "pass the path of a plan JSON written by dapple-plan")
     try:
-        data = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise DappleConfigError(f"plan {path.name}", f"is not valid JSON ({exc.msg} at line {exc.lineno})", "fix the JSON syntax") from None
-    return plan_from_dict(data, source=f"plan {path.name}")
+
+
+def load_plan(path: str | Path) -> Plan:
+    path = Path(path)
+    return plan_from_dict(_read_json(path), source=f"plan {path.name}")
+
+
+@dataclass(frozen=True)
+class PlanShape:
+    """A plan given by its shape: each stage's devices and no layers. The planner chooses
+    the layer cut for this shape (and M, where ``micro_batches`` is None); this is how a
+    user asks for, say, a 2-stage pipeline without knowing how many layers the model has.
+    ``policy`` None lets the planner choose the K_i policy (DAPPLE 5.3)."""
+
+    global_batch_size: int
+    devices: tuple[tuple[int, ...], ...]
+    micro_batches: int | None = None
+    schedule: str = "dapple"
+    policy: str | None = None
+    recompute: tuple[str, ...] = ()
+
+    @property
+    def world_size(self) -> int:
+        return sum(len(devices) for devices in self.devices)
+
+    def validate(self, world_size: int | None = None) -> "PlanShape":
+        """The checks of ``Plan.validate`` that do not need layers."""
+        stages = tuple(StagePlan(layers=(index, index + 1), devices=devices) for index, devices in enumerate(self.devices))
+        probe = Plan(self.global_batch_size, self.micro_batches or 1, stages, self.schedule, self.policy or "PA")
+        probe.validate(world_size=world_size)
+        for index, mode in enumerate(self.recompute):
+            require(mode in RECOMPUTE_MODES, f"plan.stages[{index}].recompute", f"is {mode!r}", f"use one of {list(RECOMPUTE_MODES)}")
+        return self
+
+
+def _shape_from_dict(data: dict[str, Any], source: str) -> PlanShape:
+    check_keys(data, PLAN_KEYS, source)
+    require("global_batch_size" in data, f"{source}.global_batch_size", "is missing", "give the number of samples of one optimizer step")
+    devices = []
+    for index, entry in enumerate(data["stages"]):
+        check_keys(entry, STAGE_KEYS, f"{source}.stages[{index}]")
+        value = entry.get("devices")
+        require(
+            isinstance(value, list) and all(isinstance(v, int) and v >= 0 for v in value),
+            f"{source}.stages[{index}].devices",
+            f"is {value!r}",
+            "write a list of global ranks",
+        )
+        devices.append(tuple(value))
+    recompute = tuple(str(entry.get("recompute", "never")) for entry in data["stages"])
+    shape = PlanShape(
+        global_batch_size=data["global_batch_size"],
+        devices=tuple(devices),
+        micro_batches=data.get("micro_batches"),
+        schedule=str(data.get("schedule", "dapple")),
+        policy=data.get("policy"),
+        recompute=recompute if any(mode != "never" for mode in recompute) else (),
+    )
+    return shape.validate()
+
+
+def plan_or_shape_from_dict(data: Any, source: str = "plan") -> Plan | PlanShape:
+    """A plan, or, where no stage gives ``layers``, the shape the planner cuts."""
+    stages = data.get("stages") if isinstance(data, dict) else None
+    if not isinstance(stages, list) or not stages or not all(isinstance(entry, dict) for entry in stages):
+        return plan_from_dict(data, source)
+    without = [index for index, entry in enumerate(stages) if "layers" not in entry]
+    if not without:
+        return plan_from_dict(data, source)
+    require(
+        len(without) == len(stages),
+        f"{source}.stages[{without[0]}].layers",
+        "is missing while other stages give theirs",
+        "give layers [start, end) in every stage, or in none (then the planner chooses the cut)",
+    )
+    return _shape_from_dict(data, source)
+
+
+def load_plan_or_shape(path: str | Path) -> Plan | PlanShape:
+    path = Path(path)
+    return plan_or_shape_from_dict(_read_json(path), source=f"plan {path.name}")
 
 
 def atomic_write_text(path: Path, text: str) -> Path:

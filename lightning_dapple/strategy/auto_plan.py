@@ -26,11 +26,12 @@ from torch import nn
 from lightning_dapple.cluster import Cluster
 from lightning_dapple.errors import DappleConfigError
 from lightning_dapple.execute.slicing import batch_size_of, take_rows
-from lightning_dapple.plan.plan import Plan, atomic_write_text, load_plan, plan_from_dict
+from lightning_dapple.plan.plan import Plan, PlanShape, atomic_write_text, load_plan, plan_from_dict
+from lightning_dapple.plan.shape_plan import plan_shape
 from lightning_dapple.profile.model_profile import ModelProfile
 from lightning_dapple.profile.profiler import profile_layers
 from lightning_dapple.simulate.memory_fit import apply_ooo_recompute
-from lightning_dapple.simulate.plans import make_plan
+from lightning_dapple.simulate.plans import make_plan, simulate_plan
 from lightning_dapple.strategy.module_adapter import LogRecorder, capture_input
 from lightning_dapple.strategy.ooo_choice import decide_ooo, with_ooo_choice
 from lightning_dapple.strategy.resolve import PlanArguments
@@ -67,8 +68,10 @@ class AutoPlan:
     inputs: PlanningInputs | None = None
 
 
-def auto_plan(context: PlanningContext, module: LightningModule, container: nn.Module, sample: Any) -> AutoPlan:
-    """The run's plan: rank 0 profiles and plans, every rank receives the same plan."""
+def auto_plan(context: PlanningContext, module: LightningModule, container: nn.Module, sample: Any, shape: PlanShape | None = None) -> AutoPlan:
+    """The run's plan: rank 0 profiles and plans, every rank receives the same plan. With
+    ``shape`` (stages given by their devices) the planner only chooses the layer cut and,
+    where the shape leaves it open, M (``plan.shape_plan``)."""
     saved = context.directory / "dapple_plan.json"
     if context.resuming and saved.is_file():
         return AutoPlan(load_plan(saved))  # resuming reuses the plan of the run
@@ -76,7 +79,7 @@ def auto_plan(context: PlanningContext, module: LightningModule, container: nn.M
     inputs: PlanningInputs | None = None
     if context.global_rank == 0:
         try:
-            plan, inputs = _plan_on_rank_zero(context, module, container, sample)
+            plan, inputs = _plan_on_rank_zero(context, module, container, sample, shape)
             data = plan.to_dict()
         except DappleConfigError as exc:  # shared with every rank so all stop with the same message
             data = {"__error__": [exc.field, exc.problem, exc.fix]}
@@ -91,7 +94,7 @@ def auto_plan(context: PlanningContext, module: LightningModule, container: nn.M
     return AutoPlan(plan_from_dict(data), inputs)
 
 
-def _plan_on_rank_zero(context: PlanningContext, module: LightningModule, container: nn.Module, sample: Any) -> tuple[Plan, PlanningInputs]:
+def _plan_on_rank_zero(context: PlanningContext, module: LightningModule, container: nn.Module, sample: Any, shape: PlanShape | None) -> tuple[Plan, PlanningInputs]:
     rows = batch_size_of(sample)
     per_device = max(1, rows // max(1, context.world_size))
     piece = take_rows(sample, 0, per_device)
@@ -106,7 +109,10 @@ def _plan_on_rank_zero(context: PlanningContext, module: LightningModule, contai
         autocast_dtype=context.autocast_dtype,
     )
     cluster, arguments = context.cluster, context.arguments
-    plan = make_plan(profile, cluster, rows, num_devices=context.world_size, **arguments.planner_kwargs())
+    if shape is None:
+        plan = make_plan(profile, cluster, rows, num_devices=context.world_size, **arguments.planner_kwargs())
+    else:
+        plan = plan_shape(profile, cluster, shape, simulate=simulate_plan)
     modes = arguments.recompute if arguments.recompute is not None else [stage.recompute for stage in plan.stages]
     on, why = decide_ooo(arguments.ooo, plan, profile, cluster, recompute=modes)
     if arguments.recompute == "auto":

@@ -50,7 +50,6 @@ from lightning.pytorch.trainer.connectors.data_connector import _request_dataloa
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from rich.console import Console
 from torch import nn
 from torch.utils import _pytree as pytree
 from typing_extensions import override
@@ -67,14 +66,17 @@ from lightning_dapple.execute.slicing import batch_size_of, take_rows
 from lightning_dapple.execute.tied import build_tied_sync, tied_groups
 from lightning_dapple.execute.topology import report_placement
 from lightning_dapple.execute.wires import WIRES, choose_wire
+from lightning_dapple.plan.console import make_console, render_text
 from lightning_dapple.plan.explain import plan_summary, plan_table
-from lightning_dapple.plan.plan import Plan, StagePlan, atomic_write_text, load_plan, plan_from_dict
+from lightning_dapple.plan.plan import Plan, PlanShape, StagePlan, atomic_write_text, load_plan_or_shape, plan_or_shape_from_dict
 from lightning_dapple.profile.ties import TiedParameter, tied_parameters
+from lightning_dapple.profile.traced_layers import TracedLayers
 from lightning_dapple.simulate.plans import schedule_for_plan
 from lightning_dapple.strategy import checkpoint as ckpt
 from lightning_dapple.strategy.auto_plan import PlanningContext, PlanningInputs, auto_plan
 from lightning_dapple.strategy.batch_guard import check_training_batch, check_training_loss
 from lightning_dapple.strategy.ddp_options import refuse_ddp_options
+from lightning_dapple.strategy.handles import Detached, LayerTensors
 from lightning_dapple.strategy.module_adapter import (
     FreedLayer,
     LogRecorder,
@@ -99,7 +101,7 @@ from lightning_dapple.strategy.precision import (
     as_dapple_precision,
 )
 from lightning_dapple.strategy.reporting import SILENT, OneLineLauncher, failure_known, install_excepthook, watch_for_peer_failures
-from lightning_dapple.strategy.resolve import PlanArguments, resolve_plan
+from lightning_dapple.strategy.resolve import PlanArguments, resolve_plan, shape_with_arguments
 from lightning_dapple.strategy.slice_transfer import StepTransfers
 from lightning_dapple.strategy.tied_layers import KeptTensors, free_layer, retie
 
@@ -205,6 +207,22 @@ def _run_or_explain(call: Callable[[], Any], what: str, args: tuple, step_name: 
         ) from None
 
 
+def _step_name(trainer: Trainer) -> str:
+    """The step function the Trainer runs now (it calls ``self(...)``)."""
+    return {
+        TrainerFn.FITTING: "training_step",
+        TrainerFn.VALIDATING: "validation_step",
+        TrainerFn.TESTING: "test_step",
+        TrainerFn.PREDICTING: "predict_step",
+    }[trainer.state.fn]
+
+
+def _forward_args(module: LightningModule, batch: Any, step_name: str) -> tuple:
+    """The positional arguments the step passes to ``self(...)`` for ``batch``."""
+    with LogRecorder().recording(module, 0.0):
+        return capture_call(module, lambda: getattr(module, step_name)(batch, 0))
+
+
 def _merge_logs(per_replica: list[Logs | None]) -> Logs:
     merged: Logs = {}
     for logs in per_replica:
@@ -222,7 +240,8 @@ class DappleStrategy(DDPStrategy):
     Args:
         plan: ``"auto"`` (profile and plan on the first fit), a plan JSON path, a Plan or
             its dict. A hand-written plan needs only global_batch_size, micro_batches and
-            each stage's layers and devices.
+            each stage's layers and devices; stages with devices and no layers are a shape
+            (``PlanShape``) whose layer cut the planner chooses.
         micro_batches, schedule, policy: override the plan's M, schedule ("dapple" or
             "gpipe") and K_i policy ("PA", "PB"); a policy left out (or "auto") is the
             plan's, which under plan="auto" is the one the plan simulates faster with
@@ -230,7 +249,9 @@ class DappleStrategy(DDPStrategy):
         cluster: a cluster preset/file/Cluster for auto planning; default: this machine
             as detected (``cluster.detect_cluster``: the Trainer's nodes x devices, the
             GPUs' name and memory, or the host's memory per CPU process).
-        layers: attribute path of the module's layer sequence.
+        layers: attribute path of the module's layer sequence; ``"auto"``, or a module
+            without the default ``layers``, gets the layer list traced from ``forward``
+            (``profile/traced_layers.py``), printed at setup.
         loss_reduction: "mean" (the loss is a mean over samples) or "sum".
         timeout_s: bound on every wait for a peer; a failure on one rank stops all ranks.
         profile_cache: directory for cached layer profiles.
@@ -301,6 +322,8 @@ class DappleStrategy(DDPStrategy):
         self._part_lane: PartLane | None = None  # opened at the first save
         self._freed: dict[int, nn.Module] = {}
         self._ties: tuple[TiedParameter, ...] = ()  # parameters several layers use (profile/ties.py)
+        self._layer_tensors: LayerTensors | None = None  # what each layer holds, by identity (handles.py)
+        self._detached = Detached()  # the other paths to freed layers emptied on this rank
         self._planning_inputs: PlanningInputs | None = None  # rank 0 after plan="auto"
         self._saved_grads: list[torch.Tensor | None] | None = None
         self._transfers: dict[str, StepTransfers] = {}  # per step function: what its slices move
@@ -480,9 +503,9 @@ class DappleStrategy(DDPStrategy):
         so the whole model never has to fit on one device (DAPPLE 4: stages exist because
         it need not).
         """
-        container = find_layers(module, self.layers_path)
-        check_parameters_in_layers(module, container, self.layers_path)
         sample = self._sample_batch(trainer, module)
+        container = self._find_layers(trainer, module, sample)
+        check_parameters_in_layers(module, container, self.layers_path)
         self._check_forward_is_layers(module, container, sample, trainer)
         plan = self._resolve_plan(trainer, module, container, sample)
         plan = plan.validate(num_layers=len(container), world_size=self.world_size).with_warmups()
@@ -500,6 +523,9 @@ class DappleStrategy(DDPStrategy):
             aliases=aliases,
             layers=(stage.start, stage.end),
         )
+        self._layer_tensors = LayerTensors.of(module, container, keep_transient=self.global_rank == 0)
+        # handles and traced layers' own paths first, while every tensor is still the original
+        self._detached = self._layer_tensors.detach(module, container, range(stage.start, stage.end), self._stage_of_layer)
         self._free_other_stages(container, stage.start, stage.end)
         self._layer_container = container
         self._close_runner()
@@ -575,21 +601,30 @@ class DappleStrategy(DDPStrategy):
         # loops do before a step (e.g. 64-true turns float inputs into float64).
         return self.precision_plugin.convert_input(self.batch_to_device(batch, device=module_home(module)))
 
+    def _find_layers(self, trainer: Trainer, module: LightningModule, batch: Any) -> nn.Module:
+        """The layer sequence at ``layers``, or the layer list traced from ``forward``
+        (``layers="auto"``, or a module without the default ``layers``): traced on the
+        arguments ``self(...)`` gets for one and two rows of the sample batch, and printed."""
+        step_name = _step_name(trainer)
+
+        def samples() -> list[tuple]:
+            counts = sorted({1, min(2, batch_size_of(batch))})
+            return [_forward_args(module, take_rows(batch, 0, count), step_name) for count in counts]
+
+        container = find_layers(module, self.layers_path, samples)
+        if isinstance(container, TracedLayers):
+            for line in container.describe():
+                rank_zero_info(line)
+        return container
+
     def _check_forward_is_layers(self, module: LightningModule, container: nn.Module, batch: Any, trainer: Trainer) -> None:
         """DAPPLE executes the layer list; a forward that does more would silently differ.
 
         Runs on two sample rows where the module lives (normally the CPU, never the whole
         model on this rank's device), without autograd, autocast or RNG side effects.
         """
-        step_name = "training_step" if trainer.state.fn == TrainerFn.FITTING else {
-            TrainerFn.VALIDATING: "validation_step",
-            TrainerFn.TESTING: "test_step",
-            TrainerFn.PREDICTING: "predict_step",
-        }[trainer.state.fn]
-        sample = take_rows(batch, 0, min(2, batch_size_of(batch)))
-        recorder = LogRecorder()
-        with recorder.recording(module, 0.0):
-            args = capture_call(module, lambda: getattr(module, step_name)(sample, 0))
+        step_name = _step_name(trainer)
+        args = _forward_args(module, take_rows(batch, 0, min(2, batch_size_of(batch))), step_name)
         x = args[0] if len(args) == 1 else args
         state = torch.random.get_rng_state()
         was_training = module.training
@@ -639,14 +674,18 @@ class DappleStrategy(DDPStrategy):
 
     def _resolve_plan(self, trainer: Trainer, module: LightningModule, container: nn.Module, sample: Any) -> Plan:
         spec = self.plan_spec
-        if isinstance(spec, Plan):
-            plan = spec
+        given: Plan | PlanShape | None = None
+        if isinstance(spec, (Plan, PlanShape)):
+            given = spec
         elif isinstance(spec, dict):
-            plan = plan_from_dict(spec)
+            given = plan_or_shape_from_dict(spec)
         elif isinstance(spec, (str, Path)) and str(spec) != "auto":
-            plan = load_plan(spec)
-        else:
-            planned = auto_plan(self.planning_context(trainer), module, container, sample)
+            given = load_plan_or_shape(spec)
+        if isinstance(given, Plan):
+            plan = given
+        else:  # "auto", or a shape whose layer cut the planner chooses
+            shape = shape_with_arguments(given, self.plan_arguments) if given is not None else None
+            planned = auto_plan(self.planning_context(trainer), module, container, sample, shape)
             plan, self._planning_inputs = planned.plan, planned.inputs
         plan = resolve_plan(plan, self.plan_arguments)
         batch_rows = batch_size_of(sample)
@@ -667,11 +706,15 @@ class DappleStrategy(DDPStrategy):
         self.plan.save(directory / "dapple_plan.json")
         if self._planning_inputs is not None:
             profile, cluster = self._planning_inputs.profile, self._planning_inputs.cluster
-            console = Console(record=True, width=160)
-            console.print(plan_table(self.plan, profile, cluster))
-            console.print(plan_summary(self.plan))
-            console.print(f"out-of-order backprop: {self.plan.extra.get('ooo_choice', self.plan.ooo)}")
-            atomic_write_text(directory / "dapple_plan.txt", console.export_text())
+            parts = [
+                plan_table(self.plan, profile, cluster),
+                plan_summary(self.plan),
+                f"out-of-order backprop: {self.plan.extra.get('ooo_choice', self.plan.ooo)}",
+            ]
+            console = make_console()
+            for part in parts:
+                console.print(part)
+            atomic_write_text(directory / "dapple_plan.txt", "".join(render_text(part) for part in parts))
             return
         rank_zero_info(f"dapple plan ({self.plan.kind()}, M={self.plan.micro_batches}, schedule={self.plan.schedule}):")
         for index, stage in enumerate(self.plan.stages):
@@ -859,7 +902,8 @@ class DappleStrategy(DDPStrategy):
 
         Every rank takes part in gathering the consolidated weights; rank 0 rebuilds the
         layers it freed from their meta-device skeletons on the CPU (the whole model need
-        not fit its device; ``teardown`` moves the module to the CPU anyway) and loads them.
+        not fit its device; ``teardown`` moves the module to the CPU anyway) and loads them,
+        then points handles and the tensors forward reads back at them (``handles.py``).
         """
         if self.plan is None or self.plan.num_stages == 1:
             return
@@ -867,11 +911,9 @@ class DappleStrategy(DDPStrategy):
         state = ckpt.consolidated_state_dict(self.lightning_module, self.checkpoint_layout, self._checkpoint_lane())
         if self.global_rank != 0 or self._layer_container is None:
             return
-        prefix = f"{self.layers_path}."
+        assert self._layer_tensors is not None
         for index, skeleton in sorted(self._freed.items()):
-            layer = skeleton.to_empty(device="cpu")
-            head = f"{prefix}{index}."
-            layer.load_state_dict({k[len(head):]: v for k, v in state.items() if k.startswith(head)})
-            self._layer_container[index] = layer
+            self._layer_container[index] = self._layer_tensors.rebuild(skeleton, index, state)
         retie(self._layer_container, self._ties)  # the whole model again: one Parameter per tie
         self._freed = {}
+        self._detached.reattach(self._layer_container)  # handles and forward's own tensors

@@ -1,7 +1,9 @@
 """How an ordinary LightningModule is driven stage by stage without changing its code.
 
 A qualifying module keeps its layers in a sequence (``self.layers`` by default) and its
-``forward`` applies them in order; its ``training_step`` calls ``self(x)``. The pipeline
+``forward`` applies them in order, or has no such sequence and gets the layer list traced
+from its ``forward`` (``profile/traced_layers.py``); its ``training_step`` calls
+``self(x)``. The pipeline
 then needs two things from user code (DAPPLE 5.2.1 builds per-stage graphs from the
 model; here the module's own step functions are reused instead):
 
@@ -17,13 +19,14 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
 from torchmetrics import Metric
 
 from lightning_dapple.errors import DappleConfigError
+from lightning_dapple.profile.traced_layers import TracedLayers, finds_layers_from_forward, traced_layers
 
 
 class _InputCaptured(Exception):
@@ -49,15 +52,22 @@ class FreedLayer(nn.Module):
         return f"index={self.index}, on_stage={self.stage}"
 
 
-def find_layers(module: nn.Module, path: str) -> nn.Module:
-    """The layer sequence at attribute ``path`` (dotted), or a clear error."""
+def find_layers(module: nn.Module, path: str, samples: Callable[[], Sequence[tuple]] | None = None) -> nn.Module:
+    """The layer sequence at attribute ``path`` (dotted), or a clear error.
+
+    With ``samples`` (the positional arguments of ``self(...)`` at two batch sizes, made
+    on demand), ``path="auto"`` or a module without the default ``layers`` attribute gets
+    the layer list traced from its ``forward`` (``profile.traced_layers``)."""
+    if samples is not None and finds_layers_from_forward(module, path):
+        return traced_layers(module, samples())
     target: Any = module
     for part in path.split("."):
         if not hasattr(target, part):
             raise DappleConfigError(
                 "DappleStrategy(layers=...)",
                 f"{type(module).__name__} has no attribute '{path}' holding its layer sequence",
-                "keep the layers in an nn.Sequential/nn.ModuleList (e.g. self.layers) or pass DappleStrategy(layers='encoder.blocks')",
+                "keep the layers in an nn.Sequential/nn.ModuleList (e.g. self.layers), pass DappleStrategy(layers='encoder.blocks'), "
+                "or layers='auto' to trace them from forward",
             )
         target = getattr(target, part)
     if not isinstance(target, (nn.Sequential, nn.ModuleList)) or len(target) == 0:
@@ -75,6 +85,12 @@ def check_parameters_in_layers(module: nn.Module, layers: nn.Module, path: str) 
     of those layers keeps a copy (``execute/tied.py``)."""
     inside = {id(p) for p in layers.parameters()}
     outside = [name for name, p in module.named_parameters() if id(p) not in inside]
+    if outside and isinstance(layers, TracedLayers):
+        raise DappleConfigError(
+            "model parameters",
+            f"{outside[:3]} are not used by forward, so no layer traced from it holds them and no pipeline stage would own them",
+            "delete them or use them in forward",
+        )
     if outside:
         raise DappleConfigError(
             "model parameters",

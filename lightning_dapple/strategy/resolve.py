@@ -16,10 +16,10 @@ from typing import Any, Sequence
 
 from lightning_dapple.errors import require
 from lightning_dapple.plan.options import set_options
-from lightning_dapple.plan.plan import Plan
+from lightning_dapple.plan.plan import Plan, PlanShape
 from lightning_dapple.strategy.ooo_choice import OooSetting, check_ooo, decide_ooo, with_ooo_choice
 
-__all__ = ["PlanArguments", "resolve_plan"]
+__all__ = ["PlanArguments", "resolve_plan", "shape_with_arguments"]
 
 
 @dataclass(frozen=True)
@@ -92,3 +92,19 @@ def resolve_plan(base: Plan, arguments: PlanArguments) -> Plan:
     if arguments.ooo != "auto" or "ooo_choice" not in plan.extra:
         plan = with_ooo_choice(plan, *decide_ooo(arguments.ooo, plan))
     return plan
+
+
+def shape_with_arguments(shape: PlanShape, arguments: PlanArguments) -> PlanShape:
+    """``shape`` with the user's M, schedule, policy and fixed recomputation modes, which
+    the planner then cuts the layers for (the arguments win over the shape's own)."""
+    recompute = arguments.recompute
+    if isinstance(recompute, str):
+        require(recompute != "auto", "recompute", "is 'auto' with a plan shape", "name a mode (never/always/except_last), or use plan='auto'")
+        recompute = [recompute] * len(shape.devices)
+    return replace(
+        shape,
+        micro_batches=arguments.micro_batches if arguments.micro_batches is not None else shape.micro_batches,
+        schedule=arguments.schedule or shape.schedule,
+        policy=arguments.fixed_policy or shape.policy,
+        recompute=tuple(recompute) if recompute is not None else shape.recompute,
+    ).validate()
