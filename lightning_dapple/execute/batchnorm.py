@@ -13,7 +13,8 @@ mini-batch". Three pieces, chosen once per plan:
     ``nn.SyncBatchNorm``, which refuses CPU tensors in this torch) each micro-batch is
     normalised with the mean and variance of the whole micro-batch across the stage's
     replicas. Every replica puts its slice's (mean, variance, count) in its own row of a
-    zero table that one differentiable AllReduce (``torch.distributed.nn.functional``) sums,
+    zero table that one AllReduce sums (``torch.distributed._functional_collectives``, whose
+    AllReduce has a backward: the sum of the replicas' gradients),
     and combines the rows in replica order (Chan's parallel variance), so the statistics
     are bit-identical on every replica and their gradient is exactly that of one device on
     the whole micro-batch;
@@ -47,6 +48,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from lightning_dapple.errors import DappleConfigError
 from lightning_dapple.execute.failure import FailureChannel
 from lightning_dapple.execute.replay import buffer_slots
+from lightning_dapple.execute.wires import waits_on_device
 
 __all__ = ["PipelineBatchNorm", "StageBuffers", "convert_batchnorm"]
 
@@ -236,7 +238,7 @@ class StageBuffers:
     each replica saw its own slices) and which buffers the first replica broadcasts (all
     but those of ``PipelineBatchNorm``, identical on every replica by construction). The
     buffer tensors themselves are looked up at each step: moving a module to a device
-    replaces them.
+    replaces them. Under NCCL the compute stream waits for the collectives, not the host.
     """
 
     def __init__(self, layers: Sequence[nn.Module], group: Any, source: int, replica: int, replicas: int, failure: FailureChannel, stage: int) -> None:
@@ -251,6 +253,16 @@ class StageBuffers:
         self.exchange = group is not None and any(m.group is None for m in self.deferred)
         slots = buffer_slots(layers) if group is not None else []
         self.slots = [(module, name) for module, name in slots if not isinstance(module, PipelineBatchNorm)]
+        self._on_device: dict[torch.device, bool] = {}  # per device the buffers are on: waits on the GPU (NCCL)
+
+    def _wait(self, works: list[Any], device: torch.device, what: str) -> None:
+        on_device = self._on_device.get(device)
+        if on_device is None:
+            on_device = self._on_device[device] = waits_on_device(device, self.group)
+        if on_device:
+            self.failure.wait_on_device(works, what, device.index)
+        else:
+            self.failure.wait_all(works, what)
 
     def end_step(self) -> None:
         """Apply the deferred statistics, then make every replica's buffers the first one's."""
@@ -273,7 +285,7 @@ class StageBuffers:
         table = torch.zeros(self.replicas, row.numel(), dtype=row.dtype, device=row.device)
         table[self.replica] = row
         work = dist.all_reduce(table, group=self.group, async_op=True)
-        self.failure.wait(work, f"BatchNorm statistics of stage {self.stage}")
+        self._wait([work], table.device, f"BatchNorm statistics of stage {self.stage}")
         offset = 0
         for module in modules:
             channels = module.num_features
@@ -301,7 +313,9 @@ class StageBuffers:
                 flat = torch.empty(sum(buffer.numel() for buffer in buffers), dtype=dtype, device=buffers[0].device)
             flats.append((flat, buffers))
             works.append(dist.broadcast(flat, src=self.source, group=self.group, async_op=True))
-        self.failure.wait_all(works, f"buffer broadcast of stage {self.stage}")
+        if not flats:
+            return
+        self._wait(works, flats[0][0].device, f"buffer broadcast of stage {self.stage}")
         if self.replica == 0:
             return
         with torch.no_grad():
