@@ -337,11 +337,13 @@ def _settle_pieces(pieces: list[list[torch.Tensor | None]], layouts: list[Sequen
                     "give the value the same kind on every slice: batch-first, or a first dimension of 1 for a value shared by all samples",
                 )
         leaf = pieces[0][index]
+        if leaf is None:  # the sender of the first row always carries every leaf
+            raise RuntimeError(f"rank {senders[0][0]} sent no copy of whole tensor {index}; the two sides disagree on the rows")
         shape = next(meta.shape for meta in kinds if meta.whole)
-        if leaf is None or tuple(leaf.shape) != shape:
+        if tuple(leaf.shape) != shape:
             raise DappleConfigError(
                 "layer output",
-                f"tensor {index} is whole of shape {shape} on rank {marked} but not on rank {senders[0][0]}",
+                f"tensor {index} is whole of shape {shape} on rank {marked} but of shape {tuple(leaf.shape)} on rank {senders[0][0]}",
                 "give a value shared by all samples the same shape on every slice",
             )
         leaves.append(leaf)
