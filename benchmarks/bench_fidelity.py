@@ -58,6 +58,7 @@ from rich.table import Table
 
 from lightning_dapple.cluster import Cluster, load_cluster
 from lightning_dapple.errors import DappleConfigError
+from lightning_dapple.plan.console import make_console
 from lightning_dapple.simulate.plans import make_plan
 from lightning_dapple.plan.costs import StageCost, dapple_latency, pipeline_phases, pivot_stage, stage_costs
 from lightning_dapple.plan.plan import Plan
@@ -804,7 +805,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="write every row as JSON")
     parser.add_argument("--md", default=None, help="write the markdown summary")
     args = parser.parse_args(argv)
-    console = Console(width=240)
+    console = make_console()
     start = time.perf_counter()
     random_, unplannable = random_rows(args.instances, args.seed)
     console.print(f"{len(random_)} random instances planned and simulated ({len(unplannable)} without a valid plan) in {time.perf_counter() - start:.1f} s")

@@ -28,11 +28,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
 from rich.table import Table
 
 from lightning_dapple.cluster import load_cluster
 from lightning_dapple.errors import DappleConfigError
+from lightning_dapple.plan.console import make_console
 from lightning_dapple.plan.dapple_planner import data_parallel_candidates, straight_candidates
 from lightning_dapple.plan.plan import Plan
 from lightning_dapple.plan.request import PlanRequest
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=None, help="write the rows and timings as JSON")
     args = parser.parse_args(argv)
-    console = Console(width=200)
+    console = make_console()
     rows: list[dict[str, Any]] = []
     if not args.skip_table:
         table = Table(title="Simulated step latency (ms): DAPPLE vs PipeDream vs DP vs straight (16 devices)")

@@ -94,7 +94,7 @@ def summarize(by_rank: dict[int, Any], cfg: dict) -> dict:
 
 
 def print_table(summary: dict) -> None:
-    from rich.console import Console
+    from lightning_dapple.plan.console import make_console
     from rich.table import Table
 
     cfg = summary["config"]
@@ -129,7 +129,7 @@ def print_table(summary: dict) -> None:
                 f"{row['first_loss']:.7f}",
             )
         table.add_section()
-    Console(width=160).print(table)
+    make_console().print(table)
 
 
 def print_verdict(summary: dict) -> None:

@@ -4,7 +4,7 @@ Rank 0 sends an activation (``--rows`` x ``--width`` float32, requiring grad) to
 which sends its gradient back; a round is ``--transfers`` such round trips and a flush.
 Variants run round-robin in one process group, so each round's ratio to the first variant
 compares them under the same machine load. The ``gloo`` wire is what a CPU run uses; the
-forced ``staged`` and ``nccl`` wires show what the staging code and the batched, flagged
+forced ``staged`` and ``nccl`` wires show what the staging code and the per-link, flagged
 messages cost on CPU (their GPU costs are in the CUDA copies and NCCL, not measured here).
 ``--baseline FILE`` adds another transport module's ``Transport`` (e.g. an earlier
 ``execute/transport.py``) as the first variant, to check that the steady-state fast path

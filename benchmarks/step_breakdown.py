@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         "block": args.block, "rounds": args.rounds, "clock": args.clock,
     }
     by_rank = run_ranks(_rank_main, 2, cfg, timeout_s=600, raise_on_error=True)
-    from rich.console import Console
+    from lightning_dapple.plan.console import make_console
     from rich.table import Table
 
     table = Table(title=f"{'CPU ' if args.clock == 'cpu' else ''}ms per step (median over {args.rounds} blocks of {args.block}), width {args.width}, M={args.micro_batches}")
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in ("dapple", "torch-1F1B"):
             row = by_rank[rank][name]
             table.add_row(str(rank), name, f"{row['total']:.2f}", *(f"{row[key]:.2f}" for key in PARTS))
-    Console(width=140).print(table)
+    make_console().print(table)
     return 0
 
 

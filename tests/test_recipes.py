@@ -81,7 +81,7 @@ def _losses(run_dir: Path) -> list[float]:
 
 
 def test_recipes_compose_with_the_papers_sizes() -> None:
-    assert recipe_names() == ["bert", "bert_tiny", "gnmt", "gnmt_tiny", "vgg", "vgg_tiny"]
+    assert recipe_names() == ["bert", "bert_pipeline_tiny", "bert_tiny", "gnmt", "gnmt_tiny", "vgg", "vgg_tiny"]
     gbs = {"bert": 64, "gnmt": 1024, "vgg": 2048}  # DAPPLE Table 4
     for name, batch in gbs.items():
         cfg = compose_recipe(name)
@@ -164,7 +164,7 @@ def test_recipe_profile_shared_and_estimated() -> None:
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["recipe=nope"], "Could not find 'recipe/nope' (available: bert, bert_tiny"),
+        (["recipe=nope"], "Could not find 'recipe/nope' (available: bert, bert_pipeline_tiny, bert_tiny"),
         (["strategy.micro_batch=4"], "Key 'micro_batch' not in 'StrategyConfig'"),
         (["strategy.micro_batches=four"], "could not be converted to Integer"),
         (["strategy.schedule=pipedream"], "expected one of [dapple, gpipe]"),

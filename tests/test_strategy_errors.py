@@ -108,6 +108,51 @@ def test_bad_strategy_arguments(kwargs: dict, match: str) -> None:
         DappleStrategy(**kwargs)
 
 
+@pytest.mark.parametrize(
+    ("option", "instead"),
+    [
+        ("ddp_comm_hook", "own bucketed AllReduce"),
+        ("ddp_comm_state", "own bucketed AllReduce"),
+        ("ddp_comm_wrapper", "own bucketed AllReduce"),
+        ("model_averaging_period", "never diverge"),
+        ("find_unused_parameters", "all-reduced as a zero gradient"),
+        ("static_graph", "compiled once per plan"),
+        ("gradient_as_bucket_view", "copied into their bucket"),
+        ("bucket_cap_mb", "buckets are the planner's"),
+        ("broadcast_buffers", "does not wrap the model in DDP"),
+        ("timeout", "takes timeout_s"),
+        ("mixed_precision", "Trainer\\(precision="),
+        ("frobnicate", "not an argument of the dapple strategy"),
+    ],
+)
+def test_ddp_only_options_are_refused_with_what_dapple_does_instead(option: str, instead: str) -> None:
+    """DDPStrategy would hand these to DDP's wrapper, which the dapple strategy never builds:
+    accepted, they would silently do nothing."""
+    with pytest.raises(DappleConfigError, match=f"DappleStrategy\\({option}=...\\).*{instead}.*Fix: remove") as info:
+        DappleStrategy(**{option: object()})
+    assert str(info.value).count("Fix:") == 1
+
+
+def test_lightning_options_still_pass_through() -> None:
+    strategy = DappleStrategy(process_group_backend="gloo", precision_plugin=Precision())
+    assert strategy.process_group_backend == "gloo"
+    assert isinstance(strategy.precision_plugin, Precision)
+
+
+@pytest.mark.parametrize("precision", ["32-true", "64-true", "bf16-true", "bf16-mixed"])
+def test_precision_plugins_are_subclassed_not_patched(tmp_path: Path, precision: str) -> None:
+    """Each of Lightning's plugins becomes its pipeline subclass (clipping by the global norm
+    is a method of the class, not an attribute patched onto the instance)."""
+    from lightning_dapple.strategy.precision import GlobalNormClipping
+
+    model = MLPModule() if precision != "64-true" else MLPModule().double()
+    trainer = _fit(tmp_path, model, precision=precision, loader=mlp_loader(2, dtype=torch.float32 if precision != "64-true" else torch.float64))
+    plugin = trainer.precision_plugin
+    lightning_type = type(plugin).__mro__[2]
+    assert isinstance(plugin, GlobalNormClipping) and lightning_type.__module__.startswith("lightning.pytorch.plugins.precision")
+    assert "clip_grad_by_norm" not in vars(plugin) and plugin.clip_norm == trainer.strategy._clip_by_global_norm
+
+
 def test_one_device_plan_trains_like_plain_lightning(tmp_path: Path) -> None:
     """The single-stage, single-device plan is plain gradient accumulation over M slices."""
     from lightning_toys import single_device_run

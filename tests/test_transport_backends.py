@@ -1,9 +1,9 @@
 """Every wire policy of the transport, forced over gloo on CPU (execute/wires.py).
 
-The ``nccl`` wire's code (batched p2p, the flag byte on every message, bool and complex as
-bytes, no receives posted ahead, its own process groups) and the ``staged`` wire's (every
-message through the host-buffer pool) run here without a GPU, so CI covers the code that
-NCCL and the one-GPU machines run. Five ranks: ranks 0-1 hold a micro-batch's 13 rows as
+The ``nccl`` wire's code (a process group per link and direction, the flag byte on every
+message, bool and complex as bytes, no receives posted ahead) and the ``staged`` wire's
+(every message through the host-buffer pool) run here without a GPU, so CI covers the code
+that NCCL and the one-GPU machines run. Five ranks: ranks 0-1 hold a micro-batch's 13 rows as
 6 + 7 (a stage of width 2) and ranks 2-4 as 4 + 4 + 5 (width 3), so every transfer is a
 DAPPLE 5.2.2 split-concat: receiver 3 takes rows from both senders.
 """
@@ -197,13 +197,12 @@ def test_every_wire_round_trips_activations_and_gradients_over_a_split_boundary(
             receivers = 2  # each sender overlaps two of the three receivers
             assert nccl == gloo + receivers, (step, rank, gloo, nccl)
             assert results[rank]["staged"]["bytes"][step] == gloo
-            # NCCL: both receivers' messages in one batch; a layout change too (filler,
-            # header, structure and data for each receiver)
-            assert results[rank]["nccl"]["batches"][step] == 1 and results[rank]["nccl"]["batches"][step + 1] == 1
-        # the middle receiver's pieces from both senders: one batch (one per message after
-        # a layout change: filler, header, ..., in order)
-        assert results[3]["nccl"]["batches"][step] == 1, results[3]["nccl"]["batches"]
-    assert all(b == 0 for b in results[3]["gloo"]["batches"] + results[0]["staged"]["batches"])
+    # no wire coalesces messages: a coalesced batch runs on its group's one communicator, where
+    # a receive would queue behind unrelated sends (the nccl wire sends each message on its
+    # link's communicator, tests/test_wire_ordering.py)
+    for rank in range(5):
+        for wire in (*WIRES, MIXED):
+            assert not any(results[rank][wire]["batches"]), (rank, wire, results[rank][wire]["batches"])
     # host buffers are built per (peer, size) by the first transfer of each size and reused:
     # every gradient transfer of a new size added some, the repeat of the first added none
     for rank in range(5):
@@ -289,8 +288,10 @@ def test_the_wire_follows_backend_and_device_and_refuses_what_cannot_work(monkey
             wires.choose_wire(wire, device)
     # a process group with one backend per device type
     monkeypatch.setattr(wires.dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(wires.dist, "get_backend", lambda: "cpu:gloo,cuda:nccl")
+    monkeypatch.setattr(wires.dist, "get_backend", lambda group=None: "cpu:gloo,cuda:nccl")
     assert wires.backend_for(cpu) == "gloo" and wires.backend_for(cuda) == "nccl"
+    # waits happen on the GPU only where NCCL carries CUDA tensors
+    assert wires.waits_on_device(cuda) and not wires.waits_on_device(cpu)
     assert wires.choose_wire("auto", cpu) == "gloo" and wires.choose_wire("auto", cuda) == "nccl"
     monkeypatch.setattr(wires, "backend_for", lambda device: "nccl")
     assert wires.choose_wire("auto", cuda) == "nccl" and wires.choose_wire("nccl", cuda) == "nccl"
@@ -336,19 +337,6 @@ def test_host_buffers_are_reused_and_flag_bytes_come_back_zeroed() -> None:
     assert torch.equal(back, values) and stager.pool.take(("send", 2, 24), 24).data_ptr() == host.data_ptr()
 
 
-def test_a_coalesced_batch_is_waited_once_through_its_first_message() -> None:
-    """Where a backend coalesces a batch into fewer works (NCCL), the works go with the
-    first message and are waited once; under gloo each message keeps its own work."""
-    from lightning_dapple.execute.wires import _per_message, flat_works
-
-    one, two = object(), object()
-    assert _per_message([one, two], ["a", "b"]) == [(one, "a"), (two, "b")]
-    coalesced = _per_message([one], ["a", "b", "c"])
-    assert coalesced == [([one], "a"), (None, "b"), (None, "c")]
-    assert flat_works([work for work, _ in coalesced]) == [one]
-    assert flat_works([[one, two], one, None, two]) == [one, two]
-
-
 def test_short_messages_cannot_be_forced_on_the_nccl_wire() -> None:
     """NCCL needs every receive to match its message's size: asking the nccl wire for gloo's
     short messages is refused before anything is sent."""
@@ -369,3 +357,88 @@ def test_short_messages_cannot_be_forced_on_the_nccl_wire() -> None:
     finally:
         failure.close()
         dist.destroy_process_group()
+
+
+# -- the nccl wire's waits on the GPU are bounded from the side (execute/failure.py) ----------
+# CUDA events stand-ins: the watchdog only calls query() (device waits) and the host's
+# synchronize() (values it must read), so the bounds show on CPU.
+
+
+class _Never:
+    """An event whose work never completes: a peer that never sends."""
+
+    def query(self) -> bool:
+        return False
+
+    def synchronize(self) -> None:
+        import threading
+
+        threading.Event().wait()  # blocked for good, as in cudaEventSynchronize
+
+
+class _Done:
+    def query(self) -> bool:
+        return True
+
+
+def device_wait_worker(rank: int, world: int, mode: str) -> dict:
+    import time
+
+    from lightning_dapple.execute.failure import FailureChannel
+
+    channel = FailureChannel(rank, timeout_s=2.0 if mode != "peer-failed" else 30.0, poll_s=0.05, grace_s=1.0)
+    start = time.monotonic()
+    if mode == "completed":
+        for index in range(100):
+            channel.watch(_Done(), f"gradient {index} from rank 1")
+        time.sleep(1.0)
+        left = len(channel._watched)
+        channel.close()
+        return {"left": left}
+    if mode == "peer-failed" and rank == 0:
+        channel.report(RuntimeError("deliberate failure"))
+        time.sleep(8)  # reported, but stays alive (and keeps serving the store)
+        return {}
+    if mode in ("watch", "peer-failed"):
+        channel.watch(_Never(), "gradient 3 from rank 1")
+        time.sleep(20)  # the host goes on; only the watchdog sees the device wait
+    else:
+        channel.block_on(_Never(), "the flag byte of activation 2 from rank 1")
+    return {"survived_s": time.monotonic() - start}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("mode", "what"), [("watch", "gradient 3 from rank 1"), ("block", "the flag byte of activation 2 from rank 1")])
+def test_a_device_wait_that_never_completes_ends_the_job_within_the_timeout(mode: str, what: str, capfd: Any) -> None:
+    """A receive the compute stream waits for (the host went on), or a value the host waits
+    for in CUDA: either way the watchdog ends the process after ``timeout_s`` and says what
+    it was waiting for, once."""
+    import time
+
+    start = time.monotonic()
+    results = run_ranks(device_wait_worker, 1, mode, timeout_s=45)
+    assert "died with exit code 1" in results["__errors__"][0], results
+    assert time.monotonic() - start < 15  # timeout_s is 2 s; the worker alone would live 20 s or forever
+    lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith("lightning_dapple:")]
+    assert lines == [f"lightning_dapple: rank 0: no progress for 2 s while waiting for {what}; a peer may be stuck or dead. "
+                     "Raise DappleStrategy(timeout_s=...) if steps are this slow.; rank 0 exits"], lines
+
+
+@pytest.mark.timeout(60)
+def test_completed_device_waits_are_dropped_and_end_nothing() -> None:
+    results = run_ranks(device_wait_worker, 1, "completed", timeout_s=45, raise_on_error=True)
+    assert results[0] == {"left": 0}
+
+
+@pytest.mark.timeout(60)
+def test_a_stalled_device_wait_counts_as_blocked_after_a_peers_report(capfd: Any) -> None:
+    """Rank 0 reports a failure and stays alive; rank 1's host is not blocked, but its
+    device waits (for rank 0, say): its watchdog ends it after ``grace_s``, not ``timeout_s``."""
+    results = run_ranks(device_wait_worker, 2, "peer-failed", timeout_s=45)
+    assert "died with exit code 1" in results["__errors__"][1], results
+    # the grace rule's line (the timeout's would say "no progress for 30 s")
+    lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith("lightning_dapple:")]
+    assert lines == [
+        "lightning_dapple: rank 0 raised RuntimeError: deliberate failure (seen on rank 1, blocked 1 s in gradient 3 from rank 1); "
+        "rank 1 exits"
+    ], lines

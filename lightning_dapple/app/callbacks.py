@@ -12,7 +12,6 @@ import json
 import os
 import socket
 import statistics
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -21,17 +20,22 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
-from rich.console import Console
 from typing_extensions import override
 
-from lightning_dapple.app.report import plan_table, render_text, write_text
+from lightning_dapple.app.report import plan_table, write_text
 from lightning_dapple.app.timelines import MeasuredTimeline, draw_measured_timeline
 from lightning_dapple.cluster import load_cluster
 from lightning_dapple.plan import explain
+from lightning_dapple.plan.console import make_console, render_text
 from lightning_dapple.profile.model_profile import profile_from_dict
 from lightning_dapple.simulate import draw_timeline, simulate_plan
 
 __all__ = ["PipelineReport", "StepTimer", "WorkerSetup", "gather_to_zero", "quiet_warnings"]
+
+
+# the timeline pictures each run directory gets (simulated plan, measured last step)
+SIMULATED_TIMELINE = "timeline_simulated.png"
+MEASURED_TIMELINE = "timeline_measured.png"
 
 
 def _world() -> tuple[int, int]:
@@ -213,10 +217,10 @@ class PipelineReport(Callback):
                 parts = []
         if not parts:
             parts = [plan_table(plan)]
-        console = Console(width=None if sys.stdout.isatty() else 160)
+        console = make_console()
         for part in parts:
             console.print(part)
-        write_text(run_dir / "dapple_plan.txt", "".join(render_text(part, width=160) for part in parts))
+        write_text(run_dir / "dapple_plan.txt", "".join(render_text(part) for part in parts))
 
     def _simulate(self, plan: Any, profile: Any, run_dir: Path) -> None:
         if profile is None:
@@ -224,14 +228,14 @@ class PipelineReport(Callback):
             return
         result = simulate_plan(plan, profile, load_cluster(dict(self.cluster)))
         write_text(run_dir / "timeline_simulated.json", json.dumps(result.to_dict(), indent=1) + "\n")
-        tmp = run_dir / ".timeline_simulated.png.tmp.png"
+        tmp = run_dir / f".{SIMULATED_TIMELINE}.tmp.png"
         draw_timeline(
             result,
             tmp,
             title=f"simulated: {result.schedule}, M={result.micro_batches}, step {result.latency_ms:.2f} ms, "
             f"bubble {100 * result.bubble_fraction:.1f}% ({profile.device} profile, cluster {self.cluster.get('name')})",
         )
-        os.replace(tmp, run_dir / "timeline_simulated.png")
+        os.replace(tmp, run_dir / SIMULATED_TIMELINE)
 
     def _note(self, run_dir: Path, text: str) -> None:
         self.notes.append(text)
@@ -256,9 +260,9 @@ class PipelineReport(Callback):
         timeline = MeasuredTimeline.from_gathered(gathered, plan)
         write_text(run_dir / "timeline_measured.json", json.dumps(timeline.to_dict(), indent=1) + "\n")
         try:
-            tmp = run_dir / ".timeline_measured.png.tmp.png"
+            tmp = run_dir / f".{MEASURED_TIMELINE}.tmp.png"
             draw_measured_timeline(timeline, tmp)
-            os.replace(tmp, run_dir / "timeline_measured.png")
+            os.replace(tmp, run_dir / MEASURED_TIMELINE)
         except Exception as exc:
             self._note(run_dir, f"measured timeline not drawn: {type(exc).__name__}: {exc}")
 

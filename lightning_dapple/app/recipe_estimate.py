@@ -16,6 +16,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from lightning_dapple.models import MODELS
 from lightning_dapple.profile.model_profile import LayerProfile, ModelProfile
 from lightning_dapple.profile.profiler import iter_tensors, map_tensors, tensor_bytes
+from lightning_dapple.profile.ties import first_use_param_bytes, tied_params_records, tied_parameters
 
 if TYPE_CHECKING:
     from lightning_dapple.app.recipe_profile import DevicePeak
@@ -40,10 +41,11 @@ def estimate_profile(model_name: str, model_kwargs: dict[str, Any], rows: int, d
     x = map_tensors(example, widen) if not isinstance(example, torch.Tensor) else widen(example)
     input_bytes = float(tensor_bytes(x))
     layers: list[LayerProfile] = []
+    owned = first_use_param_bytes(model.layers)  # a tied parameter counts in its first layer
     for index, layer in enumerate(model.layers):
         params = list(layer.parameters())
         param_ids = {id(p) for p in params}
-        param_bytes = float(sum(p.numel() * p.element_size() for p in params))
+        param_bytes = owned[index]
         saved: dict[int, int] = {}
 
         def pack(t: torch.Tensor) -> torch.Tensor:
@@ -61,7 +63,7 @@ def estimate_profile(model_name: str, model_kwargs: dict[str, Any], rows: int, d
         in_bytes = float(tensor_bytes(x))
         out_bytes = float(tensor_bytes(out))
         stash = float(sum(saved.values()))
-        moved = param_bytes + in_bytes + out_bytes + stash
+        moved = float(sum(p.numel() * p.element_size() for p in params)) + in_bytes + out_bytes + stash  # tied ones are read too
         forward_s = max(flops / peak, moved / bandwidth)
         backward_s = max(2.0 * flops / peak, 2.0 * moved / bandwidth) if (params or any(t.requires_grad for t in iter_tensors(out))) else 0.0
         layers.append(
@@ -82,6 +84,7 @@ def estimate_profile(model_name: str, model_kwargs: dict[str, Any], rows: int, d
         name=name,
         input_bytes=input_bytes,
         estimated=True,
+        tied=tied_params_records(tied_parameters(model.layers)),
         meta={
             "source": "lightning_dapple.app.recipe_estimate.estimate_profile",
             "rule": "time = max(flops / peak, bytes / bandwidth); backward = 2 x forward",

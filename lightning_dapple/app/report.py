@@ -1,16 +1,14 @@
 """Rich tables (plan, run summary) and atomic file writes shared by the app's parts."""
 from __future__ import annotations
 
-import io
 import os
 import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from rich.console import Console
 from rich.table import Table
 
-__all__ = ["format_bytes", "plan_table", "render_text", "summary_table", "write_text"]
+__all__ = ["format_bytes", "plan_table", "summary_table", "write_text"]
 
 
 def write_text(path: str | Path, text: str) -> Path:
@@ -97,9 +95,3 @@ def summary_table(rows: Iterable[dict[str, Any]], columns: Sequence[tuple[str, s
         table.add_row(*("-" if row.get(key) is None else str(row.get(key)) for key, _ in columns))
     return table
 
-
-def render_text(renderable: Any, width: int = 120) -> str:
-    """Plain text of a rich renderable (no colour codes)."""
-    console = Console(file=io.StringIO(), width=width, record=True, color_system=None)
-    console.print(renderable)
-    return console.export_text()

@@ -12,14 +12,13 @@ from __future__ import annotations
 import csv
 import io
 import json
-import sys
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from hydra.experimental.callback import Callback as HydraCallback
-from rich.console import Console
 
-from lightning_dapple.app.report import format_bytes, render_text, summary_table, write_text
+from lightning_dapple.app.report import format_bytes, summary_table, write_text
+from lightning_dapple.plan.console import make_console, render_text
 
 __all__ = ["RESULTS", "SUMMARY_COLUMNS", "SweepSummary", "collect_results", "summarize", "write_summary"]
 
@@ -143,4 +142,4 @@ class SweepSummary(HydraCallback):
             write_text(sweep_dir / "summary.txt", render_text(table))
         else:
             table = rich_summary(rows, "sweep summary")
-        Console(width=None if sys.stdout.isatty() else 160).print(table)
+        make_console().print(table)

@@ -62,10 +62,9 @@ from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
-from rich.console import Console
 from rich.table import Table
 
-from lightning_dapple.app.callbacks import PipelineReport, StepTimer, WorkerSetup, quiet_warnings
+from lightning_dapple.app.callbacks import MEASURED_TIMELINE, SIMULATED_TIMELINE, PipelineReport, StepTimer, WorkerSetup, quiet_warnings
 from lightning_dapple.app.config import enum_value, register_configs
 from lightning_dapple.app.report import format_bytes, write_text
 from lightning_dapple.app.summary import RESULTS
@@ -74,6 +73,7 @@ from lightning_dapple.data import DATAMODULES
 from lightning_dapple.errors import DappleConfigError, require
 from lightning_dapple.execute.slicing import take_rows
 from lightning_dapple.models import MODELS
+from lightning_dapple.plan.console import make_console
 from lightning_dapple.plan.plan import Plan, plan_from_dict
 from lightning_dapple.profile.profiler import profile_layers
 from lightning_dapple.strategy import DappleStrategy
@@ -530,17 +530,28 @@ def execute(job: Job, record: dict[str, Any]) -> dict[str, Any]:
     wall_s = time.perf_counter() - started
     result = dict(record)
     result.update(status="ok", error=None, strategy=job.strategy_name, devices=job.world_size, launcher=job.launcher, wall_s=round(wall_s, 3))
-    steps = _read_json(run_dir / "step_times.json") or {}
-    result["steps"] = steps.get("steps")
-    result["median_step_ms"] = steps.get("median_step_ms")
-    result["peak_stash_bytes"] = steps.get("peak_stash_bytes")
+    result.update(run_outputs(run_dir))
     result["plan"] = _plan_summary(run_dir / "dapple_plan.json") if job.strategy_name == "dapple" else {"kind": "single", "micro_batches": 1, "schedule": None}
     result["metrics"] = {key: float(value) for key, value in job.trainer.callback_metrics.items() if getattr(value, "numel", lambda: 1)() == 1}
     result["train_loss_curve"] = _loss_curve(run_dir / "metrics.csv")
     result["notes"] = job.notes
     write_text(run_dir / "result.json", json.dumps(result, indent=2) + "\n")
-    _print_run_summary(result)
+    print_run_summary(result)
     return result
+
+
+def run_outputs(run_dir: Path) -> dict[str, Any]:
+    """What the run's callbacks left in ``run_dir``: the measured step times, the step the
+    simulator predicts for the plan on its measured profile, and the timeline pictures."""
+    steps = _read_json(run_dir / "step_times.json") or {}
+    simulated = _read_json(run_dir / "timeline_simulated.json") or {}
+    return {
+        "steps": steps.get("steps"),
+        "median_step_ms": steps.get("median_step_ms"),
+        "peak_stash_bytes": steps.get("peak_stash_bytes"),
+        "simulated_step_ms": simulated.get("latency_ms"),
+        "timelines": [str(run_dir / name) for name in (SIMULATED_TIMELINE, MEASURED_TIMELINE) if (run_dir / name).is_file()],
+    }
 
 
 def _read_json(path: Path) -> Any:
@@ -577,20 +588,28 @@ def _loss_curve(path: Path) -> list[float]:
     return [loss for _, loss in sorted(out)]
 
 
-def _print_run_summary(result: dict[str, Any]) -> None:
+def print_run_summary(result: dict[str, Any]) -> None:
+    """The run's plan, its measured and simulated step side by side, metrics, and where the
+    timeline pictures are."""
     plan = result.get("plan") or {}
     table = Table(title=f"{result.get('name')}: {result.get('run_dir')}", show_header=False)
     table.add_column("what")
     table.add_column("value")
-    table.add_row("plan", f"{plan.get('kind')}, M={plan.get('micro_batches')}, schedule {plan.get('schedule')}")
+    split = ":".join(str(stage["layers"][1] - stage["layers"][0]) for stage in plan.get("stages") or [])
+    layers = f" (layers {split})" if split else ""
+    table.add_row("plan", f"{plan.get('kind')}{layers}, M={plan.get('micro_batches')}, schedule {plan.get('schedule')}")
     table.add_row("steps", str(result.get("steps")))
     if result.get("median_step_ms") is not None:
-        table.add_row("step time (median after warm-up)", f"{result['median_step_ms']:.2f} ms")
+        table.add_row("step time, measured (median after warm-up)", f"{result['median_step_ms']:.2f} ms")
+    if result.get("simulated_step_ms") is not None:
+        table.add_row("step time, simulated (the plan on its profile)", f"{result['simulated_step_ms']:.2f} ms")
     table.add_row("peak stash (max over ranks)", format_bytes(result.get("peak_stash_bytes")))
     for key in sorted(result.get("metrics") or {}):
         table.add_row(key, f"{result['metrics'][key]:.4f}")
     table.add_row("wall time", f"{result.get('wall_s')} s")
-    Console().print(table)
+    for path in result.get("timelines") or []:
+        table.add_row("timeline picture", path)
+    make_console().print(table)
 
 
 if __name__ == "__main__":

@@ -16,11 +16,11 @@ import argparse
 import sys
 from typing import Sequence
 
-from rich.console import Console
 
 from lightning_dapple.app.recipe_profile import recipe_global_batch, recipe_profile
 from lightning_dapple.cluster import load_cluster
 from lightning_dapple.errors import DappleConfigError
+from lightning_dapple.plan.console import make_console
 from lightning_dapple.plan.explain import plan_summary, plan_table
 from lightning_dapple.profile.loader import load_profile
 from lightning_dapple.simulate.plans import make_plan
@@ -100,7 +100,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.json:
         print(plan.to_json())
         return 0
-    console = Console()
+    console = make_console()
     console.print(plan_table(plan, profile, cluster))
     console.print(plan_summary(plan))
     memory = profile.meta.get("activation_memory")

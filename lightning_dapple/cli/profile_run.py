@@ -12,11 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from rich.console import Console
 from rich.table import Table
 from torch import nn
 
 from lightning_dapple.errors import DappleConfigError, require
+from lightning_dapple.plan.console import make_console
 from lightning_dapple.profile.model_profile import ModelProfile
 from lightning_dapple.profile.profiler import iter_tensors, map_tensors, profile_layers
 
@@ -118,7 +118,7 @@ def print_profile(profile: ModelProfile) -> None:
             _human_bytes(layer.param_bytes),
             _human_bytes(layer.stash_bytes),
         )
-    Console().print(table)
+    make_console().print(table)
 
 
 def run(args: Any) -> int:

@@ -26,11 +26,11 @@ import sys
 from dataclasses import replace as _replace
 from typing import Sequence
 
-from rich.console import Console
 from rich.table import Table
 
 from lightning_dapple.cluster import load_cluster
 from lightning_dapple.errors import DappleConfigError
+from lightning_dapple.plan.console import make_console
 from lightning_dapple.plan.costs import dapple_latency
 from lightning_dapple.plan.plan import SCHEDULES, Plan, load_plan
 from lightning_dapple.profile.loader import load_profile
@@ -160,9 +160,7 @@ def print_result(result: SimulationResult, plan: Plan) -> None:
             f"{100 * stage_result.busy_fraction(result.latency_ms):.1f}",
         ]
         table.add_row(*row)
-    console = Console()
-    if not console.is_terminal:
-        console.width = max(console.width, 140)
+    console = make_console()
     console.print(table)
     console.print(f"latency: {result.latency_ms:.3f} ms per step")
     console.print(f"bubble fraction: {result.bubble_fraction:.4f} (AllReduce and waiting count as idle)")
@@ -182,7 +180,7 @@ def print_result(result: SimulationResult, plan: Plan) -> None:
 
 def print_ooo_difference(result: SimulationResult, baseline: SimulationResult) -> None:
     """One line each: latency, bubble fraction and peak stash with vs without ooo."""
-    console = Console()
+    console = make_console()
     gain = (baseline.latency_ms - result.latency_ms) / baseline.latency_ms if baseline.latency_ms > 0 else 0.0
     console.print(
         f"with ooo: {result.latency_ms:.3f} ms, bubble {result.bubble_fraction:.4f}; "

@@ -34,6 +34,21 @@ rank blocked for long compares its peers' counters, and one silent for
 the same way, well within ``timeout_s``. When the store itself is gone, its host is: rank
 0 under Lightning's launchers, the node-0 agent under torchrun. The first failure
 published wins (a ticket counter), so the root cause is what every rank prints.
+
+Under NCCL the waits are on the GPU, and the watchdog bounds them from the side. There a
+``Work.wait(timeout)`` makes the host poll the work every millisecond, then synchronise
+anyway, while ``Work.wait()`` without a timeout only makes the current CUDA stream wait for
+the communication and returns at once: what a pipeline step wants (DAPPLE 5.2: transfers
+overlap compute, and the host runs ahead of the GPU). So ``wait_on_device`` waits that way
+and files a CUDA event recorded behind the wait with the watchdog, which ends the job if
+the event has not completed ``timeout_s`` later (a peer that never sends). Where the host
+must read a received value (a flag byte, a header, the step's loss) it blocks on an event
+behind the copy of that value alone (``block_on``), bounded by the watchdog the same way:
+no exception can interrupt a thread blocked in CUDA. The watchdog, rather than the process
+group's own timeout, because that one is the launcher's (Lightning's default is 30
+minutes), not this channel's ``timeout_s``, and it makes every stuck rank print its own
+NCCL report, where this channel publishes the root cause once and names silent peers. A
+device wait left incomplete counts as blocked for the grace and silence rules above.
 """
 from __future__ import annotations
 
@@ -45,9 +60,12 @@ import socket
 import sys
 import threading
 import time
+from collections import deque
+from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Sequence
+from typing import Any, Iterator, NamedTuple, Sequence
 
+import torch
 import torch.distributed as dist
 
 FAILURE_KEY = "lightning_dapple/failure"
@@ -64,6 +82,25 @@ class PeerFailedError(RuntimeError):
 
 class CommTimeoutError(RuntimeError):
     """A communication did not finish within the configured timeout."""
+
+
+class Waiting(NamedTuple):
+    """What this rank waits for, since when, and whether the watchdog bounds the wait
+    (device waits and host waits on CUDA events; a gloo wait times out by itself)."""
+
+    what: str
+    since: float
+    bounded_here: bool
+
+
+class _Watched(NamedTuple):
+    """A device wait the host did not block on: when it was filed, its event, what it waits
+    for, and the CUDA device of the event (None: not a CUDA event, as in the CPU tests)."""
+
+    since: float
+    event: Any
+    what: str
+    device: int | None
 
 
 class FailureChannel:
@@ -96,8 +133,9 @@ class FailureChannel:
         self._reported = False
         self._peer_message: str | None = None
         self._peer_seen_at = 0.0
-        self._blocked_on: str | None = None
-        self._blocked_since = 0.0
+        self._blocking: Waiting | None = None  # the host's wait in progress
+        self._watched: deque[_Watched] = deque()  # device waits, oldest first (the watchdog pops them)
+        self._watch_device: int | None = None  # the CUDA device the watchdog thread has set
         self._beats: dict[int, tuple[int, float]] = {}  # peer -> (last counter seen, when it last changed)
         self._last_beat = 0.0
         self._store_gone = False
@@ -174,15 +212,56 @@ class FailureChannel:
         if self._peer_message is not None:
             self.check()
         deadline = time.monotonic() + self.timeout_s
-        self._blocked_on, self._blocked_since = what, time.monotonic()
         try:
-            for work in works:
-                left = max(deadline - time.monotonic(), 0.001)
-                work.wait(timedelta(seconds=left))
+            with self._blocked(what, bounded_here=False):
+                for work in works:
+                    left = max(deadline - time.monotonic(), 0.001)
+                    work.wait(timedelta(seconds=left))
         except Exception as exc:
             self._raise_for(exc, what)
+
+    @contextmanager
+    def _blocked(self, what: str, bounded_here: bool) -> Iterator[None]:
+        """Mark the host as waiting for ``what``: the watchdog's grace and silence rules (and
+        its timeout, where ``bounded_here``) apply meanwhile."""
+        self._blocking = Waiting(what, time.monotonic(), bounded_here)
+        try:
+            yield
         finally:
-            self._blocked_on = None
+            self._blocking = None
+
+    # -- waiting on the GPU (NCCL; see the module docstring) ------------------------
+    def wait_on_device(self, works: Sequence[Any], what: str, device: int | None) -> None:
+        """Make the current CUDA stream wait for ``works`` without blocking the host, and
+        have the watchdog end the job if they have not completed ``timeout_s`` from now
+        (``device``: the stream's CUDA device index)."""
+        if not works:
+            return
+        if self._peer_message is not None:
+            self.check()
+        try:
+            for work in works:
+                work.wait()  # no timeout: the stream waits, the host goes on
+        except Exception as exc:
+            self._raise_for(exc, what)
+        done = torch.cuda.Event()
+        done.record()
+        self.watch(done, what, device)
+
+    def watch(self, event: Any, what: str, device: int | None = None) -> None:
+        """File ``event`` (anything with ``query()``) with the watchdog: the job ends if it
+        has not completed ``timeout_s`` from now."""
+        if not self._closed.is_set():
+            self._watched.append(_Watched(time.monotonic(), event, what, device))
+
+    def block_on(self, event: Any, what: str) -> None:
+        """Block the host until ``event`` (anything with ``synchronize()``) completes, for a
+        value it must read. The watchdog bounds the wait: the process ends after
+        ``timeout_s``, or ``grace_s`` after a peer's report."""
+        if self._peer_message is not None:
+            self.check()
+        with self._blocked(what, bounded_here=True):
+            event.synchronize()
 
     def _raise_for(self, exc: BaseException, what: str) -> None:
         """A wait failed: a peer that raised reports before it exits (and its exit is what
@@ -194,18 +273,21 @@ class FailureChannel:
         text = str(exc).lower()
         if "timed out" in text or "timeout" in text:
             silent = self._silent_peers(self.unresponsive_s, wait=False)
-            suspect = f"; rank(s) {silent} stopped beating" if silent else ""
             self._end_local(silent)
-            raise CommTimeoutError(
-                f"rank {self.rank}: no progress for {self.timeout_s:.0f} s while waiting for {what}{suspect}; "
-                "a peer may be stuck or dead. Raise DappleStrategy(timeout_s=...) if steps are this slow."
-            ) from exc
+            raise CommTimeoutError(self._timeout_message(what, silent)) from exc
         message, first_to_say = self._name_the_dead(what, exc)
         self._peer_message = message  # known here even when the store is gone
         self._peer_seen_at = time.monotonic()
         if first_to_say:
             self._say(f"{message} (seen on rank {self.rank})")
         raise PeerFailedError(f"{message} (seen on rank {self.rank})") from exc
+
+    def _timeout_message(self, what: str, silent: list[int]) -> str:
+        suspect = f"; rank(s) {silent} stopped beating" if silent else ""
+        return (
+            f"rank {self.rank}: no progress for {self.timeout_s:.0f} s while waiting for {what}{suspect}; "
+            "a peer may be stuck or dead. Raise DappleStrategy(timeout_s=...) if steps are this slow."
+        )
 
     def _name_the_dead(self, what: str, exc: BaseException) -> tuple[str, bool]:
         """The failure line for a broken connection, and whether this rank is the one to print
@@ -317,37 +399,74 @@ class FailureChannel:
     # -- the watchdog ---------------------------------------------------------------
     def _watch(self) -> None:
         """Beat; notice peers' reports and silent peers; end this process if it stays
-        blocked ``grace_s`` after a report, or a peer it waits on has stopped beating."""
+        blocked ``grace_s`` after a report, a peer it waits on has stopped beating, or a
+        wait that the watchdog bounds has lasted ``timeout_s``."""
         while not self._closed.wait(self.poll_s):
             self._beat()
+            waiting = self._waiting()
             message = self._read_report()
             if message is None:
-                self._watch_silence()
+                self._watch_silence(waiting)
+                self._watch_deadline(waiting)
                 continue
-            if self._reported:
+            if self._reported or waiting is None:
                 continue
-            blocked = self._blocked_on
-            since = max(self._blocked_since, self._peer_seen_at)
+            since = max(waiting.since, self._peer_seen_at)
             # a peer that raised may still unwind and free us; a dead one never will
             grace = min(self.grace_s, DEAD_GRACE_S) if any(m in message for m in DEATH_MARKS) else self.grace_s
-            if blocked is not None and time.monotonic() - since > grace:
-                self._say(f"{message} (seen on rank {self.rank}, blocked {grace:.0f} s in {blocked}); rank {self.rank} exits")
+            if time.monotonic() - since > grace:
+                self._say(f"{message} (seen on rank {self.rank}, blocked {grace:.0f} s in {waiting.what}); rank {self.rank} exits")
                 os._exit(1)
 
-    def _watch_silence(self) -> None:
+    def _waiting(self) -> Waiting | None:
+        """The host's wait in progress, else the oldest device wait not yet complete."""
+        blocking = self._blocking
+        if blocking is not None:
+            return blocking
+        stalled = self._oldest_watched()
+        return None if stalled is None else Waiting(stalled.what, stalled.since, True)
+
+    def _oldest_watched(self) -> _Watched | None:
+        """Drop the device waits that completed, oldest first; the first that has not."""
+        watched = self._watched
+        while watched:
+            oldest = watched[0]
+            if oldest.device is not None and oldest.device != self._watch_device:
+                # this thread's device: a query from device 0 would open a CUDA context there
+                torch.cuda.set_device(oldest.device)
+                self._watch_device = oldest.device
+            try:
+                if not oldest.event.query():
+                    return oldest
+            except Exception:  # a CUDA error: the main thread meets it at its next call
+                pass
+            watched.popleft()
+        return None
+
+    def _watch_deadline(self, waiting: Waiting | None) -> None:
+        """End the job when a wait that the watchdog bounds has lasted ``timeout_s``."""
+        if waiting is None or not waiting.bounded_here or time.monotonic() - waiting.since < self.timeout_s:
+            return
+        silent = self._silent_peers(self.unresponsive_s, wait=False)
+        message = self._timeout_message(waiting.what, silent)
+        self._publish(message)
+        self._say(f"{message}; rank {self.rank} exits")
+        self._end_local(silent)
+        os._exit(1)
+
+    def _watch_silence(self, waiting: Waiting | None) -> None:
         """While blocked for long, compare heartbeats; report a peer silent ``unresponsive_s``."""
-        blocked = self._blocked_on
-        if blocked is None or time.monotonic() - self._blocked_since < max(4 * self.heartbeat_s, self.unresponsive_s / 2):
+        if waiting is None or time.monotonic() - waiting.since < max(4 * self.heartbeat_s, self.unresponsive_s / 2):
             self._beats.clear()
             return
         self._scan_beats()
         now = time.monotonic()
         silent = [peer for peer, (_, since) in sorted(self._beats.items()) if now - since >= self.unresponsive_s]
-        if not silent or self._blocked_on is None:
+        if not silent or self._waiting() is None:
             return
         message = (
             f"rank(s) {silent} stopped responding: no heartbeat for {self.unresponsive_s:.0f} s (stopped, hung or killed); "
-            f"rank {self.rank} was waiting for {blocked}"
+            f"rank {self.rank} was waiting for {waiting.what}"
         )
         self._publish(message)
         self._say(f"{message}; rank {self.rank} exits")

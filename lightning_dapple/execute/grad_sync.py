@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_dapple.execute.failure import FailureChannel
+from lightning_dapple.execute.wires import waits_on_device
 
 __all__ = ["GradientSync"]
 
@@ -69,6 +70,9 @@ class GradientSync:
         self._next = 0
         self.launched_early = 0  # buckets of the last step started before its end (overlapped)
         self.live = False  # hooks report only during the stage's last ordinary backward
+        # under NCCL the compute stream waits for each bucket, not the host (failure.wait_on_device)
+        device = next((p.device for params in buckets for p in params), torch.device("cpu"))
+        self._on_device, self._device_index = waits_on_device(device, group), device.index
         for param in hooked:
             param.register_post_accumulate_grad_hook(self._hook)
 
@@ -124,8 +128,12 @@ class GradientSync:
         while self._next < len(self._buckets):
             self._launch(self._buckets[self._next])
             self._next += 1
+        what = f"gradient AllReduce of stage {self.stage}"
         for bucket in self._buckets:
-            self.failure.wait(bucket.work, f"gradient AllReduce of stage {self.stage}")
+            if self._on_device:
+                self.failure.wait_on_device([bucket.work], what, self._device_index)
+            else:
+                self.failure.wait(bucket.work, what)
             assert bucket.flat is not None
             offset = 0
             for param in bucket.params:

@@ -22,18 +22,23 @@ Instead the results travel point to point under their own tag:
 
 The messages are a few bytes, so under gloo they travel in host memory whatever the
 stage's device (gloo cannot send CUDA tensors; several ranks sharing one GPU run gloo),
-and on the device under NCCL, which only moves device memory.
+and on the device under NCCL, which only moves device memory. There the host waits for the
+head (and payload) alone, not for the compute stream: receives are issued from a stream
+with nothing queued and read through pinned copies on it (``wires.HostReader``, bounded by
+the failure channel's watchdog), and sends are not waited (NCCL keeps a sent tensor alive
+until its send is done).
 """
 from __future__ import annotations
 
 import pickle
-from typing import Any
+from contextlib import nullcontext
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
 from lightning_dapple.execute.failure import FailureChannel
-from lightning_dapple.execute.wires import backend_for
+from lightning_dapple.execute.wires import HostReader, backend_for, waits_on_device
 from lightning_dapple.plan.plan import Plan
 
 RESULT_TAG = 7  # the schedule's transfers use tag 0; results never match them under gloo
@@ -48,6 +53,7 @@ class ResultChannel:
         gloo = backend_for(device) in (None, "gloo")
         self.device = torch.device("cpu") if gloo else device  # where the messages live (see above)
         self.failure = failure
+        self.reader = HostReader(device, failure) if waits_on_device(device) else None
         self.source = last.devices[0]
         self.last_replicas = list(last.devices)
         self.is_last = rank in last.devices
@@ -63,8 +69,7 @@ class ResultChannel:
         """Post the receive of the next head now (step start), where tags keep it apart."""
         if self.single or not self.by_tag or self.rank == self.source or self._posted is not None:
             return
-        head = torch.zeros(2, dtype=torch.float64, device=self.device)
-        self._posted = (dist.irecv(head, self.source, tag=RESULT_TAG), head)
+        self._posted = self._irecv(2, torch.float64, self.source)
 
     def share(self, loss_sum: torch.Tensor | None, obj: Any) -> tuple[torch.Tensor | None, list[Any]]:
         """The loss summed over the last stage's replicas and their objects in replica order.
@@ -86,19 +91,34 @@ class ResultChannel:
     def flush(self) -> None:
         """Wait for the source's sends of the previous hand-off (their buffers go then)."""
         sends, self._sends = self._sends, []
-        if sends:
-            self.failure.wait_all(sends, "results sent to the other ranks")
+        self._wait_sends(sends, "results sent to the other ranks")
         self._keep = []
+
+    def _wait_sends(self, works: Sequence[Any], what: str) -> None:
+        if self.reader is None and works:  # under NCCL nothing waits for a send (see above)
+            self.failure.wait_all(works, what)
+
+    def _irecv(self, count: int, dtype: torch.dtype, peer: int) -> tuple[Any, torch.Tensor]:
+        """Post the receive of a message of ``count`` items from ``peer``: its work and buffer."""
+        with self.reader.issuing() if self.reader is not None else nullcontext():
+            buffer = torch.empty(count, dtype=dtype, device=self.device)
+            return dist.irecv(buffer, peer, tag=RESULT_TAG), buffer
+
+    def _read(self, work: Any, buffer: torch.Tensor, what: str) -> torch.Tensor:
+        """``buffer`` on the host once ``work`` (its receive) is done."""
+        if self.reader is not None:
+            return self.reader.read([work], [buffer], what)[0]
+        self.failure.wait(work, what)
+        return buffer.cpu()
 
     # -- the source ----------------------------------------------------------------
     def _gather(self, loss_sum: torch.Tensor | None, obj: Any) -> tuple[torch.Tensor | None, list[Any]]:
         total = loss_sum
         gathered = [obj]
         for peer in self.last_replicas[1:]:
-            head = torch.zeros(2, dtype=torch.float64, device=self.device)
-            peer_obj = self._complete(dist.irecv(head, peer, tag=RESULT_TAG), head, peer, f"results of last-stage rank {peer}")
+            head, peer_obj = self._complete(*self._irecv(2, torch.float64, peer), peer, f"results of last-stage rank {peer}")
             if total is not None:
-                total = total + head[0].cpu()
+                total = total + head[0]
             gathered.append(peer_obj)
         return total, gathered
 
@@ -116,19 +136,18 @@ class ResultChannel:
         works = [dist.isend(head, self.source, tag=RESULT_TAG)]
         if payload is not None:
             works.append(dist.isend(payload, self.source, tag=RESULT_TAG))
-        self.failure.wait_all(works, f"results sent to last-stage rank {self.source}")
+        self._wait_sends(works, f"results sent to last-stage rank {self.source}")
 
     def _receive(self, want_loss: bool) -> tuple[torch.Tensor | None, list[Any]]:
         self.post()
         if self._posted is not None:
             (work, head), self._posted = self._posted, None
         else:
-            head = torch.zeros(2, dtype=torch.float64, device=self.device)
-            work = dist.irecv(head, self.source, tag=RESULT_TAG)
-        gathered = self._complete(work, head, self.source, f"results from rank {self.source}")
+            work, head = self._irecv(2, torch.float64, self.source)
+        head, gathered = self._complete(work, head, self.source, f"results from rank {self.source}")
         if gathered is None:
             gathered = [None] * len(self.last_replicas)
-        return (head[0].cpu() if want_loss else None), gathered
+        return (head[0] if want_loss else None), gathered
 
     # -- the message: a (loss, payload size) head, then the pickled object if any ------
     def _encode(self, loss: torch.Tensor | None, obj: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -140,15 +159,14 @@ class ResultChannel:
         )
         return head, payload
 
-    def _complete(self, work: Any, head: torch.Tensor, peer: int, what: str) -> Any:
-        """Wait for a head received into ``head``, then its payload; the object, or None."""
-        self.failure.wait(work, what)
+    def _complete(self, work: Any, head: torch.Tensor, peer: int, what: str) -> tuple[torch.Tensor, Any]:
+        """Wait for a head received into ``head``, then its payload: the head on the host,
+        and the object (None when nothing was sent)."""
+        head = self._read(work, head, what)
         size = int(head[1].item())
         if not size:
-            return None
-        payload = torch.empty(size, dtype=torch.uint8, device=self.device)
-        self.failure.wait(dist.irecv(payload, peer, tag=RESULT_TAG), what)
-        return from_bytes(payload)
+            return head, None
+        return head, from_bytes(self._read(*self._irecv(size, torch.uint8, peer), what))
 
 
 def to_bytes(obj: Any, device: torch.device) -> torch.Tensor:

@@ -16,7 +16,9 @@ simulator times) and hands each action to the collaborator that does it:
 * gradient AllReduce among the stage's replicas to the ``GradientSync``
   (``execute/grad_sync.py``): bucketed and started as soon as each bucket's gradients are
   final, overlapping the rest of the backward; the ALLREDUCE actions of the list mark where
-  the simulator expects the last of them, and the step waits for all at its end;
+  the simulator expects the last of them, and the step waits for all at its end; tied
+  parameters this stage shares with others stay out of the buckets and are summed over
+  every stage holding them after that (``execute/tied.py``);
 * stashed bytes to the ``StashLedger`` and their sizes to ``StashSizes``
   (``execute/stash_ledger.py``: ``schedule.ooo.stash_walk``'s rule with measured sizes).
 
@@ -29,7 +31,6 @@ looked up once per step.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, NamedTuple, Sequence
 
@@ -41,11 +42,14 @@ from lightning_dapple.execute.failure import FailureChannel
 from lightning_dapple.execute.grad_sync import GradientSync
 from lightning_dapple.execute.groups import PlanGroups
 from lightning_dapple.execute.keys import TransferKey, transfer_key
+from lightning_dapple.execute.links import plan_links
 from lightning_dapple.execute.replay import restore_rng, save_rng
 from lightning_dapple.execute.results import ResultChannel
 from lightning_dapple.execute.slicing import batch_size_of, slice_rows, take_rows
+from lightning_dapple.execute.spans import CudaSpans, HostSpans, Span, span_clock
 from lightning_dapple.execute.stage import EvalCallbacks, Stage, StageCallbacks
 from lightning_dapple.execute.stash_ledger import KnownSizes, StashLedger, StashSizes, StepSizes
+from lightning_dapple.execute.tied import TiedSync
 from lightning_dapple.execute.transport import Peer, Transport, receives_ahead_pay
 from lightning_dapple.plan.buckets import BUCKET_BYTES, bucket_layers
 from lightning_dapple.plan.plan import Plan
@@ -62,14 +66,19 @@ class StageStats:
     """What the executor measured on this rank during the last step.
 
     ``timeline`` holds (start, end, kind, micro-batch) of every F, B (recomputation
-    included) and W, in ``time.perf_counter`` seconds.
+    included) and W, in ``time.perf_counter`` seconds: host times on a CPU, CUDA event
+    times on a GPU, read when first asked for (``execute/spans.py``).
     """
 
     peak_in_flight: int = 0
     peak_stash_bytes: int = 0
     stash_bytes: dict[int, int] = field(default_factory=dict)
-    timeline: list[tuple[float, float, str, int]] = field(default_factory=list)
+    spans: HostSpans | CudaSpans = field(default_factory=HostSpans)
     recomputed: int = 0
+
+    @property
+    def timeline(self) -> list[Span]:
+        return self.spans.read()
 
 
 class _Op(NamedTuple):
@@ -112,6 +121,7 @@ class StageRunner:
         forward_context: Callable[[], ContextManager[Any]] | None = None,
         bucket_bytes: int = BUCKET_BYTES,
         wire: str = "auto",
+        tied: TiedSync | None = None,
     ) -> None:
         self.plan = plan
         self.schedule = schedule
@@ -122,7 +132,8 @@ class StageRunner:
         self.layers = list(layers)
         self.device = device
         self.failure = failure
-        self.transport = Transport(failure, device, wire=wire)  # a collective under NCCL: every rank builds its runner
+        # a collective under NCCL (a communicator per link and direction): every rank builds its runner
+        self.transport = Transport(failure, device, wire=wire, links=plan_links(plan))
         self.results = ResultChannel(plan, rank, device, failure)
         # post each receive one transfer ahead (None: where that pays, see receives_ahead_pay)
         self.post_ahead = self.transport.posts_ahead and (receives_ahead_pay(device) if post_ahead is None else post_ahead)
@@ -132,7 +143,9 @@ class StageRunner:
         self.is_first = self.stage == 0
         self.is_last = self.stage == plan.num_stages - 1
         self.stats = StageStats()
-        self.parameters = [p for layer in self.layers for p in layer.parameters() if p.requires_grad]
+        # each once: layers of one stage may share a parameter (tied weights)
+        self.parameters = list({id(p): p for layer in self.layers for p in layer.parameters() if p.requires_grad}.values())
+        self.tied = tied
         self.steps_done = 0  # training steps run so far (part of every dropout seed; a resume sets it)
         self.ledger = StashLedger()
         self.sizes = StashSizes(self.parameters)
@@ -176,7 +189,7 @@ class StageRunner:
         if group is None or not self.parameters:
             return None
         owned: list[list[nn.Parameter]] = []
-        seen: set[int] = set()
+        seen: set[int] = {id(p) for p in self.tied.params} if self.tied is not None else set()  # summed by TiedSync
         for layer in self.layers:
             owned.append([p for p in layer.parameters() if p.requires_grad and id(p) not in seen])
             seen.update(id(p) for p in owned[-1])
@@ -316,19 +329,19 @@ class StageRunner:
         batch: Any,
         callbacks: StageCallbacks,
         extras: Callable[[], Any] | None = None,
-        loss_scale: float = 1.0,
     ) -> tuple[torch.Tensor, list[Any]]:
         """Run one optimizer step's forward/backward work; gradients are left in ``.grad``.
 
-        The backward starts from the loss times ``loss_scale`` (fp16 loss scaling); the
-        returned loss of the whole global batch (the same on every rank) is unscaled, with
-        the list of what ``extras()`` returned on each last-stage replica (on every rank).
+        Returns the loss of the whole global batch (the same on every rank, on the host:
+        the step's one device-to-host read on the last stage) with the list of what
+        ``extras()`` returned on each last-stage replica (on every rank). ``batch`` may stay
+        where the DataLoader put it: the stage hands slices (views) of it to ``callbacks``.
         """
         batch_rows = batch_size_of(batch)
         self.check_batch(batch_rows)
         for param in self.parameters:
             param.grad = None
-        self.stats = stats = StageStats()
+        self.stats = stats = StageStats(spans=span_clock(self.device))
         sizes = self._step_sizes = self.sizes.for_step((batch_rows, bool(self.layers) and self.layers[0].training))
         routes = self._step_routes = self._routes_for(batch_rows)
         self.ledger.start()
@@ -339,13 +352,15 @@ class StageRunner:
         rng = save_rng(self.device)  # every F reseeds; the caller's RNG stream is put back when the step ends
         # the seed base is read before any reseed changes what initial_seed() answers
         seed = (torch.initial_seed(), self.steps_done)
-        self.pipeline_stage.begin_step(batch, batch_rows, [route.rows for route in routes], callbacks, float(loss_scale), seed)
+        self.pipeline_stage.begin_step(batch, batch_rows, [route.rows for route in routes], callbacks, 1.0, seed)
         try:
             for op in self._program:
                 op.run(op)
             self.transport.flush()
             if self.sync is not None:
                 self.sync.finish()
+            if self.tied is not None:
+                self.tied.finish()
         finally:
             restore_rng(rng)
             losses = self.pipeline_stage.end_step()
@@ -360,18 +375,18 @@ class StageRunner:
 
     # -- op handlers: compute ---------------------------------------------------------
     def _forward(self, op: _Op) -> None:
-        start = time.perf_counter()
+        begun = self.stats.spans.begin()
         self.ledger.forwarded(op.mb, self._step_sizes.forward(self.pipeline_stage.forward, op.mb))
-        self.stats.timeline.append((start, time.perf_counter(), "F", op.mb))
+        self.stats.spans.end(begun, "F", op.mb)
 
     def _forward_keeping_input(self, op: _Op) -> None:
-        start = time.perf_counter()
+        begun = self.stats.spans.begin()
         kept = self.pipeline_stage.forward_keeping_input(op.mb)
         self.ledger.forwarded(op.mb, self._step_sizes.kept(op.mb, kept))
-        self.stats.timeline.append((start, time.perf_counter(), "F", op.mb))
+        self.stats.spans.end(begun, "F", op.mb)
 
     def _backward(self, op: _Op) -> None:
-        start = time.perf_counter()
+        begun = self.stats.spans.begin()
         mb, stage = op.mb, self.pipeline_stage
         if op.replay:
             replayed = self._step_sizes.replay(stage.recompute, mb)
@@ -390,12 +405,12 @@ class StageRunner:
             self.ledger.hold(mb, kept)  # the output gradients its W needs
         else:
             self.ledger.drop(mb)
-        self.stats.timeline.append((start, time.perf_counter(), "B", mb))
+        self.stats.spans.end(begun, "B", mb)
 
     def _weight(self, op: _Op) -> None:
-        start = time.perf_counter()
+        begun = self.stats.spans.begin()
         self.pipeline_stage.backward_weight(op.mb, op.span)
-        self.stats.timeline.append((start, time.perf_counter(), "W", op.mb))
+        self.stats.spans.end(begun, "W", op.mb)
         if not op.pending_w:
             self.ledger.drop(op.mb)
 

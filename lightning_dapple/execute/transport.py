@@ -21,7 +21,7 @@ once per Transport from the backend and device, or forced with ``wire=``):
   stage output itself (a lone tensor goes as it is, several are packed), and the
   receiver's flag byte stays "same";
 * under NCCL (the ``nccl`` wire), which needs equal sizes, every message carries its flag
-  byte, and a transfer's messages go as one batch.
+  byte, and each message goes on the communicator of its link and direction.
 
 Per-message overhead is what a pipeline of small stages pays most for (DAPPLE 5.2: the
 schedule only helps if the transfers between stages stay cheap), so the steady state is one
@@ -77,7 +77,7 @@ from torch.utils import _pytree as pytree
 from lightning_dapple.errors import DappleConfigError, require
 from lightning_dapple.execute.failure import FailureChannel
 from lightning_dapple.execute.slicing import flatten, overlap, unflatten
-from lightning_dapple.execute.wires import Incoming, flat_works, make_wire
+from lightning_dapple.execute.wires import Incoming, make_wire
 from lightning_dapple.profile.sample_rows import is_whole
 
 HEADER_INTS = 512
@@ -109,9 +109,10 @@ def receives_ahead_pay(device: torch.device, local_ranks: int | None = None, thr
     """Whether posting receives one transfer ahead (DAPPLE 5.2: overlap transfers with
     compute) speeds this rank up rather than slowing it down.
 
-    * Only under gloo. NCCL matches the point-to-point operations of a pair by their order on
-      one stream, so a receive posted before a send the peer is waiting for would deadlock
-      (a rank's posted receive of gradient j blocks its own send of activation j+1).
+    * Only under gloo. Under NCCL a receive starts as soon as it is posted, whatever compute
+      is queued (``wires.NcclWire``), and the host, whose kernel launches return at once,
+      reaches a receive action before the GPU has run the compute queued ahead of it: the
+      transfer overlaps that compute without posting ahead, and the ``nccl`` wire never does.
     * Only when the machine has a core left for every rank's gloo I/O thread. gloo sends a
       message's data once its receive is posted; with the receive posted ahead the data
       arrives while the receiver computes, and gloo's loop thread must run then. With every
@@ -355,20 +356,26 @@ class Transport:
 
     ``wire`` picks how messages travel (``lightning_dapple.execute.wires``): ``"auto"``
     chooses from the backend and device (gloo with CPU tensors: ``gloo``; gloo with CUDA
-    tensors: ``staged`` through pinned host buffers; NCCL: ``nccl``, batched on
-    communication streams); a forced ``"nccl"`` or ``"staged"`` also runs over gloo with CPU
+    tensors: ``staged`` through pinned host buffers; NCCL: ``nccl``, one communicator per
+    link and direction); a forced ``"nccl"`` or ``"staged"`` also runs over gloo with CPU
     tensors, which is how the CPU tests cover those paths. Every rank must use the same
     policy (``gloo`` and ``staged`` messages are alike, so those two can mix). With the
     ``nccl`` wire the constructor is collective: every rank builds its Transport at the same
-    point (it creates the two process groups of the wire).
+    point, with the same ``links`` (the rank pairs that exchange rows, ``links.plan_links``;
+    None: every pair), and it creates one process group per link and direction.
     """
 
     def __init__(
-        self, failure: FailureChannel, device: torch.device, short_messages: bool | None = None, wire: str = "auto"
+        self,
+        failure: FailureChannel,
+        device: torch.device,
+        short_messages: bool | None = None,
+        wire: str = "auto",
+        links: Sequence[tuple[int, int]] | None = None,
     ) -> None:
         self.failure = failure
         self.device = device
-        self.wire = make_wire(wire, device, failure)
+        self.wire = make_wire(wire, device, failure, links)
         # whether a known layout's activation may travel without its flag byte (see
         # ``short_messages_match``); None: what the wire allows
         self.short = self.wire.short_messages if short_messages is None else short_messages
@@ -397,8 +404,8 @@ class Transport:
 
     @property
     def posts_ahead(self) -> bool:
-        """Whether receives may be posted ahead on this wire (never under NCCL, which runs a
-        pair's operations in issue order: see ``receives_ahead_pay``)."""
+        """Whether receives may be posted ahead on this wire (not under NCCL: see
+        ``receives_ahead_pay``)."""
         return self.wire.posts_ahead
 
     # -- sending -------------------------------------------------------------
@@ -517,7 +524,8 @@ class Transport:
     def settle(self, keys: Any) -> None:
         """Wait for the pending sends whose key is in ``keys`` (``schedule.settle`` says which
         a receive may wait for: those the peer has already posted receives for), so gloo
-        writes their data while this rank is blocked rather than during its next compute."""
+        writes their data while this rank is blocked rather than during its next compute
+        (under NCCL nothing waits for a send: ``wires.NcclWire``)."""
         if not keys or not self._pending_sends:
             return
         due = [item for item in self._pending_sends if item[3] in keys]
@@ -529,8 +537,7 @@ class Transport:
         if pending:
             first = self._labels.get(pending[0][2]) or self._label(pending[0][2])
             what = first if len(pending) == 1 else f"{len(pending)} sends ({first} ... {pending[-1][2]})"
-            works = [item[0] for item in pending if item[0] is not None]
-            self.failure.wait_all(flat_works(works) if self.wire.batched else works, what)
+            self.wire.wait_sends([item[0] for item in pending], what)
             if self.wire.pooled:
                 self.wire.release([item[1] for item in pending])
 
@@ -552,9 +559,9 @@ class Transport:
     # the layout of the last one from the same peer (a changed layout arrives as a message
     # of that size with the flag set, see the module docstring), a gradient's from the
     # outputs it belongs to. Callers post in the order of their action list and at most one
-    # transfer ahead, so receives from one peer are matched in order. Wires that match a
-    # pair's operations by order on one stream (NCCL) never post ahead: there posting is a
-    # no-op and the receive is posted when due.
+    # transfer ahead, so receives from one peer are matched in order. The nccl wire never
+    # posts ahead (see ``receives_ahead_pay``): there posting is a no-op and the receive is
+    # posted when due.
     def post_activation(self, my_rows: tuple[int, int], peers: Sequence[Peer], transfer: Hashable) -> bool:
         """Post the receives of activation ``transfer`` now; False if a layout is still unknown
         (or the wire does not post ahead)."""
@@ -614,10 +621,10 @@ class Transport:
         """Receive and concatenate the rows ``my_rows`` of a boundary; grads enabled on
         floating leaves that required grad on the sender.
 
-        The receives of every peer whose layout is known are posted together (one batch on
-        batched wires) and waited together; a peer whose flag byte says "new layout" (or
-        whose layout is unknown) then sends a header, maybe the structure, and the data.
-        Whole leaves come from the peer of this rank's first row (module docstring)."""
+        The receives of every peer whose layout is known are posted together and waited
+        together; a peer whose flag byte says "new layout" (or whose layout is unknown) then
+        sends a header, maybe the structure, and the data. Whole leaves come from the peer of
+        this rank's first row (module docstring)."""
         parts = []
         for peer in peers:
             rows = overlap(my_rows, peer.rows)

@@ -8,22 +8,38 @@ differs is how a message's bytes get from one rank to the other.
 * ``staged`` (gloo, CUDA tensors: several ranks sharing one GPU, where NCCL refuses to run):
   every message crosses the host through pooled pinned buffers (``staging``). The message
   format is ``gloo``'s, so a CPU rank and a CUDA rank can talk.
-* ``nccl`` (NCCL): the messages of one transfer go as one ``batch_isend_irecv`` on a
-  communication stream; the compute stream waits on CUDA events, never the host, except
-  where an activation's flag byte must be read (a layout change changes what to receive
-  next). NCCL needs every receive to match its message's size (so the flag byte travels
-  on every activation), has no complex or bool type (such lone tensors go as bytes), and
-  runs a pair's operations in issue order on one stream, so receives are never posted
-  ahead, and activations and gradients go on two process groups of their own: a send
-  blocked until its receiver arrives then holds up only later messages in its own
-  direction, as under gloo, where sends never block receives.
+* ``nccl`` (NCCL): every message is its own ``isend``/``irecv`` on a communicator of its
+  own. NCCL runs one communicator's operations in issue order on one stream, so a receive
+  issued after a send on the same communicator starts only when that send's receiver has
+  taken it: with one communicator per direction, a middle stage could not receive F(k+1)'s
+  input before the next stage had posted its receive of k (``torch.distributed.pipelining``
+  stopped coalescing sends with receives for the same head-of-line blocking). Here every
+  link (a pair of adjacent-stage ranks, ``links.plan_links``) gets one two-rank process
+  group per direction: a communicator carries one sender's messages to one receiver, in the
+  order both action lists issue them (``links.link_orders``; the tests check every
+  schedule), and nothing else waits behind them. A group per link, not one group with
+  unbatched point-to-point calls: once the default group is bound to a device
+  (``init_process_group(device_id=...)``, which Lightning does), ProcessGroupNCCL sends a
+  group's unbatched point-to-point operations through the group's own communicator. The
+  groups are made (collectively) and each is used once, in one global order, when the wire
+  is built, since NCCL connects a pair on its first operation and blocks the host until the
+  peer arrives. Waits are on the GPU (see ``failure``): the compute stream waits for a
+  receive, the host does not, except for the bytes it must read (an activation's flag
+  byte, a header), copied to pinned memory behind that receive alone (``HostReader``);
+  receives are issued from a stream with nothing queued, so they never wait for queued
+  compute. Sends are not waited: ProcessGroupNCCL records each sent tensor on its own
+  stream, so the memory outlives the send. NCCL needs every receive to match its
+  message's size (the flag byte travels on every activation), has no complex or bool type
+  (such lone tensors go as bytes), and receives are posted when due, not ahead.
 
 ``Transport(wire=...)`` forces a policy: ``nccl`` and ``staged`` also run over gloo with CPU
-tensors (batched p2p works under gloo; staging then uses plain host memory), so the CPU
-tests execute the code NCCL and the staging run.
+tensors (the ``nccl`` wire's link groups and message order are the same there, its waits
+gloo's; staging then uses plain host memory), so the CPU tests execute the code NCCL and
+the staging run.
 """
 from __future__ import annotations
 
+from itertools import combinations
 from typing import Any, NamedTuple, Sequence
 
 import torch
@@ -41,24 +57,32 @@ class Incoming(NamedTuple):
     """A posted receive: where its message lands and what waiting for it needs."""
 
     peer: int
-    work: Any  # a Work, a list of them (a batch), or None (a CUDA stream waits instead)
+    work: Any  # the receive's Work
     buffer: torch.Tensor  # the message's bytes: on the device, or a host buffer (staged)
     shape: tuple[int, ...]
     dtype: torch.dtype
     flagged: bool  # an activation receive: its last byte is the layout flag
-    extra: Any = None  # staged: the pool key; nccl on CUDA: (event, pinned flag byte)
+    extra: Any = None  # staged: the pool key
+    control: bool = False  # a header or structure: read on the host
 
 
-def backend_for(device: torch.device) -> str | None:
-    """The process group's backend for tensors on ``device`` (None: no process group)."""
+def backend_for(device: torch.device, group: Any = None) -> str | None:
+    """The backend of ``group`` (default: the default group) for tensors on ``device``
+    (None: no process group)."""
     if not dist.is_initialized():
         return None
-    backend = str(dist.get_backend())
+    backend = str(dist.get_backend(group))
     if ":" not in backend:
         return backend
     # one backend per device type, e.g. "cpu:gloo,cuda:nccl"
     by_device = dict(part.split(":", 1) for part in backend.split(","))
     return by_device.get(device.type, next(iter(by_device.values())))
+
+
+def waits_on_device(device: torch.device, group: Any = None) -> bool:
+    """Whether waits for ``group``'s communication on ``device`` happen on the GPU (NCCL)
+    rather than on the host (gloo, also with CUDA tensors): see ``failure``."""
+    return device.type == "cuda" and backend_for(device, group) == "nccl"
 
 
 def choose_wire(wire: str, device: torch.device) -> str:
@@ -125,6 +149,10 @@ class Wire:
 
     def release(self, kept: Sequence[Any]) -> None:
         """Sends whose works were waited: their buffers are free again."""
+
+    def wait_sends(self, works: Sequence[Any], what: str) -> None:
+        """Wait until sends are done with their buffers (the host waits, bounded)."""
+        self.failure.wait_all(works, what)
 
     def post(self, specs: Sequence[tuple[int, Any, bool]], direction: str, control: bool = False) -> list[Incoming]:
         """Receives of ``(peer, BufferSpec, flagged)``; ``control`` messages (headers,
@@ -202,8 +230,95 @@ class StagedWire(Wire):
         return out
 
 
+class HostReader:
+    """Receives whose values the host must read, without waiting for queued compute.
+
+    Receives are issued from this reader's stream, which has nothing queued whenever one is
+    issued (the host blocks on everything it queues there), so under NCCL they start at once
+    and never wait for the compute stream. ``read`` queues, on the same stream, waits for
+    some receives and copies of their bytes to pinned host memory, and blocks the host on an
+    event behind those copies alone (bounded by the failure channel's watchdog).
+    """
+
+    def __init__(self, device: torch.device, failure: FailureChannel) -> None:
+        self.failure = failure
+        self.stream = torch.cuda.Stream(device)
+        self._scratch: dict[tuple[int, tuple[int, ...], torch.dtype], torch.Tensor] = {}  # see ``read``
+
+    def issuing(self) -> Any:
+        """The context in which to allocate receive buffers and issue receives."""
+        return torch.cuda.stream(self.stream)
+
+    def read(self, works: Sequence[Any], tensors: Sequence[torch.Tensor], what: str, keep: bool = True) -> list[torch.Tensor]:
+        """Host copies of ``tensors`` once ``works`` (their receives) have completed; without
+        ``keep``, in pinned buffers reused by the next read (for values read at once, such as
+        flag bytes: no allocation per receive)."""
+        with torch.cuda.stream(self.stream):
+            for work in works:
+                work.wait()  # this stream waits for the receive; the host does not
+            hosts = [self._host(index, t, keep) for index, t in enumerate(tensors)]
+            for host, tensor in zip(hosts, tensors):
+                host.copy_(tensor, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(self.stream)
+        self.failure.block_on(copied, what)
+        return hosts
+
+    def _host(self, index: int, tensor: torch.Tensor, keep: bool) -> torch.Tensor:
+        if keep:
+            return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        key = (index, tuple(tensor.shape), tensor.dtype)
+        host = self._scratch.get(key)
+        if host is None:
+            host = self._scratch[key] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        return host
+
+
+def link_groups(
+    links: Sequence[tuple[int, int]], device: torch.device, index: int | None, failure: FailureChannel
+) -> dict[tuple[str, int], Any]:
+    """One two-rank process group per link and direction; this rank's, by (direction, peer).
+
+    Collective: every rank makes every group, in one order. Under NCCL (``index``: the CUDA
+    device's) each group then carries one byte in its direction, in that same order, so that
+    every pair is connected before the schedule runs (a rank reaching a pair's first
+    operation blocks until the peer does; in one global order, the earliest pending pair
+    always has both ranks there).
+    """
+    rank = dist.get_rank()
+    oriented: dict[tuple[int, int], tuple[int, int]] = {}
+    for upstream, downstream in links:
+        oriented.setdefault((min(upstream, downstream), max(upstream, downstream)), (upstream, downstream))
+    groups: dict[tuple[str, int], Any] = {}
+    first: list[tuple[Any, int, bool]] = []  # (group, peer, whether this rank sends) in the global order
+    for pair in sorted(oriented):
+        upstream, downstream = oriented[pair]
+        for direction in DIRECTIONS:
+            group = dist.new_group(list(pair))
+            if rank in pair:
+                peer = downstream if rank == upstream else upstream
+                groups[(direction, peer)] = group
+                sender = upstream if direction == "activation" else downstream
+                first.append((group, peer, rank == sender))
+    if device.type == "cuda" and first:
+        works = []
+        for group, peer, sends in first:
+            byte = torch.zeros(1, dtype=torch.uint8, device=device)
+            works.append((dist.isend if sends else dist.irecv)(byte, peer, group=group))
+        failure.wait_on_device(works, "the first message of every link", index)
+        done = torch.cuda.Event()
+        done.record()
+        failure.block_on(done, "the first message of every link")
+    return groups
+
+
 class NcclWire(Wire):
-    """Batched p2p on a communication stream per direction; see the module docstring."""
+    """One communicator per link and direction, waits on the GPU; see the module docstring.
+
+    ``links``: the (upstream, downstream) rank pairs that may exchange boundary tensors
+    (``links.plan_links``); None: every pair of ranks of the world, the lower rank taken as
+    upstream (a pair used the other way round then connects at its first message).
+    """
 
     name = "nccl"
     short_messages = False
@@ -211,122 +326,93 @@ class NcclWire(Wire):
     batched = True
     zero_flags = False
 
-    def __init__(self, device: torch.device, failure: FailureChannel) -> None:
+    def __init__(self, device: torch.device, failure: FailureChannel, links: Sequence[tuple[int, int]] | None = None) -> None:
         super().__init__(device, failure)
         self.cuda = device.type == "cuda"
-        # every rank builds its Transport at the same point (new_group is collective)
-        self.groups = {direction: dist.new_group() for direction in DIRECTIONS}
-        self.streams: dict[str, Any] = {}
-        self._flag_bytes: dict[int, torch.Tensor] = {}
+        self.index: int | None = None  # the CUDA device's index, for the failure channel's watchdog
         if self.cuda:
-            index = device.index if device.index is not None else torch.cuda.current_device()
-            for direction, group in self.groups.items():
-                # batch_isend_irecv's first call in a group must involve all its ranks: a
-                # barrier creates the communicator now, on every rank
-                dist.barrier(group=group, device_ids=[index])
-                self.streams[direction] = torch.cuda.Stream(device)
+            self.index = device.index if device.index is not None else torch.cuda.current_device()
+        if links is None:
+            links = list(combinations(range(dist.get_world_size()), 2))
+        self.groups = link_groups(links, device, self.index, failure)  # a collective: every rank builds its wire
+        self.reader = HostReader(device, failure) if self.cuda else None
 
     @staticmethod
     def typed(dtype: torch.dtype) -> bool:
         return not dtype.is_complex and dtype is not torch.bool
 
+    def _group(self, direction: str, peer: int) -> Any:
+        group = self.groups.get((direction, peer))
+        if group is None:
+            raise RuntimeError(
+                f"rank {dist.get_rank()} has no {direction} link to rank {peer}: the nccl wire was built for other "
+                "links than the plan's (Transport(links=...) must list every pair of ranks that exchange rows)"
+            )
+        return group
+
     def send(self, messages: Sequence[tuple[torch.Tensor, int]], direction: str) -> list[tuple[Any, Any]]:
-        if not messages:  # batch_isend_irecv refuses an empty batch
-            return []
-        tensors = [t if t.device == self.device else t.to(self.device) for t, _ in messages]
-        group = self.groups[direction]
-        ops = [dist.P2POp(dist.isend, t, peer, group=group) for t, (_, peer) in zip(tensors, messages)]
-        if not self.cuda:
-            return _per_message(dist.batch_isend_irecv(ops), tensors)
-        stream = self.streams[direction]
-        stream.wait_stream(torch.cuda.current_stream(self.device))  # the data is produced there
-        with torch.cuda.stream(stream):
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()  # the communication stream waits, not the host
-        for tensor in tensors:
-            tensor.record_stream(stream)  # freed by the compute stream: reused only after the send
-        return [(None, t) for t in tensors]
+        # issued from the current (compute) stream, which produced the data: NCCL's stream
+        # waits for it there, and records the tensor so that its memory outlives the send
+        out = []
+        for tensor, peer in messages:
+            tensor = tensor if tensor.device == self.device else tensor.to(self.device)
+            out.append((dist.isend(tensor, peer, group=self._group(direction, peer)), tensor))
+        return out
+
+    def wait_sends(self, works: Sequence[Any], what: str) -> None:
+        if not self.cuda:  # gloo underneath (the CPU tests): its waits
+            super().wait_sends(works, what)
 
     def post(self, specs: Sequence[tuple[int, Any, bool]], direction: str, control: bool = False) -> list[Incoming]:
-        if not specs:
-            return []
-        group = self.groups[direction]
-        if not self.cuda:
-            buffers = [spec.make(self.device, self.zero_flags) for _, spec, _ in specs]
-            works = dist.batch_isend_irecv([dist.P2POp(dist.irecv, b, peer, group=group) for b, (peer, _, _) in zip(buffers, specs)])
-            return [
-                Incoming(peer, work, b, spec.shape, spec.dtype, flagged)
-                for (work, b), (peer, spec, flagged) in zip(_per_message(works, buffers), specs)
-            ]
-        stream = self.streams[direction]
-        with torch.cuda.stream(stream):
-            # allocated on the communication stream: the receive need not wait for kernels
-            # queued on the compute stream (record_stream in ``wait`` hands them over)
-            buffers = [spec.make(self.device, self.zero_flags) for _, spec, _ in specs]
-            works = dist.batch_isend_irecv([dist.P2POp(dist.irecv, b, peer, group=group) for b, (peer, _, _) in zip(buffers, specs)])
-            for work in works:
-                work.wait()
-            flags = [self._copy_flag(peer, b) if flagged else None for b, (peer, _, flagged) in zip(buffers, specs)]
-            done = torch.cuda.Event()
-            done.record(stream)
-        return [
-            Incoming(peer, works, b, spec.shape, spec.dtype, flagged, (done, flag))
-            for b, flag, (peer, spec, flagged) in zip(buffers, flags, specs)
-        ]
+        if self.reader is None:
+            return self._post(specs, direction, control)
+        with self.reader.issuing():
+            # allocated on the reader's stream too; ``wait`` hands the buffers to the compute stream
+            return self._post(specs, direction, control)
 
-    def _copy_flag(self, peer: int, buffer: torch.Tensor) -> torch.Tensor:
-        """Copy a received activation's flag byte into a pinned host byte (on the current,
-        communication stream), so reading it waits for the transfer, not the compute stream."""
-        flag = self._flag_bytes.get(peer)
-        if flag is None:
-            flag = self._flag_bytes[peer] = torch.zeros(1, dtype=torch.uint8, pin_memory=True)
-        flag.copy_(buffer[-1:], non_blocking=True)
-        return flag
+    def _post(self, specs: Sequence[tuple[int, Any, bool]], direction: str, control: bool) -> list[Incoming]:
+        out = []
+        for peer, spec, flagged in specs:
+            buffer = spec.make(self.device, self.zero_flags)
+            work = dist.irecv(buffer, peer, group=self._group(direction, peer))
+            out.append(Incoming(peer, work, buffer, spec.shape, spec.dtype, flagged, control=control))
+        return out
 
     def wait(self, incoming: Sequence[Incoming], what: str) -> list[tuple[torch.Tensor, int]]:
-        if not self.cuda:
-            self.failure.wait_all(flat_works(item.work for item in incoming), what)
+        if self.reader is None:
+            self.failure.wait_all([item.work for item in incoming], what)
             return _with_flags(incoming)
-        compute = torch.cuda.current_stream(self.device)
-        events = {id(item.extra[0]): item.extra[0] for item in incoming}
-        for event in events.values():
-            compute.wait_event(event)
+        # the host reads flag bytes and control messages (a layout change changes what to
+        # receive next), and waits for those receives alone
+        read = [item for item in incoming if item.flagged or item.control]
+        values: Any = iter(())
+        if read:
+            keep = any(item.control for item in read)  # flag bytes alone are read at once: scratch buffers
+            tensors = [item.buffer if item.control else item.buffer[-1:] for item in read]
+            values = iter(self.reader.read([item.work for item in read], tensors, what, keep))
+        data = [item for item in incoming if not item.control]
+        if data:  # the compute stream waits for the data, the host goes on
+            self.failure.wait_on_device([item.work for item in data], what, self.index)
+            compute = torch.cuda.current_stream(self.device)
+            for item in data:
+                item.buffer.record_stream(compute)
+        out = []
         for item in incoming:
-            item.buffer.record_stream(compute)
-        if not any(item.flagged for item in incoming):
-            return [(item.buffer, 0) for item in incoming]
-        # the flag decides what to receive next: the host waits, bounded, for the transfer
-        self.failure.wait_all(flat_works(item.work for item in incoming), what)
-        for event in events.values():
-            event.synchronize()
-        return [(item.buffer, int(item.extra[1][0]) if item.flagged else 0) for item in incoming]
+            if item.control:
+                out.append((next(values), 0))
+            else:
+                out.append((item.buffer, int(next(values)[0]) if item.flagged else 0))
+        return out
 
 
-def _per_message(works: list[Any], kept: list[Any]) -> list[tuple[Any, Any]]:
-    """Pair a batch's works with its messages: one each where the backend does not coalesce
-    the batch (gloo); else the whole list goes with the first message (see ``flat_works``)."""
-    if len(works) == len(kept):
-        return list(zip(works, kept))
-    return [(works if index == 0 else None, item) for index, item in enumerate(kept)]
-
-
-def flat_works(works: Any) -> list[Any]:
-    """Works to wait for, from a Work, a list of them, or None, without repeats."""
-    out: list[Any] = []
-    for work in works:
-        for item in work if isinstance(work, list) else (work,):
-            if item is not None and all(item is not seen for seen in out):
-                out.append(item)
-    return out
-
-
-def make_wire(wire: str, device: torch.device, failure: FailureChannel) -> Wire:
-    """The wire for ``wire`` (``auto`` or forced; see ``choose_wire``)."""
+def make_wire(wire: str, device: torch.device, failure: FailureChannel, links: Sequence[tuple[int, int]] | None = None) -> Wire:
+    """The wire for ``wire`` (``auto`` or forced; see ``choose_wire``); ``links`` for the
+    ``nccl`` wire (see ``NcclWire``)."""
     name = choose_wire(wire, device)
     if name == "staged":
         return StagedWire(device, failure)
     if name == "nccl":
-        return NcclWire(device, failure)
+        return NcclWire(device, failure, links)
     return Wire(device, failure)
 
 

@@ -10,9 +10,10 @@ batch 2; planned with GBS 64 in Table 4): BERT-Large blocks (hidden 1024, 16 hea
 
 The padding mask (``True`` at padding id 0) travels with the hidden states between
 stages; it needs no gradient. Token-type embeddings are left out (one segment per
-sequence). The full-size model has 668.7M parameters: the MLM decoder is NOT tied to the
-token embedding (tied weights cannot live on two pipeline stages), which adds 31.3M to
-the 637.4M of the tied model that DAPPLE counts as ~640M.
+sequence). The MLM decoder's weight is the token embedding's, as in BERT, so the
+full-size model has 637.5M parameters (DAPPLE counts ~640M). Layer 0 and the last layer
+then share a parameter: a plan that puts them on different stages keeps a copy on each
+and sums their gradients over both (``execute/tied.py``).
 """
 from __future__ import annotations
 
@@ -72,11 +73,8 @@ class BertBlock(nn.Module):
 
 
 class MLMHead(nn.Module):
-    """Dense + GELU + LayerNorm, then a decoder to vocabulary logits.
-
-    The decoder has its own weight matrix: BERT ties it to the token embedding, but tied
-    weights cannot live on two pipeline stages (layer 0 and the last layer).
-    """
+    """Dense + GELU + LayerNorm, then a decoder to vocabulary logits; ``BertMLM`` makes the
+    decoder's weight the token embedding's (tied, as BERT does), its bias its own."""
 
     def __init__(self, hidden: int, vocab_size: int) -> None:
         super().__init__()
@@ -130,6 +128,7 @@ class BertMLM(ClassifierSteps, SequentialLightningModule):
             MLMHead(hidden, vocab_size),
         )
         self._init_weights()
+        self.layers[-1].decoder.weight = self.layers[0].tokens.weight  # tied, as in BERT
         self.train_acc = MulticlassAccuracy(vocab_size, ignore_index=IGNORE_INDEX, average="micro")
         self.val_acc = MulticlassAccuracy(vocab_size, ignore_index=IGNORE_INDEX, average="micro")
         self.example_input_array = example_tokens(2, seq_len, vocab_size)

@@ -12,12 +12,18 @@ cut's whole part (``LayerProfile.output_whole_bytes``: values the same for every
 which every slice holds once (``LayerProfile.cut_bytes``). A transfer is priced as one
 micro-batch's cut split over the pairs; the whole part travels once to each receiver, so
 with several receivers that prices it low by the extra copies.
+
+Tied parameters (``ModelProfile.tied``) whose layers a plan puts on several stages live on
+each of those stages: each holds their bytes (weights, gradients, optimizer state), its
+own gradient buckets leave them out, and one more AllReduce over every device of those
+stages sums their gradients (``StageCost.tied``, ``execute/tied.py``), as Megatron's
+embedding group does for GPT's tied embedding.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterable, Sequence
 
 from lightning_dapple.cluster import Cluster
 from lightning_dapple.plan.buckets import bucket_layers
@@ -50,7 +56,12 @@ class StageCost:
       A bucket's AllReduce starts when the last micro-batch's backward has passed its
       layers, so only ``exposed_allreduce_ms`` outlasts the backward (DDP-style overlap,
       DAPPLE 6.3 "DP Overlap"). Hand-made costs without buckets charge ``allreduce_ms``
-      after the backward, as one bucket.
+      after the backward, as one bucket;
+    * ``tied``: the AllReduces of tied parameters this stage holds a copy of, as
+      (index into ``ModelProfile.tied``, its time on the ring of every device of the
+      stages holding it). Each runs after the stage's buckets, once every holding stage
+      has got there (the executor issues it after its buckets); ``param_bytes`` includes
+      the copy and ``allreduce_ms`` / ``buckets`` leave the tied bytes out.
     """
 
     forward_ms: float
@@ -69,6 +80,7 @@ class StageCost:
     layer_weight_ms: tuple[float, ...] = ()
     layer_allreduce_ms: tuple[float, ...] = ()
     buckets: tuple[tuple[float, float], ...] = ()
+    tied: tuple[tuple[int, float], ...] = ()
 
     @property
     def compute_ms(self) -> float:
@@ -82,9 +94,15 @@ class StageCost:
         return ((0.0, self.allreduce_ms),) if self.allreduce_ms > 0 else ()
 
     @property
+    def tied_allreduce_ms(self) -> float:
+        """The time of the stage's tied-parameter AllReduces, one after another."""
+        return sum(duration for _, duration in self.tied)
+
+    @property
     def exposed_allreduce_ms(self) -> float:
-        """The AllReduce time after the last backward ends (``exposed_tail``)."""
-        return exposed_tail(self.allreduce_buckets)
+        """The AllReduce time after the last backward ends (``exposed_tail``), the tied
+        parameters' AllReduces after it."""
+        return exposed_tail(self.allreduce_buckets) + self.tied_allreduce_ms
 
 
 def exposed_tail(buckets: Sequence[tuple[float, float]]) -> float:
@@ -100,13 +118,73 @@ def exposed_tail(buckets: Sequence[tuple[float, float]]) -> float:
     return max(finish, 0.0)
 
 
-def stage_buckets(profile: ModelProfile, cluster: Cluster, stage: StagePlan, per_device: float) -> tuple[tuple[float, float], ...]:
+def stages_holding(layers: Iterable[int], stages: Sequence[StagePlan]) -> tuple[int, ...]:
+    """The stages holding any of ``layers`` (of a tie: each keeps a copy of it), ascending."""
+    wanted = set(layers)
+    return tuple(s for s, stage in enumerate(stages) if any(stage.start <= layer < stage.end for layer in wanted))
+
+
+def split_ties(profile: ModelProfile, stages: Sequence[StagePlan]) -> list[tuple[int, tuple[int, ...]]]:
+    """The profile's tied parameters that ``stages`` split: (index into ``profile.tied``,
+    the stages holding one of its layers), for those held by more than one stage."""
+    out = []
+    for index, tie in enumerate(profile.tied):
+        holders = stages_holding(tie.layers, stages)
+        if len(holders) > 1:
+            out.append((index, holders))
+    return out
+
+
+def synced_layer_bytes(profile: ModelProfile, stages: Sequence[StagePlan]) -> list[list[float]]:
+    """Per stage, per layer: the parameter bytes the stage's own gradient buckets sum.
+
+    That is ``param_bytes``, less the bytes of a tie the plan splits in the layer that
+    counts them (its first): those gradients are summed by the tie's own AllReduce. The
+    executor buckets the same way (``execute/runner.py`` leaves tied parameters out)."""
+    sizes = [[layer.param_bytes for layer in profile.layers[stage.start : stage.end]] for stage in stages]
+    for index, holders in split_ties(profile, stages):
+        tie = profile.tied[index]
+        for s in holders:
+            if stages[s].start <= tie.layers[0] < stages[s].end:
+                position = tie.layers[0] - stages[s].start
+                sizes[s][position] = max(sizes[s][position] - tie.param_bytes, 0.0)
+    return sizes
+
+
+def held_tied_bytes(profile: ModelProfile, stages: Sequence[StagePlan]) -> list[float]:
+    """Per stage, the bytes of split ties it holds a copy of without counting them in its
+    layers' ``param_bytes`` (the tie's first layer is on another stage)."""
+    extra = [0.0] * len(stages)
+    for index, holders in split_ties(profile, stages):
+        tie = profile.tied[index]
+        for s in holders:
+            if not stages[s].start <= tie.layers[0] < stages[s].end:
+                extra[s] += tie.param_bytes
+    return extra
+
+
+def tied_allreduces(profile: ModelProfile, cluster: Cluster, stages: Sequence[StagePlan]) -> list[tuple[tuple[int, float], ...]]:
+    """Per stage, ``StageCost.tied``: each split tie it holds, with the AllReduce time of
+    the tie's bytes over every device of the stages holding it."""
+    out: list[list[tuple[int, float]]] = [[] for _ in stages]
+    for index, holders in split_ties(profile, stages):
+        devices = tuple(d for s in holders for d in stages[s].devices)
+        duration = cluster.allreduce_ms(profile.tied[index].param_bytes, devices)
+        for s in holders:
+            out[s].append((index, duration))
+    return [tuple(entries) for entries in out]
+
+
+def stage_buckets(
+    profile: ModelProfile, cluster: Cluster, stage: StagePlan, per_device: float, sizes: Sequence[float] | None = None
+) -> tuple[tuple[float, float], ...]:
     """The buckets of ``StageCost.buckets`` for ``stage`` with slices of ``per_device`` x the
-    profile batch (nothing to sync for an unreplicated stage)."""
+    profile batch (nothing to sync for an unreplicated stage); ``sizes`` are the bytes each
+    layer syncs (default: its ``param_bytes``)."""
     if stage.replicas <= 1:
         return ()
     layers = profile.layers[stage.start : stage.end]
-    sizes = [layer.param_bytes for layer in layers]
+    sizes = [layer.param_bytes for layer in layers] if sizes is None else list(sizes)
     before = [0.0]  # backward of the stage's layers before each position
     for layer in layers:
         before.append(before[-1] + layer.backward_ms)
@@ -129,6 +207,10 @@ def stage_costs(
 ) -> list[StageCost]:
     """Per-stage costs of ``stages`` for micro-batches of ``micro_batch_size`` samples."""
     costs = []
+    synced = synced_layer_bytes(profile, stages)
+    extra_bytes = held_tied_bytes(profile, stages)
+    tied = tied_allreduces(profile, cluster, stages)
+    uses_tied = {layer for tie in profile.tied for layer in tie.layers}
     for index, stage in enumerate(stages):
         layers = profile.span(stage.start, stage.end)
         per_device = profile.scale(slice_size(micro_batch_size, stage.replicas))
@@ -137,14 +219,14 @@ def stage_costs(
         send_ms = 0.0
         if index + 1 < len(stages):
             send_ms = cluster.p2p_ms(output_bytes, stage.devices, stages[index + 1].devices)
-        param_bytes = sum(layer.param_bytes for layer in layers)
+        param_bytes = sum(layer.param_bytes for layer in layers) + extra_bytes[index]
+        sync_bytes = sum(synced[index])
         if stage.start > 0:
             input_bytes = profile.layers[stage.start - 1].cut_bytes(per_device)
         else:
             input_bytes = profile.input_bytes * per_device
         layer_ar = tuple(
-            cluster.allreduce_ms(layer.param_bytes, stage.devices) if stage.replicas > 1 and layer.param_bytes > 0 else 0.0
-            for layer in layers
+            cluster.allreduce_ms(size, stage.devices) if stage.replicas > 1 and size > 0 else 0.0 for size in synced[index]
         )
         forward_ms = sum(layer.forward_ms for layer in layers) * per_device
         costs.append(
@@ -157,23 +239,26 @@ def stage_costs(
                 stash_bytes=sum(layer.stash_bytes for layer in layers) * per_device,
                 output_bytes=output_bytes,
                 send_ms=send_ms,
-                allreduce_ms=cluster.allreduce_ms(param_bytes, stage.devices),
+                allreduce_ms=cluster.allreduce_ms(sync_bytes, stage.devices),
                 slice_size=slice_size(micro_batch_size, stage.replicas) / 1.0,
                 recompute_ms=forward_ms if stage.recompute != "never" else 0.0,
                 input_bytes=input_bytes,
-                wgrad_bytes=_wgrad_bytes(layers, per_device),
+                wgrad_bytes=_wgrad_bytes(
+                    [layer for position, layer in enumerate(layers) if layer.param_bytes > 0 or stage.start + position in uses_tied], per_device
+                ),
                 layer_weight_ms=tuple(layer.weight_grad_ms * per_device for layer in layers),
                 layer_allreduce_ms=layer_ar,
-                buckets=stage_buckets(profile, cluster, stage, per_device),
+                buckets=stage_buckets(profile, cluster, stage, per_device, synced[index]),
+                tied=tied[index],
             )
         )
     return costs
 
 
-def _wgrad_bytes(layers: Sequence[LayerProfile], per_device: float) -> float:
-    """What one slice keeps between its B and its deferred W: per layer with weights, its
-    output gradient or its stash, whichever is larger (the gradient of a whole output once)."""
-    weighted = [layer for layer in layers if layer.param_bytes > 0]
+def _wgrad_bytes(weighted: Sequence[LayerProfile], per_device: float) -> float:
+    """What one slice keeps between its B and its deferred W: per layer with weight work
+    (``weighted``), its output gradient or its stash, whichever is larger (the gradient of a
+    whole output once)."""
     per_sample = sum(max(layer.output_bytes, layer.stash_bytes) for layer in weighted) * per_device
     return per_sample + sum(layer.output_whole_bytes for layer in weighted)
 

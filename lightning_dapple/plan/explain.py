@@ -38,9 +38,15 @@ def plan_table(plan: Plan, profile: ModelProfile, cluster: Cluster) -> Table:
         table.add_row(
             str(index), f"[{stage.start}, {stage.end})", names, _devices(stage.devices), str(stage.replicas), str(stage.warmup),
             f"{cost.forward_ms:.2f}", f"{cost.backward_ms:.2f}", f"{cost.send_ms:.2f}", f"{cost.allreduce_ms:.1f} ({cost.exposed_allreduce_ms:.1f})",
-            f"{memory / GIB:.2f} / {cluster.device_memory_gib:.1f} GiB{over}", stage.recompute,
+            _memory_cell(memory, cluster.device_memory_bytes) + over, stage.recompute,
         )
     return table
+
+
+def _memory_cell(memory: float, budget: float) -> str:
+    """Bytes per device against the device's budget, in GiB (MiB for budgets under 1 GiB)."""
+    unit, scale = ("GiB", GIB) if budget >= GIB else ("MiB", GIB / 1024)
+    return f"{memory / scale:.2f} / {budget / scale:.1f} {unit}"
 
 
 def plan_summary(plan: Plan) -> str:

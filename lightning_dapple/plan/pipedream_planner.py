@@ -20,18 +20,25 @@ Below the top level the optimizer solves every range of states (O(S^3) work); a 
 more than ``MAX_HIERARCHICAL_STATES`` states (GNMT-16's 1495) is therefore planned on its
 linear layer order on hierarchical clusters, as a chain (one state per layer).
 
-PipeDream has no number of micro-batches (it is asynchronous), so M is chosen by us: among
-the candidate M (the same divisors and slice floor as the DAPPLE planner) PipeDream plans
-a minibatch of one micro-batch, and we keep the M whose partition respects the slice floor,
-fits in memory and has the lowest formula-2 latency. The plan is scored with the shared
-cost model and simulated like DAPPLE's, so the two are comparable.
+PipeDream plans for its minibatch: the batch each worker runs, which is the profile's batch
+(``ModelProfile.micro_batch_size``: PipeDream 3.2 profiles one worker at its minibatch).
+PipeDream is asynchronous and has no number of micro-batches; a synchronous step of the
+global batch runs M = global batch / minibatch of them, so the plan's micro-batch is
+PipeDream's minibatch (a global batch that is not a multiple of it is refused). A stage
+PipeDream replicates r ways splits each micro-batch over its r replicas here (DAPPLE 5.2.2;
+PipeDream hands the replicas whole minibatches in turn, which the linear time model prices
+the same), so where r exceeds the minibatch's samples (profiles taken at batch 1) a
+micro-batch is the fewest whole minibatches that give each replica a sample. PipeDream's own
+memory constraint (off by default) is switched on only when its unconstrained choice does
+not fit. The plan is scored with the shared cost model and simulated like DAPPLE's, so the
+two are comparable.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from lightning_dapple.cluster import Cluster
-from lightning_dapple.errors import DappleConfigError
+from lightning_dapple.errors import DappleConfigError, require
 from lightning_dapple.plan.evaluate import Scored, finish_plan, raise_no_memory, score_stages
 from lightning_dapple.plan.pipedream_optimizer import Level, PipeDreamChoice, optimize
 from lightning_dapple.plan.pipedream_states import PipeDreamStates, pipedream_states
@@ -40,7 +47,7 @@ from lightning_dapple.plan.policy_choice import rescored, simulate_policies
 from lightning_dapple.plan.request import PlanRequest, StepPricer
 from lightning_dapple.profile.model_profile import ModelProfile
 
-__all__ = ["plan_pipedream", "pipedream_partition", "pipedream_levels", "PipeDreamResult"]
+__all__ = ["plan_pipedream", "pipedream_minibatch", "pipedream_micro_batch_size", "pipedream_partition", "pipedream_levels", "PipeDreamResult"]
 
 
 @dataclass(frozen=True)
@@ -115,20 +122,60 @@ def _plan_stages(choice: PipeDreamChoice, states: PipeDreamStates, num_layers: i
     return tuple(stages)
 
 
-def _scored(request: PlanRequest, states: PipeDreamStates, memory: float | None) -> list[tuple[Scored, float]]:
-    """PipeDream's partition for every candidate M, scored with the shared cost model."""
+def pipedream_minibatch(profile: ModelProfile, global_batch_size: int) -> int:
+    """PipeDream's minibatch, the profile's batch per worker; refused unless it divides the
+    global batch (a step is a whole number of minibatches)."""
+    minibatch = profile.micro_batch_size
+    require(
+        global_batch_size % minibatch == 0,
+        "global_batch_size",
+        f"{global_batch_size} is not a multiple of PipeDream's minibatch, the profile's batch of {minibatch} samples per worker",
+        f"use a multiple of {minibatch} (e.g. {max(1, round(global_batch_size / minibatch)) * minibatch}), or a profile taken at a batch that divides {global_batch_size}",
+    )
+    return minibatch
+
+
+def pipedream_micro_batch_size(stages: tuple[StagePlan, ...], minibatch: int, global_batch_size: int) -> int:
+    """The plan's micro-batch for PipeDream's stages: its minibatch, unless a stage has more
+    replicas than the minibatch has samples; then the fewest whole minibatches that give
+    every replica at least one sample and divide the global batch."""
+    widest = max(stage.replicas for stage in stages)
+    for size in range(minibatch, global_batch_size + 1, minibatch):
+        if size >= widest and global_batch_size % size == 0:
+            return size
+    raise DappleConfigError(
+        "global_batch_size",
+        f"PipeDream replicates a stage over {widest} devices, more than the {global_batch_size} samples of the global batch",
+        f"use a global batch of at least {widest} samples, or fewer devices",
+    )
+
+
+def _partition(request: PlanRequest, states: PipeDreamStates, minibatch: int, memory: float | None) -> tuple[PipeDreamResult, Scored]:
+    """PipeDream's choice for its minibatch as plan stages, scored at the micro-batch
+    ``pipedream_micro_batch_size`` gives them."""
     profile, cluster, global_batch_size = request.profile, request.cluster, request.global_batch_size
-    scored = []
-    for m in request.micro_batches:
-        mbs = global_batch_size // m
-        rmax = min(mbs // request.floor, mbs)
-        if rmax < 1:
-            continue
-        result = pipedream_partition(profile, cluster, mbs, rmax, states, memory)
-        if result is not None:
-            item = score_stages(profile, cluster, result.stages, global_batch_size, m, request.policy, request.schedule)
-            scored.append((item, result.slowest_stage_ms))
-    return scored
+    result = pipedream_partition(profile, cluster, minibatch, states=states, memory=memory)
+    if result is None:
+        raise DappleConfigError(
+            "profile",
+            f"PipeDream's partition of {profile.num_layers} layers over {cluster.num_devices} devices puts two cuts on one layer of the linear order",
+            "plan this model with the DAPPLE planner, or give a profile with one layer per operator",
+        )
+    count = global_batch_size // pipedream_micro_batch_size(result.stages, minibatch, global_batch_size)
+    return result, score_stages(profile, cluster, result.stages, global_batch_size, count, request.policy, request.schedule)
+
+
+def _reason(minibatch: int, result: PipeDreamResult, chosen: Scored, global_batch_size: int, constrained: bool) -> str:
+    size = global_batch_size // chosen.micro_batches
+    batches = f"M = {global_batch_size} / {minibatch} = {chosen.micro_batches}"
+    if size != minibatch:
+        batches = f"M = {chosen.micro_batches} micro-batches of {size // minibatch} minibatches (every replica gets a sample)"
+    return (
+        f"PipeDream 3.1: {chosen.kind()} plan (layers {':'.join(str(s.end - s.start) for s in chosen.stages)}) "
+        f"minimises the slowest stage to {result.slowest_stage_ms:.1f} ms per minibatch of {minibatch} samples "
+        f"(the profile's batch per worker); {batches} (formula 2: {chosen.latency_ms:.1f} ms)"
+        + ("; with PipeDream's memory constraint (its unconstrained choice does not fit)" if constrained else "")
+    )
 
 
 def plan_pipedream(
@@ -142,38 +189,35 @@ def plan_pipedream(
     min_slice: int | None = None,
     simulate: StepPricer | None = None,
 ) -> Plan:
-    """Plan with PipeDream's optimizer (3.1), priced and scheduled like a DAPPLE plan;
-    ``simulate`` (``simulate.plans.simulate_plan``) adds the simulated step to the result.
-    ``policy`` "auto" runs the partition with the K_i policy it simulates faster with, as
-    for DAPPLE's plans (``policy_choice``), so the two planners differ only in partitioning."""
-    request = PlanRequest.build(profile, cluster, global_batch_size, micro_batches, schedule, policy, num_devices, min_slice, simulate=simulate)
+    """Plan with PipeDream's optimizer (3.1) for its minibatch, priced and scheduled like a
+    DAPPLE plan; ``simulate`` (``simulate.plans.simulate_plan``) adds the simulated step to
+    the result. ``micro_batches``, when given, must be the M that PipeDream's minibatch
+    makes; ``min_slice`` is checked but binds nothing (PipeDream's replicas split its
+    minibatch). ``policy`` "auto" runs the partition with the K_i policy it simulates faster
+    with, as for DAPPLE's plans (``policy_choice``), so the two planners differ only in
+    partitioning."""
+    minibatch = pipedream_minibatch(profile, global_batch_size)
+    request = PlanRequest.build(profile, cluster, global_batch_size, None, schedule, policy, num_devices, min_slice, simulate=simulate)
     cluster = request.cluster
     states = pipedream_states(profile)
-    scored = _scored(request, states, None)
-    constrained = not any(item.fits(cluster) for item, _ in scored)
-    if constrained:  # PipeDream's own memory constraint, off by default, on when nothing fits
-        scored = _scored(request, states, cluster.device_memory_bytes)
-    if not scored:
-        raise DappleConfigError(
-            "global_batch_size",
-            f"PipeDream finds no partition of {profile.num_layers} layers over {cluster.num_devices} devices with slices of at least {request.floor} samples",
-            "use a larger global batch or fewer devices",
-        )
-    fitting = [pair for pair in scored if pair[0].fits(cluster)]
-    if not fitting:
-        smallest = min(scored, key=lambda pair: pair[0].peak_memory_bytes)[0]
-        raise_no_memory(profile, cluster, smallest.peak_memory_bytes, f"PipeDream's {smallest.kind()} plan, M={smallest.micro_batches}")
-    chosen, slowest = min(fitting, key=lambda pair: (pair[0].latency_ms, pair[0].micro_batches))
+    result, chosen = _partition(request, states, minibatch, None)
+    constrained = not chosen.fits(cluster)
+    if constrained:  # PipeDream's own memory constraint, off by default, on when its choice does not fit
+        result, chosen = _partition(request, states, minibatch, cluster.device_memory_bytes)
+    if not chosen.fits(cluster):
+        raise_no_memory(profile, cluster, chosen.peak_memory_bytes, f"PipeDream's {chosen.kind()} plan, M={chosen.micro_batches}")
+    require(
+        micro_batches is None or micro_batches == chosen.micro_batches,
+        "micro_batches",
+        f"is {micro_batches}, but PipeDream plans for its minibatch of {minibatch} samples (the profile's batch per worker), "
+        f"which makes M = {chosen.micro_batches} for a global batch of {global_batch_size}",
+        f"leave the number of micro-batches out (or pass {chosen.micro_batches}) with the PipeDream planner",
+    )
     choice = simulate_policies(request, chosen) if simulate is not None else None
     policy = choice.policy if choice is not None else request.policy
     sim = choice.simulation if choice is not None else None
     chosen = rescored(request, chosen, choice)
-    kind = chosen.kind()
-    reason = (
-        f"PipeDream 3.1: {kind} plan (layers {':'.join(str(s.end - s.start) for s in chosen.stages)}) "
-        f"minimises the slowest stage to {slowest:.1f} ms per micro-batch; M={chosen.micro_batches} has the lowest formula-2 latency "
-        f"({chosen.latency_ms:.1f} ms)" + ("; with PipeDream's memory constraint (its unconstrained choice does not fit)" if constrained else "")
-    )
+    reason = _reason(minibatch, result, chosen, global_batch_size, constrained)
     if choice is not None and choice.note():
         reason += "; " + choice.note()
-    return finish_plan(chosen, profile, cluster, global_batch_size, policy, schedule, "pipedream", reason, sim, {"slowest_stage_ms": slowest})
+    return finish_plan(chosen, profile, cluster, global_batch_size, policy, schedule, "pipedream", reason, sim, {"slowest_stage_ms": result.slowest_stage_ms})

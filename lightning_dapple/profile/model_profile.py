@@ -9,6 +9,9 @@ model multiplies it by the number of micro-batches in flight (DAPPLE 5.3, K_i).
 ``output_whole_bytes`` is the part of a cut that is the same for every sample (a rotary
 table, a broadcast mask: ``sample_rows``), sent whole once per micro-batch and receiver;
 ``cut_bytes`` is the one place that adds it to the per-sample part.
+``tied`` lists parameters several layers use (tied weights): a layer's ``param_bytes``
+counts a parameter only in the first layer using it, and the cost model adds the copy
+every other stage holding one of its layers keeps (``plan/costs.py``).
 
 Times are for one micro-batch of ``micro_batch_size`` samples on one device; a device that
 runs a slice of ``n`` samples is charged ``n / micro_batch_size`` of them (linear scaling).
@@ -71,6 +74,25 @@ class LayerProfile:
 
 
 @dataclass(frozen=True)
+class TiedParams:
+    """Parameter bytes that several layers use (tied weights, e.g. a token embedding whose
+    matrix is also the output projection).
+
+    ``param_bytes`` is counted in the ``param_bytes`` of the first of ``layers`` only, so
+    the layers' sum stays the model's size. A plan whose stages split ``layers`` keeps a
+    copy on every stage holding one of them, and sums the copies' gradients with one
+    AllReduce over all their devices instead of in the stages' own buckets.
+    """
+
+    layers: tuple[int, ...]
+    param_bytes: float
+    names: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"layers": list(self.layers), "param_bytes": self.param_bytes, "names": list(self.names)}
+
+
+@dataclass(frozen=True)
 class ModelProfile:
     """A model as a chain of layers plus the size of the batch the times were taken at.
 
@@ -85,6 +107,7 @@ class ModelProfile:
     input_bytes: float = 0.0
     estimated: bool = False
     meta: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    tied: tuple[TiedParams, ...] = ()
 
     def __post_init__(self) -> None:
         validate_profile(self)
@@ -120,6 +143,8 @@ class ModelProfile:
         }
         if self.estimated:
             out["estimated"] = True
+        if self.tied:
+            out["tied"] = [tie.to_dict() for tie in self.tied]
         if self.meta:
             out["meta"] = self.meta
         return out
@@ -156,6 +181,26 @@ def validate_profile(profile: ModelProfile) -> None:
             if value is not None:
                 value = _number(value, f"{where}.{name}", "write a number >= 0 or leave it out")
                 require(value >= 0, f"{where}.{name}", f"is negative ({value})", "times must be >= 0")
+    for index, tie in enumerate(profile.tied):
+        _validate_tie(tie, f"profile.tied[{index}]", len(profile.layers))
+
+
+def _validate_tie(tie: TiedParams, where: str, num_layers: int) -> None:
+    layers = tie.layers
+    require(
+        len(layers) >= 2 and list(layers) == sorted(set(layers)),
+        f"{where}.layers",
+        f"is {list(layers)}",
+        "list the indices of at least two layers that use the parameter, ascending, each once",
+    )
+    require(
+        all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < num_layers for i in layers),
+        f"{where}.layers",
+        f"names a layer outside 0..{num_layers - 1}: {list(layers)}",
+        "use indices of the profile's layers",
+    )
+    value = _number(tie.param_bytes, f"{where}.param_bytes", "write a number >= 0")
+    require(value >= 0, f"{where}.param_bytes", f"is negative ({value})", "sizes must be >= 0")
 
 
 def profile_from_dict(data: Any, source: str = "profile") -> ModelProfile:
@@ -195,4 +240,18 @@ def profile_from_dict(data: Any, source: str = "profile") -> ModelProfile:
         input_bytes=_number(data.get("input_bytes", 0.0), f"{source}.input_bytes", "write a number >= 0"),
         estimated=bool(data.get("estimated", False)),
         meta=dict(data.get("meta", {})),
+        tied=_ties_from_list(data.get("tied", []), f"{source}.tied"),
     )
+
+
+def _ties_from_list(entries: Any, source: str) -> tuple[TiedParams, ...]:
+    """The optional ``tied`` list (profiles written before it existed have none)."""
+    require(isinstance(entries, list), source, "is not a list", "make it a list of {layers, param_bytes} objects or leave it out")
+    ties = []
+    for index, entry in enumerate(entries):
+        where = f"{source}[{index}]"
+        require(isinstance(entry, dict) and "layers" in entry and "param_bytes" in entry, where, "needs 'layers' and 'param_bytes'", "see docs/formats.md")
+        require(isinstance(entry["layers"], list), f"{where}.layers", "is not a list", "list the layer indices")
+        names = entry.get("names", [])
+        ties.append(TiedParams(tuple(entry["layers"]), _number(entry["param_bytes"], f"{where}.param_bytes", "write a number >= 0"), tuple(str(n) for n in names)))
+    return tuple(ties)

@@ -30,7 +30,9 @@ Measured quantities, per layer:
   requires grad, split by ``sample_rows.is_whole`` against the sample's rows into the
   per-sample part and the part sent whole (a (1, T, n) table beside the batch). A sample of
   one row cannot tell the two apart: all of it counts as per-sample then;
-* ``param_bytes``: the layer's parameters;
+* ``param_bytes``: the layer's parameters; a parameter several layers use (tied
+  weights) counts in the first of them only, and the profile's ``tied`` says which
+  layers share it (``profile/ties.py``);
 * ``stash_bytes``: distinct storages saved for backward during the forward (observed with
   ``torch.autograd.graph.saved_tensors_hooks``), the layer's own parameters excluded. A
   tensor saved by two consecutive layers (one's output is the next one's input) is counted
@@ -46,6 +48,7 @@ import hashlib
 import json
 import statistics
 import time
+from dataclasses import replace
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -58,6 +61,7 @@ from lightning_dapple.errors import DappleConfigError, require
 from lightning_dapple.profile.model_profile import LayerProfile, ModelProfile, profile_from_dict
 from lightning_dapple.profile.sample_rows import batch_rows, split_bytes
 from lightning_dapple.profile.stash import StashMeter, parameter_storages
+from lightning_dapple.profile.ties import first_use_param_bytes, tied_params_records, tied_parameters
 
 __all__ = ["profile_layers", "tensor_bytes", "iter_tensors", "map_tensors"]
 
@@ -196,6 +200,7 @@ def _call(layer: nn.Module, index: int, x: Any, autocast: torch.dtype | None = N
 def _cache_key(
     layers: list[nn.Module], sample_input: Any, device: torch.device, batch: int, repeats: int, warmup: int, autocast: torch.dtype | None = None
 ) -> str:
+    ties = [tie.uses for tie in tied_parameters(layers)]
     description = {
         "version": _CACHE_VERSION,
         "layers": [
@@ -212,6 +217,7 @@ def _cache_key(
         "repeats": repeats,
         "warmup": warmup,
         **({"autocast": str(autocast)} if autocast is not None else {}),
+        **({"tied": ties} if ties else {}),  # untied models keep their cache keys
     }
     return hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()
 
@@ -339,9 +345,11 @@ def profile_layers(
         if cached is not None:
             return cached
     results = _measure_layers(layer_list, labels, sample_input, dev, repeats, warmup, autocast_dtype, batch)
+    owned = first_use_param_bytes(layer_list)  # a tied parameter counts in its first layer
     result = ModelProfile(
         micro_batch_size=batch,
-        layers=tuple(results),
+        layers=tuple(replace(layer, param_bytes=size) for layer, size in zip(results, owned)),
+        tied=tied_params_records(tied_parameters(layer_list)),
         device=str(dev),
         name=name,
         input_bytes=float(tensor_bytes(sample_input)),
@@ -396,6 +404,7 @@ def _cached_profile(cache_file: Path, name: str) -> ModelProfile | None:
         name=name,
         input_bytes=cached.input_bytes,
         meta={**cached.meta, "cache": "hit"},
+        tied=cached.tied,
     )
 
 

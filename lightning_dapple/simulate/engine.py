@@ -42,6 +42,12 @@ DAPPLE 5.2.2, so a stage is simulated once and its timeline copied to each of it
   the link ``"AR<stage>"`` of ``transfers``;
 * the B of a micro-batch the stage recomputes (``Schedule.recomputed``) first pays
   ``recompute_ms`` (the stage forward again, gpipe.txt 2.3);
+* a tied parameter the plan splits over several stages (``StageCost.tied``) is summed by
+  one more AllReduce over all of them, after each one's own list and buckets are done:
+  it starts when the last of its stages gets there and ends every one of them
+  (``execute/tied.py`` issues it after the stage's buckets). Ties are run in the order
+  of the profile's ``tied`` list, drawn as "TAR" spans on the stages and on the link
+  ``tied<index>`` of ``transfers``;
 * a schedule that lists no communication action at all is read as "implicit communication":
   each result is sent as soon as the compute producing it ends.
 
@@ -69,6 +75,7 @@ __all__ = [
 ]
 
 _COMM_KINDS = (Kind.RECV_ACT, Kind.SEND_ACT, Kind.RECV_GRAD, Kind.SEND_GRAD)
+_COMPUTE_SPANS = ("F", "B", "W")  # what counts as busy (AllReduces and waits are idle)
 
 
 class ScheduleDeadlock(ValueError):
@@ -78,8 +85,8 @@ class ScheduleDeadlock(ValueError):
 class Span(NamedTuple):
     """One block of a timeline: [start_ms, end_ms) of ``kind`` on ``microbatch``.
 
-    ``kind`` is "F", "B", "W" or "AR" on devices ("AR" has microbatch None), and "act" or
-    "grad" on links.
+    ``kind`` is "F", "B", "W", "AR" or "TAR" (a tied parameter's AllReduce) on devices
+    (the AllReduces have microbatch None), and "act" or "grad" on links.
     """
 
     start_ms: float
@@ -127,6 +134,7 @@ class StageResult:
             "backward_ms": self.cost.backward_ms,
             "send_ms": self.cost.send_ms,
             "allreduce_ms": self.cost.allreduce_ms,
+            "tied_allreduce_ms": self.cost.tied_allreduce_ms,
             "stash_bytes": self.cost.stash_bytes,
             "busy_ms": self.busy_ms,
             "busy_fraction": self.busy_fraction(latency_ms),
@@ -434,7 +442,7 @@ class _Run:
 
     def stage_result(self, st: _Stage, end: float, devices: tuple[int, ...]) -> StageResult:
         cost = self.costs[st.index]
-        busy = sum(span.end_ms - span.start_ms for span in st.spans if span.kind != "AR")
+        busy = sum(span.end_ms - span.start_ms for span in st.spans if span.kind in _COMPUTE_SPANS)
         recomputed = self.recomputed[st.index]
         stash, peak = stash_walk([a for a in st.actions if a.kind.is_compute], recomputed, cost.stash_bytes, cost.input_bytes, cost.wgrad_bytes)
         if not recomputed and not any(a.kind is Kind.W for a in st.actions):
@@ -452,8 +460,31 @@ class _Run:
             spans=tuple(st.spans),
         )
 
+    def tied_allreduces(self, ends: list[float]) -> dict[str, list[Span]]:
+        """Run the tied parameters' AllReduces after the stages' ends (module docstring);
+        moves those ends and returns each tie's link spans."""
+        holders: dict[int, list[int]] = {}
+        durations: dict[int, float] = {}
+        for s, cost in enumerate(self.costs):
+            for tie, duration in cost.tied:
+                holders.setdefault(tie, []).append(s)
+                durations[tie] = duration
+        links: dict[str, list[Span]] = {}
+        for tie in sorted(holders):
+            start = max(ends[s] for s in holders[tie])
+            end = start + durations[tie]
+            if end <= start:
+                continue
+            span = Span(start, end, "TAR", None)
+            links[f"tied{tie}"] = [span]
+            for s in holders[tie]:
+                self.stages[s].spans.append(span)
+                ends[s] = end
+        return links
+
     def result(self, devices: list[tuple[int, ...]]) -> SimulationResult:
         ends = [max(st.clock, self.bucket_links[st.index].free_at) for st in self.stages]
+        tied_links = self.tied_allreduces(ends)
         latency = max(ends, default=0.0)
         results = [self.stage_result(st, end, devices[st.index]) for st, end in zip(self.stages, ends)]
         timelines: dict[int, list[Span]] = {}
@@ -466,6 +497,7 @@ class _Run:
         bubble = 1.0 - busy_total / (flat * latency) if latency > 0 else 0.0
         transfers = {link.name: link.spans for link in [*self.act_links, *self.grad_links]}
         transfers.update({link.name: link.spans for link in self.bucket_links if link.spans})
+        transfers.update(tied_links)
         return SimulationResult(
             schedule=self.schedule.name,
             micro_batches=self.schedule.micro_batches,

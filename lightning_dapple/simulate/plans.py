@@ -19,7 +19,7 @@ from typing import Any
 from lightning_dapple.cluster import Cluster
 from lightning_dapple.errors import require
 from lightning_dapple.plan.buckets import BUCKET_BYTES
-from lightning_dapple.plan.costs import StageCost, stage_costs, stage_memory_from_stash
+from lightning_dapple.plan.costs import StageCost, stage_costs, stage_memory_from_stash, synced_layer_bytes
 from lightning_dapple.plan.dapple_planner import plan_dapple
 from lightning_dapple.plan.options import with_weight_split
 from lightning_dapple.plan.pipedream_planner import plan_pipedream
@@ -50,9 +50,7 @@ def schedule_for_plan(plan: Plan, profile: ModelProfile | None = None, bucket_by
     modes = tuple(stage.recompute for stage in plan.stages)
     if plan.ooo:
         caps = plan.extra.get("ooo_in_flight") if isinstance(plan.extra, dict) else None
-        sizes = None
-        if profile is not None:
-            sizes = [[layer.param_bytes for layer in profile.layers[stage.start : stage.end]] for stage in plan.stages]
+        sizes = synced_layer_bytes(profile, plan.stages) if profile is not None else None
         return build_ooo_schedule(
             plan.schedule,
             plan.num_stages,

@@ -2,7 +2,8 @@
 
 One row per device (replicas of a stage show the same row), time in ms along x. Forward
 blocks are blue and backward blocks green as in the paper's figures; deferred weight
-gradients (W, out-of-order backprop) are orange and AllReduce grey. Each block carries its
+gradients (W, out-of-order backprop) are orange, AllReduce grey and the AllReduce of tied
+parameters over the stages sharing them ("TAR") purple. Each block carries its
 micro-batch id when there is room for it; the white gaps are the bubbles.
 
 ``draw_rows`` is the one drawing function: ``draw_timeline`` feeds it a simulated step and
@@ -23,8 +24,8 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 
 __all__ = ["COLOURS", "LABELS", "TimelineRow", "draw_rows", "draw_timeline"]
 
-COLOURS = {"F": "#4a7fd4", "B": "#4caf50", "W": "#f39c34", "AR": "#9e9e9e"}
-LABELS = {"F": "forward", "B": "backward", "W": "weight grad", "AR": "AllReduce"}
+COLOURS = {"F": "#4a7fd4", "B": "#4caf50", "W": "#f39c34", "AR": "#9e9e9e", "TAR": "#8e5ea2"}
+LABELS = {"F": "forward", "B": "backward", "W": "weight grad", "AR": "AllReduce", "TAR": "tied AllReduce"}
 OTHER_COLOUR = "#cccccc"
 TITLE_SIZE = 12
 DPI = 100
@@ -48,8 +49,8 @@ class TimelineRow:
 
 
 def _block_label(span: SpanLike) -> str:
-    if span.kind == "AR":
-        return "AR"
+    if span.kind in ("AR", "TAR"):
+        return span.kind
     return "" if span.microbatch is None else str(span.microbatch)
 
 

@@ -4,7 +4,12 @@ Every rank holds one stage's layers, but a checkpoint must be loadable by the pl
 LightningModule (no dapple) and resumable under a different plan (other stage or device
 counts). So the state dict is gathered to rank 0 with the module's original keys, and
 the optimizer state is keyed by parameter *name* instead of by position; on resume each
-rank picks the entries of the parameters it owns under the new plan. Files are written
+rank picks the entries of the parameters it owns under the new plan. A tensor the module
+reaches by several keys (tied weights, a second path to a layer) is held once: one stage
+contributes it under its canonical key, and every other key of it names the same tensor in
+the file, as in a plain module's own state dict. The parts reach rank 0 on the CPU, one
+stage leader after another (``part_stream.py``), so a save needs no GPU memory on rank 0,
+and no host memory there beyond the checkpoint and one part's header. Files are written
 to a temporary name in the target directory, flushed, and renamed, so a crash leaves the
 previous checkpoint intact.
 """
@@ -12,29 +17,20 @@ from __future__ import annotations
 
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from torch import nn
-from torch.utils import _pytree as pytree
 from typing_extensions import override
 
 from lightning_dapple.errors import DappleConfigError
+from lightning_dapple.strategy.part_stream import PartLane, receive_part, send_part, to_host
 
 NAMED_MARKER = "dapple_keyed_by_name"
-
-
-def _gather_to_zero(obj: Any) -> list[Any] | None:
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [obj]
-    out: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(obj, out, dst=0)
-    return out
 
 
 @dataclass(frozen=True)
@@ -44,76 +40,121 @@ class CheckpointLayout:
     ``key_owner``: each state-dict key of the whole module -> the layer owning it (None:
     outside the layer list, kept by rank 0); ``parameter_names``: the whole module's
     parameter names in ``named_parameters`` order (what a plain run's optimizer indexes);
-    ``stage_leader``: this rank is its stage's first replica, the one that contributes
-    the stage's entries.
+    ``stage_leaders``: each stage's first replica, the rank that contributes the stage's
+    entries (replicas hold the same state after the synchronous update, DAPPLE 5.2.3);
+    ``aliases``: each key whose tensor another key (its canonical key) also names -> that
+    key (tied weights, handles); ``layers``: this rank's stage's layer range (a tied
+    parameter's optimizer state comes from the stage of its first layer only).
     """
 
     key_owner: dict[str, int | None]
     parameter_names: list[str]
-    stage_leader: bool
+    stage_leaders: tuple[int, ...]
     global_rank: int
+    aliases: dict[str, str] = field(default_factory=dict)
+    layers: tuple[int, int] | None = None
+
+    def canonical(self, key: str) -> str:
+        """The key a tensor is held under (``key`` itself unless it is an alias)."""
+        return self.aliases.get(key, key)
+
+    def owns_parameter(self, name: str) -> bool:
+        """Whether this rank's stage contributes the optimizer state of parameter ``name``:
+        the stage holding the first layer that uses it."""
+        owner = self.key_owner.get(self.canonical(name))
+        return self.layers is None or owner is None or self.layers[0] <= owner < self.layers[1]
+
+    @property
+    def stage_leader(self) -> bool:
+        return self.global_rank in self.stage_leaders
+
+    def contributes(self, key: str) -> bool:
+        """Whether this rank's state-dict entry ``key`` goes into the checkpoint: rank 0
+        keeps the entries outside the layers, a stage leader its layers' entries; an
+        alias never (its tensor travels once, under its canonical key)."""
+        if key in self.aliases:
+            return False
+        if self.key_owner.get(key) is None:
+            return self.global_rank == 0
+        return self.stage_leader
+
+    @property
+    def senders(self) -> list[int]:
+        """The ranks whose parts rank 0 receives, in the order it takes them."""
+        return sorted(set(self.stage_leaders) - {0})
 
 
-def consolidated_state_dict(module: nn.Module, layout: CheckpointLayout) -> dict[str, Any]:
-    """The whole module's state dict on rank 0 (original keys and order); {} elsewhere."""
-    local = module.state_dict()
-    mine: dict[str, torch.Tensor] = {}
-    if layout.stage_leader:
-        for key, value in local.items():
-            owner = layout.key_owner.get(key)
-            if owner is not None or layout.global_rank == 0:
-                mine[key] = value.detach().cpu()
-    gathered = _gather_to_zero(mine)
-    if gathered is None:
+def consolidated_state_dict(module: nn.Module, layout: CheckpointLayout, lane: PartLane | None = None) -> dict[str, Any]:
+    """The whole module's state dict on rank 0, on the CPU (original keys and order); {}
+    elsewhere. Rank 0 contributes the entries outside the layers and, as a stage leader,
+    its stage's; the other leaders stream theirs to it (``part_stream.py``)."""
+    lane = lane if lane is not None else PartLane()
+    mine = {key: value for key, value in module.state_dict().items() if layout.contributes(key)}
+    if layout.global_rank != 0:
+        if layout.stage_leader:
+            send_part(mine, lane)
         return {}
-    merged: dict[str, Any] = {}
-    for part in gathered:
-        merged.update(part)
-    ordered = {key: merged[key] for key in layout.key_owner if key in merged}
+    merged: dict[str, Any] = to_host(mine)
+    for source in layout.senders:
+        merged.update(receive_part(source, lane))
+    for alias, key in layout.aliases.items():  # one tensor, every name of it
+        if key in merged:
+            merged[alias] = merged[key]
     missing = [key for key in layout.key_owner if key not in merged]
     if missing:
         raise RuntimeError(f"checkpoint consolidation lost keys {missing[:3]}")
-    return ordered
+    return {key: merged[key] for key in layout.key_owner}
 
 
-def _names_by_param(module: nn.Module) -> dict[int, str]:
-    return {id(p): name for name, p in module.named_parameters()}
+def _names_by_param(module: nn.Module, layout: CheckpointLayout) -> dict[int, str]:
+    """Each local parameter's canonical name (a tied copy answers to its first name)."""
+    return {id(p): layout.canonical(name) for name, p in module.named_parameters()}
 
 
-def _named_optimizer_state(module: nn.Module, optimizer: Any) -> dict[str, Any]:
-    names = _names_by_param(module)
+def _named_optimizer_state(module: nn.Module, layout: CheckpointLayout, optimizer: Any) -> dict[str, Any]:
+    names = _names_by_param(module, layout)
     state_dict = optimizer.state_dict()
     params = [p for group in optimizer.param_groups for p in group["params"]]
     index_to_name = {index: names[id(p)] for index, p in enumerate(params)}
+    mine = {index for index, name in index_to_name.items() if layout.owns_parameter(name)}
     return {
-        "state": {index_to_name[index]: value for index, value in state_dict["state"].items()},
+        "state": {index_to_name[index]: value for index, value in state_dict["state"].items() if index in mine},
         "param_groups": [
-            {**{k: v for k, v in group.items() if k != "params"}, "params": [index_to_name[i] for i in group["params"]]}
+            {**{k: v for k, v in group.items() if k != "params"}, "params": [index_to_name[i] for i in group["params"] if i in mine]}
             for group in state_dict["param_groups"]
         ],
     }
 
 
-def consolidated_optimizer_state(module: nn.Module, layout: CheckpointLayout, optimizer: Any) -> dict[str, Any]:
-    """Optimizer state of all stages keyed by parameter name, on rank 0; {} elsewhere."""
-    named = _named_optimizer_state(module, optimizer) if layout.stage_leader else None
-    gathered = _gather_to_zero(named)
-    if gathered is None:
+def consolidated_optimizer_state(
+    module: nn.Module, layout: CheckpointLayout, optimizer: Any, lane: PartLane | None = None
+) -> dict[str, Any]:
+    """Optimizer state of all stages keyed by parameter name, on rank 0 and on the CPU; {}
+    elsewhere. Each stage leader contributes its stage's, rank 0 first, then the others
+    streamed in rank order (``part_stream.py``)."""
+    lane = lane if lane is not None else PartLane()
+    named = _named_optimizer_state(module, layout, optimizer) if layout.stage_leader else None
+    if layout.global_rank != 0:
+        if named is not None:
+            send_part(named, lane)
         return {}
-    parts = [part for part in gathered if part is not None]
     merged: dict[str, Any] = {"state": {}, "param_groups": [], NAMED_MARKER: True}
-    for part in parts:
-        merged["state"].update(_to_cpu(part["state"]))
-        for index, group in enumerate(part["param_groups"]):
-            if index == len(merged["param_groups"]):
-                merged["param_groups"].append({**group, "params": list(group["params"])})
-            else:
-                merged["param_groups"][index]["params"].extend(group["params"])
+    if named is not None:
+        _merge_optimizer_part(merged, to_host(named))
+    for source in layout.senders:
+        _merge_optimizer_part(merged, receive_part(source, lane))
     return merged
 
 
-def _to_cpu(value: Any) -> Any:
-    return pytree.tree_map(lambda x: x.detach().cpu() if isinstance(x, torch.Tensor) else x, value)
+def _merge_optimizer_part(merged: dict[str, Any], part: dict[str, Any]) -> None:
+    """Add one stage's named optimizer state: its entries, and its parameters' names to the
+    parameter groups of the same position."""
+    merged["state"].update(part["state"])
+    for index, group in enumerate(part["param_groups"]):
+        if index == len(merged["param_groups"]):
+            merged["param_groups"].append({**group, "params": list(group["params"])})
+        else:
+            merged["param_groups"][index]["params"].extend(group["params"])
 
 
 def load_local_state_dict(module: nn.Module, state_dict: dict[str, Any], strict: bool = True) -> None:
@@ -130,7 +171,7 @@ def load_local_state_dict(module: nn.Module, state_dict: dict[str, Any], strict:
 
 def load_local_optimizer_states(module: nn.Module, layout: CheckpointLayout, optimizers: list[Any], states: list[dict[str, Any]]) -> None:
     """Give each local optimizer the saved state of the parameters it now holds."""
-    names = _names_by_param(module)
+    names = _names_by_param(module, layout)
     for optimizer, saved in zip(optimizers, states):
         if not saved.get(NAMED_MARKER):
             saved = _index_keyed_to_named(layout, saved)

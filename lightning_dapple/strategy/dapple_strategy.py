@@ -21,7 +21,14 @@ group set-up, cluster environments) and replaces what differs:
   weights, an fp16 GradScaler whose skip decision is agreed by every rank);
 * ``Trainer(accumulate_grad_batches=N)`` adds N pipelined steps' gradients, as plain
   Lightning adds N batches';
-* gradient clipping by norm uses the global norm over all stages;
+* gradient clipping by norm uses the global norm over all stages (the precision plugins'
+  pipeline forms, ``precision.py``);
+* the batch stays where the DataLoader put it: each stage moves to its device only the
+  rows of its slices and the fields its step reads (``slice_transfer.py``), unless the
+  module defines its own ``transfer_batch_to_device``/``on_after_batch_transfer``, which
+  then move the whole batch as in Lightning;
+* options of ``DDPStrategy`` that only DDP's wrapper would use are refused
+  (``ddp_options.py``);
 * checkpoints are consolidated: one file, the module's original state-dict keys,
   optimizer state keyed by parameter name, written atomically (see ``checkpoint.py``).
 """
@@ -35,14 +42,13 @@ from typing import Any, Callable, ContextManager, Generator, Literal
 import torch
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.plugins.precision import DoublePrecision, Precision
-from lightning.pytorch.plugins.precision.half import HalfPrecision
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.trainer.connectors.data_connector import _request_dataloader
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from rich.console import Console
 from torch import nn
 from torch.utils import _pytree as pytree
 from typing_extensions import override
@@ -55,17 +61,22 @@ from lightning_dapple.execute.groups import PlanGroups, build_groups
 from lightning_dapple.execute.runner import StageRunner
 from lightning_dapple.execute.shutdown import destroy_groups_at_exit
 from lightning_dapple.execute.slicing import batch_size_of, take_rows
+from lightning_dapple.execute.tied import build_tied_sync, tied_groups
 from lightning_dapple.execute.topology import report_placement
 from lightning_dapple.execute.wires import WIRES, choose_wire
+from lightning_dapple.plan.console import make_console, render_text
 from lightning_dapple.plan.explain import plan_summary, plan_table
 from lightning_dapple.plan.plan import Plan, atomic_write_text, load_plan, plan_from_dict
+from lightning_dapple.profile.ties import TiedParameter, tied_parameters
 from lightning_dapple.simulate.plans import schedule_for_plan
 from lightning_dapple.strategy import checkpoint as ckpt
 from lightning_dapple.strategy.auto_plan import PlanningContext, PlanningInputs, auto_plan
 from lightning_dapple.strategy.batch_guard import check_training_batch, check_training_loss
+from lightning_dapple.strategy.ddp_options import refuse_ddp_options
 from lightning_dapple.strategy.module_adapter import (
     FreedLayer,
     LogRecorder,
+    Logs,
     capture_call,
     capture_input,
     check_parameters_in_layers,
@@ -75,54 +86,83 @@ from lightning_dapple.strategy.module_adapter import (
     loss_of,
     module_home,
     replay_logs,
+    state_aliases,
 )
-from lightning_dapple.strategy.precision import DappleMixedPrecision, agree_found_inf, as_dapple_precision
+from lightning_dapple.strategy.part_stream import PartLane, open_part_lane, to_host
+from lightning_dapple.strategy.precision import (
+    DappleMixedPrecision,
+    DapplePrecision,
+    GlobalNormClipping,
+    agree_found_inf,
+    as_dapple_precision,
+)
 from lightning_dapple.strategy.reporting import SILENT, OneLineLauncher, install_excepthook
 from lightning_dapple.strategy.resolve import PlanArguments, resolve_plan
+from lightning_dapple.strategy.slice_transfer import StepTransfers
+from lightning_dapple.strategy.tied_layers import KeptTensors, free_layer, retie
 
 
 
 class _TrainCallbacks:
-    """Enter the user's training_step on the first and last stages (module_adapter)."""
+    """Enter the user's training_step on the first and last stages (module_adapter), with
+    the fields of each slice that the step reads on the device (slice_transfer)."""
 
     def __init__(
         self,
         module: LightningModule,
         batch_idx: int,
         recorder: LogRecorder,
-        step_name: str = "training_step",
+        transfers: StepTransfers,
+        batch_rows: int,
         context: Callable[[], ContextManager] = nullcontext,
+        scale_backward: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         self.module = module
         self.batch_idx = batch_idx
         self.recorder = recorder
-        self.step = getattr(module, step_name)
-        self.batch_rows = 1
+        self.transfers = transfers
+        self.step = module.training_step
+        self.batch_rows = batch_rows
         self.context = context  # autocast under mixed precision: the user's step runs inside it, as in Lightning
+        self.scale_backward = scale_backward  # fp16: the loss scale, applied where the backward starts
 
     def make_input(self, batch: Any) -> Any:
+        return self.transfers.first.run(batch, self._make_input)
+
+    def _make_input(self, batch: Any) -> Any:
         with self.recorder.recording(self.module, 0.0), self.context():
             return capture_input(self.module, lambda: self.step(batch, self.batch_idx))
 
     def compute_loss(self, batch: Any, forward: Callable[..., Any]) -> torch.Tensor:
         weight = batch_size_of(batch) / self.batch_rows
+        return self.transfers.last.run(batch, lambda on_device: self._compute_loss(on_device, forward, weight))
+
+    def _compute_loss(self, batch: Any, forward: Callable[..., Any], weight: float) -> torch.Tensor:
         with forward_replaced(self.module, forward), self.recorder.recording(self.module, weight), self.context():
-            return loss_of(self.step(batch, self.batch_idx))
+            loss = loss_of(self.step(batch, self.batch_idx))
+        return self.scale_backward(loss) if self.scale_backward is not None else loss
 
 
 class _EvalCallbacks:
-    def __init__(self, module: LightningModule, step_name: str, args: tuple, recorder: LogRecorder) -> None:
+    def __init__(self, module: LightningModule, step_name: str, args: tuple, recorder: LogRecorder, transfers: StepTransfers) -> None:
         self.module = module
         self.step = getattr(module, step_name)
         self.args = args
         self.recorder = recorder
+        self.transfers = transfers
         self.keep_output = step_name == "predict_step"
 
     def make_input(self, batch: Any) -> Any:
+        return self.transfers.first.run(batch, self._make_input)
+
+    def _make_input(self, batch: Any) -> Any:
         with self.recorder.recording(self.module, 0.0):
             return capture_input(self.module, lambda: self.step(batch, *self.args))
 
     def compute_output(self, batch: Any, forward: Callable[..., Any], weight: float) -> Any:
+        return self.transfers.last.run(batch, lambda on_device: self._compute_output(on_device, forward, weight))
+
+    def _compute_output(self, batch: Any, forward: Callable[..., Any], weight: float) -> Any:
         with forward_replaced(self.module, forward), self.recorder.recording(self.module, weight):
             output = self.step(batch, *self.args)
         if not self.keep_output:
@@ -163,8 +203,8 @@ def _run_or_explain(call: Callable[[], Any], what: str, args: tuple, step_name: 
         ) from None
 
 
-def _merge_logs(per_replica: list[Any]) -> dict[str, tuple[float, float, dict[str, Any]]]:
-    merged: dict[str, tuple[float, float, dict[str, Any]]] = {}
+def _merge_logs(per_replica: list[Logs | None]) -> Logs:
+    merged: Logs = {}
     for logs in per_replica:
         for name, (total, weight, kwargs) in (logs or {}).items():
             if name in merged:
@@ -198,8 +238,12 @@ class DappleStrategy(DDPStrategy):
         recompute: "never", "always", "except_last", one mode per stage, or "auto"
             (chosen by the memory model under plan="auto").
         wire: how stage boundaries travel (``execute/wires.py``): "auto" (gloo for CPU
-            tensors, pinned host staging for CUDA tensors over gloo, batched p2p under
-            NCCL), or one of them forced.
+            tensors, pinned host staging for CUDA tensors over gloo, a communicator per
+            link and direction under NCCL), or one of them forced.
+        kwargs: Lightning's ``accelerator``, ``parallel_devices``, ``cluster_environment``,
+            ``checkpoint_io``, ``precision_plugin`` and ``process_group_backend``. Options
+            of DDP's wrapper (``find_unused_parameters``, ``ddp_comm_hook``, ...) are
+            refused with what the strategy does instead (``ddp_options.py``).
     """
 
     strategy_name = "dapple"
@@ -221,6 +265,7 @@ class DappleStrategy(DDPStrategy):
         wire: str = "auto",
         **kwargs: Any,
     ) -> None:
+        refuse_ddp_options(kwargs)
         super().__init__(start_method=start_method, timeout=timedelta(seconds=timeout_s), **kwargs)
         require(loss_reduction in ("mean", "sum"), "loss_reduction", f"is {loss_reduction!r}", "use 'mean' or 'sum'")
         self.plan_arguments = PlanArguments(micro_batches, schedule, policy, recompute, ooo)
@@ -244,19 +289,23 @@ class DappleStrategy(DDPStrategy):
         self.groups: PlanGroups | None = None
         self._layer_container: nn.Module | None = None
         self.checkpoint_layout: ckpt.CheckpointLayout | None = None
+        self._part_lane: PartLane | None = None  # opened at the first save
         self._freed: dict[int, nn.Module] = {}
+        self._ties: tuple[TiedParameter, ...] = ()  # parameters several layers use (profile/ties.py)
         self._planning_inputs: PlanningInputs | None = None  # rank 0 after plan="auto"
         self._saved_grads: list[torch.Tensor | None] | None = None
+        self._transfers: dict[str, StepTransfers] = {}  # per step function: what its slices move
+        self._stages_move_slices = True  # False: the module's own transfer hooks move whole batches
 
     # -- set-up ------------------------------------------------------------------
     @property
     @override
     def precision_plugin(self) -> Precision:
-        return self._precision_plugin if self._precision_plugin is not None else Precision()
+        return self._precision_plugin if self._precision_plugin is not None else DapplePrecision()
 
     @precision_plugin.setter
     def precision_plugin(self, plugin: Precision | None) -> None:
-        # Lightning's MixedPrecision becomes its pipeline form (agreed fp16 step skipping)
+        # Lightning's plugins become their pipeline forms (global-norm clipping, agreed fp16 steps)
         self._precision_plugin = as_dapple_precision(plugin)
 
     @override
@@ -321,6 +370,7 @@ class DappleStrategy(DDPStrategy):
         exit joins their threads; shutdown.py)."""
         self.runner = None
         self.groups = None
+        self._part_lane = None
 
     @override
     def setup(self, trainer: Trainer) -> None:
@@ -354,13 +404,15 @@ class DappleStrategy(DDPStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
-        self._install_clipping()
+        self._connect_precision()
+        # the module's own transfer hooks define what a batch on the device is: they then
+        # move whole batches, as in Lightning (see batch_to_device)
+        self._stages_move_slices = not any(is_overridden(hook, module) for hook in ("transfer_batch_to_device", "on_after_batch_transfer"))
 
     def _check_precision(self) -> None:
         plugin = self.precision_plugin
-        supported = type(plugin) in (Precision, DoublePrecision, DappleMixedPrecision) or isinstance(plugin, HalfPrecision)
         require(
-            supported,
+            isinstance(plugin, GlobalNormClipping),
             "Trainer(precision)",
             f"uses {type(plugin).__name__}, which the dapple strategy does not support",
             "use precision='32-true', '64-true', 'bf16-true', '16-true', 'bf16-mixed' or '16-mixed'",
@@ -383,10 +435,29 @@ class DappleStrategy(DDPStrategy):
             return None
         return torch.bfloat16 if mixed.precision == "bf16-mixed" else torch.float16
 
-    def _agree_found_inf(self, scaler: Any, optimizer: Any) -> bool:
+    def _connect_precision(self) -> None:
+        """Hand the precision plugin the pipeline's collectives (precision.py): the global
+        gradient norm for clipping and, under fp16, the agreed inf/nan check."""
+        plugin = self.precision_plugin
+        assert isinstance(plugin, GlobalNormClipping)
+        plugin.clip_norm = self._clip_by_global_norm
+        mixed = self._mixed()
+        if mixed is not None:
+            mixed.agree = self._agree_found_inf
+
+    def _clip_by_global_norm(self, params: list[torch.Tensor], max_norm: float) -> None:
+        assert self.plan is not None
+        replicas = self.plan.stages[self.stage].replicas
+        group = self.groups.plan if self.groups else None
+        tied = self.runner.tied if self.runner is not None else None  # tied copies count once
+        copies = tied.copies if tied is not None else None
+        clip_grad_norm_global(params, max_norm, replicas, self.failure, group=group, device=self.root_device, copies=copies)
+
+    def _agree_found_inf(self, scaler: Any, optimizer: Any) -> torch.Tensor:
         """fp16: every rank of the plan skips or takes the step together (precision.py)."""
         assert self.failure is not None
-        return agree_found_inf(scaler, optimizer, group=self.groups.plan if self.groups else None, wait=self.failure.wait)
+        group = self.groups.plan if self.groups else None
+        return agree_found_inf(scaler, optimizer, self.root_device, group=group, wait=self.failure.wait)
 
     def _prepare_pipeline(self, trainer: Trainer, module: LightningModule) -> None:
         """Check the module, resolve the plan and keep only this rank's stage.
@@ -408,23 +479,22 @@ class DappleStrategy(DDPStrategy):
         self._save_plan(trainer)
         report_placement(self.cluster_environment, self.num_nodes, self.num_processes, plan)  # every rank: the launch's nodes agree with the plan; rank 0 prints them
         stage = plan.stages[self.stage]
+        self._ties = tied_parameters(container)
+        aliases = state_aliases(module, container)
         self.checkpoint_layout = ckpt.CheckpointLayout(
             key_owner=key_owners(module, container),
-            parameter_names=[name for name, _ in module.named_parameters()],
-            stage_leader=stage.devices[0] == self.global_rank,
+            parameter_names=[aliases.get(name, name) for name, _ in module.named_parameters()],
+            stage_leaders=tuple(each.devices[0] for each in plan.stages),
             global_rank=self.global_rank,
+            aliases=aliases,
+            layers=(stage.start, stage.end),
         )
-        for index in range(len(container)):
-            if not (stage.start <= index < stage.end):
-                self._freed[index] = container[index].to("meta")  # structure kept, memory released
-                container[index] = FreedLayer(index, self._stage_of_layer(index))
+        self._free_other_stages(container, stage.start, stage.end)
         self._layer_container = container
         self._close_runner()
         self.failure = FailureChannel(self.global_rank, timeout_s=self.timeout_s)
         self.groups = build_groups(plan)
-        mixed = self._mixed()
-        if mixed is not None:
-            mixed.agree = self._agree_found_inf
+        tie_groups = tied_groups(plan, self._ties)  # a collective: every rank makes every group
         local = [container[i] for i in range(stage.start, stage.end)]
         self.runner = StageRunner(
             plan,
@@ -437,7 +507,17 @@ class DappleStrategy(DDPStrategy):
             self.loss_reduction,
             forward_context=self._forward_context(),
             wire=self.wire,
+            tied=build_tied_sync(plan, self._ties, self.global_rank, local, tie_groups, self.failure),
         )
+
+    def _free_other_stages(self, container: nn.Module, start: int, end: int) -> None:
+        """Free every layer outside [start, end) to the meta device (structure kept, memory
+        released); what a kept layer shares with a freed one (a tied weight) stays real."""
+        kept = KeptTensors(container[i] for i in range(start, end))
+        for index in range(len(container)):
+            if not (start <= index < end):
+                self._freed[index] = free_layer(container[index], kept)
+                container[index] = FreedLayer(index, self._stage_of_layer(index))
 
     def _stage_of_layer(self, index: int) -> int:
         assert self.plan is not None
@@ -557,28 +637,20 @@ class DappleStrategy(DDPStrategy):
         self.plan.save(directory / "dapple_plan.json")
         if self._planning_inputs is not None:
             profile, cluster = self._planning_inputs.profile, self._planning_inputs.cluster
-            console = Console(record=True, width=160)
-            console.print(plan_table(self.plan, profile, cluster))
-            console.print(plan_summary(self.plan))
-            console.print(f"out-of-order backprop: {self.plan.extra.get('ooo_choice', self.plan.ooo)}")
-            atomic_write_text(directory / "dapple_plan.txt", console.export_text())
+            parts = [
+                plan_table(self.plan, profile, cluster),
+                plan_summary(self.plan),
+                f"out-of-order backprop: {self.plan.extra.get('ooo_choice', self.plan.ooo)}",
+            ]
+            console = make_console()
+            for part in parts:
+                console.print(part)
+            atomic_write_text(directory / "dapple_plan.txt", "".join(render_text(part) for part in parts))
             return
         rank_zero_info(f"dapple plan ({self.plan.kind()}, M={self.plan.micro_batches}, schedule={self.plan.schedule}):")
         for index, stage in enumerate(self.plan.stages):
             rank_zero_info(f"  stage {index}: layers [{stage.start}, {stage.end}) on ranks {list(stage.devices)}, K={stage.warmup}")
         rank_zero_info(f"  out-of-order backprop: {self.plan.extra.get('ooo_choice', self.plan.ooo)}")
-
-    def _install_clipping(self) -> None:
-        plugin = self.precision_plugin
-        strategy = self
-
-        def clip_grad_by_norm(optimizer: Any, clip_val: float) -> None:
-            assert strategy.plan is not None
-            params = [p for group in optimizer.param_groups for p in group["params"]]
-            replicas = strategy.plan.stages[strategy.stage].replicas
-            clip_grad_norm_global(params, float(clip_val), replicas, strategy.failure, group=strategy.groups.plan if strategy.groups else None)
-
-        plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
 
     @override
     def _setup_model(self, model: nn.Module) -> nn.Module:
@@ -590,6 +662,28 @@ class DappleStrategy(DDPStrategy):
 
     # -- training ------------------------------------------------------------------
     @override
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        """The loops' batch stays where the DataLoader put it: each stage moves only the
+        rows and fields it reads, per slice (``slice_transfer.py``; a middle stage moves
+        nothing). A module with its own transfer hooks, and a call naming a device, get
+        Lightning's whole-batch transfer."""
+        if device is None and self.runner is not None and self._stages_move_slices:
+            return batch
+        return super().batch_to_device(batch, device=device, dataloader_idx=dataloader_idx)
+
+    def _transfers_for(self, step_name: str) -> StepTransfers:
+        """What the slices of ``step_name`` move to this rank's device (learned per step function)."""
+        transfers = self._transfers.get(step_name)
+        if transfers is None:
+            transfers = self._transfers[step_name] = StepTransfers(self.root_device)
+        return transfers
+
+    @property
+    def _logs_travel(self) -> bool:
+        """Whether the last stage's logged values go to other ranks (through the host)."""
+        return self.plan is not None and self.plan.world_size > 1
+
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         assert self.runner is not None and self.plan is not None
         module = self.lightning_module
@@ -599,8 +693,9 @@ class DappleStrategy(DDPStrategy):
         # Mixed precision: autocast around the forwards only (the executor's
         # forward_context and the user's step), never around the backward.
         context = mixed.forward_context if mixed is not None else nullcontext
-        callbacks = _TrainCallbacks(module, batch_idx, recorder, context=context)
-        callbacks.batch_rows = batch_size_of(batch)
+        transfers = self._transfers_for("training_step")
+        scale_backward = mixed.scale_backward if mixed is not None else None
+        callbacks = _TrainCallbacks(module, batch_idx, recorder, transfers, batch_size_of(batch), context, scale_backward)
         scale = 1.0 / self.lightning_module.trainer.accumulate_grad_batches
         params = self.runner.parameters
         # Under Trainer(accumulate_grad_batches) the gradients of earlier batches are still
@@ -609,9 +704,7 @@ class DappleStrategy(DDPStrategy):
         try:
             check_training_batch(self, batch, batch_idx)  # a bad batch is named before any rank runs it
             with nullcontext() if mixed is not None else self.precision_plugin.train_step_context():
-                loss, logs = self.runner.train_step(
-                    batch, callbacks, extras=recorder.summary, loss_scale=mixed.loss_scale() if mixed is not None else 1.0
-                )
+                loss, logs = self.runner.train_step(batch, callbacks, extras=lambda: recorder.summary(on_host=self._logs_travel))
             check_training_loss(self, loss, batch_idx)  # before the optimizer takes it in
         except BaseException as exc:
             self.failure.report(exc)
@@ -625,7 +718,8 @@ class DappleStrategy(DDPStrategy):
             p.grad = grad
         dtype = next((p.dtype for p in params), torch.float32)
         replay_logs(module, _merge_logs(logs), callbacks.batch_rows, dtype)
-        return {"loss": loss.to(dtype)}
+        # on the device, as Lightning's loops expect (fp16: its loss scaling stays there too)
+        return {"loss": loss.to(device=self.root_device, dtype=dtype, non_blocking=True)}
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -646,11 +740,11 @@ class DappleStrategy(DDPStrategy):
         module = self.lightning_module
         batch = args[0]
         recorder = LogRecorder()
-        callbacks = _EvalCallbacks(module, step_name, tuple(args[1:]), recorder)
+        callbacks = _EvalCallbacks(module, step_name, tuple(args[1:]), recorder, self._transfers_for(step_name))
         try:
             with torch.no_grad():
                 outputs = self.runner.forward_step(batch, callbacks)
-                logs = self.runner.share_extras(recorder.summary() if self.runner.is_last else None)
+                logs = self.runner.share_extras(recorder.summary(on_host=self._logs_travel) if self.runner.is_last else None)
         except BaseException as exc:
             self.failure.report(exc)
             raise
@@ -677,12 +771,20 @@ class DappleStrategy(DDPStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.plan is not None and self.checkpoint_layout is not None
-        return ckpt.consolidated_state_dict(self.lightning_module, self.checkpoint_layout)
+        return ckpt.consolidated_state_dict(self.lightning_module, self.checkpoint_layout, self._checkpoint_lane())
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         assert self.checkpoint_layout is not None
-        return ckpt.consolidated_optimizer_state(self.lightning_module, self.checkpoint_layout, optimizer)
+        return ckpt.consolidated_optimizer_state(self.lightning_module, self.checkpoint_layout, optimizer, self._checkpoint_lane())
+
+    def _checkpoint_lane(self) -> PartLane:
+        """The gloo path checkpoint parts take to rank 0 (``part_stream.py``), opened at the
+        first save: every rank saves at the same point, as opening a group requires."""
+        if self._part_lane is None:
+            assert self.failure is not None
+            self._part_lane = open_part_lane(self.failure.wait, timedelta(seconds=self.timeout_s))
+        return self._part_lane
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
@@ -695,8 +797,11 @@ class DappleStrategy(DDPStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """Rank 0 writes the file, every tensor in it on the CPU: the model and optimizer
+        parts arrive there, and what Lightning adds (a callback's best score, a metric) is
+        moved here, so the file loads on a machine without the devices that wrote it."""
         if self.is_global_zero:
-            self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            self.checkpoint_io.save_checkpoint(to_host(checkpoint), filepath, storage_options=storage_options)
 
     @override
     @property
@@ -733,7 +838,7 @@ class DappleStrategy(DDPStrategy):
         if self.plan is None or self.plan.num_stages == 1:
             return
         assert self.checkpoint_layout is not None
-        state = ckpt.consolidated_state_dict(self.lightning_module, self.checkpoint_layout)
+        state = ckpt.consolidated_state_dict(self.lightning_module, self.checkpoint_layout, self._checkpoint_lane())
         if self.global_rank != 0 or self._layer_container is None:
             return
         prefix = f"{self.layers_path}."
@@ -742,4 +847,5 @@ class DappleStrategy(DDPStrategy):
             head = f"{prefix}{index}."
             layer.load_state_dict({k[len(head):]: v for k, v in state.items() if k.startswith(head)})
             self._layer_container[index] = layer
+        retie(self._layer_container, self._ties)  # the whole model again: one Parameter per tie
         self._freed = {}

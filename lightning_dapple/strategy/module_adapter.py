@@ -70,6 +70,9 @@ def find_layers(module: nn.Module, path: str) -> nn.Module:
 
 
 def check_parameters_in_layers(module: nn.Module, layers: nn.Module, path: str) -> None:
+    """Every parameter of ``module`` must belong to a layer of the sequence (a stage owns
+    it). A parameter several layers use (tied weights) is allowed: each stage holding one
+    of those layers keeps a copy (``execute/tied.py``)."""
     inside = {id(p) for p in layers.parameters()}
     outside = [name for name, p in module.named_parameters() if id(p) not in inside]
     if outside:
@@ -78,15 +81,6 @@ def check_parameters_in_layers(module: nn.Module, layers: nn.Module, path: str) 
             f"{outside[:3]} live outside '{path}', so no pipeline stage would own them",
             f"move them into a layer of '{path}'",
         )
-    owners: dict[int, int] = {}
-    for index, layer in enumerate(layers):
-        for p in layer.parameters():
-            if owners.setdefault(id(p), index) != index:
-                raise DappleConfigError(
-                    "model parameters",
-                    f"a parameter is shared by layers {owners[id(p)]} and {index} (tied weights)",
-                    "untie the weights; a parameter cannot live on two pipeline stages",
-                )
 
 
 @contextlib.contextmanager
@@ -145,6 +139,35 @@ def key_owners(module: nn.Module, layers: nn.Module) -> dict[str, int | None]:
     return {key: holder.get(id(value)) for key, value in module.state_dict(keep_vars=True).items()}
 
 
+def state_aliases(module: nn.Module, layers: nn.Module) -> dict[str, str]:
+    """State-dict keys of ``module`` that name a tensor another key names too -> that key.
+
+    A tied weight (``head.weight`` is ``embed.weight``) or a second path to a layer gives
+    one tensor several keys. The checkpoint holds it once, under the canonical key: the one
+    under the first layer holding the tensor (so that layer's stage has it), then the
+    first in state-dict order; every other key is an alias of it.
+    """
+    layer_of: dict[int, int] = {}
+    for index, layer in enumerate(layers):
+        for sub in layer.modules():
+            layer_of.setdefault(id(sub), index)
+    keys_of: dict[int, list[str]] = {}
+    for key, value in module.state_dict(keep_vars=True).items():
+        keys_of.setdefault(id(value), []).append(key)
+
+    def rank(key: str, position: int) -> tuple[int, int]:
+        path = key.rpartition(".")[0]
+        index = layer_of.get(id(module.get_submodule(path) if path else module))
+        return (index if index is not None else len(layers), position)
+
+    aliases: dict[str, str] = {}
+    for keys in keys_of.values():
+        if len(keys) > 1:
+            canonical = min(keys, key=lambda key: rank(key, keys.index(key)))
+            aliases.update({key: canonical for key in keys if key != canonical})
+    return aliases
+
+
 def module_home(module: nn.Module) -> torch.device:
     """Where the module's tensors are now (the CPU for a module with none)."""
     for tensor in (*module.parameters(), *module.buffers()):
@@ -165,14 +188,25 @@ def loss_of(output: Any) -> torch.Tensor:
 
 @dataclass
 class LoggedValue:
-    weighted_sum: float
+    """One name's values of a step: the sum of value x slice weight (a float64 tensor where
+    the value was logged, or a float), and the sum of the weights."""
+
+    weighted_sum: torch.Tensor | float
     weight: float
     kwargs: dict[str, Any]
 
 
+Logs = dict[str, tuple["torch.Tensor | float", float, dict[str, Any]]]
+
+
 @dataclass
 class LogRecorder:
-    """Collects ``self.log`` calls made on the last stage during one step."""
+    """Collects ``self.log`` calls made on the last stage during one step.
+
+    A logged tensor is weighted and summed where it lives, per micro-batch, in float64 (the
+    same arithmetic as on the host, so the numbers are identical); the host reads the sums
+    once per step, and only when they travel to other ranks (``summary(on_host=True)``).
+    """
 
     values: dict[str, LoggedValue] = field(default_factory=dict)
     weight: float = 1.0
@@ -211,22 +245,43 @@ class LogRecorder:
                     "call the metric (metric(preds, target)) before logging it, or log metric.compute()",
                 )
             value = cache
-        number = float(value.detach().to(torch.float64).mean()) if isinstance(value, torch.Tensor) else float(value)
+        number = value.detach().to(torch.float64).mean() if isinstance(value, torch.Tensor) else float(value)
         kwargs = {k: v for k, v in kwargs.items() if k not in ("batch_size", "sync_dist", "rank_zero_only")}
         entry = self.values.get(name)
         if entry is None:
             self.values[name] = LoggedValue(number * self.weight, self.weight, kwargs)
         else:
-            entry.weighted_sum += number * self.weight
+            entry.weighted_sum = entry.weighted_sum + number * self.weight
             entry.weight += self.weight
 
-    def summary(self) -> dict[str, tuple[float, float, dict[str, Any]]] | None:
-        """What was logged, or None when nothing was (then nothing needs to travel)."""
-        return {name: (v.weighted_sum, v.weight, v.kwargs) for name, v in self.values.items()} or None
+    def summary(self, on_host: bool = False) -> Logs | None:
+        """What was logged, or None when nothing was (then nothing needs to travel). With
+        ``on_host`` the sums are floats, read from the device in one transfer."""
+        if not self.values:
+            return None
+        sums = [v.weighted_sum for v in self.values.values()]
+        if on_host:
+            sums = _to_floats(sums)
+        return {name: (total, v.weight, v.kwargs) for (name, v), total in zip(self.values.items(), sums)}
 
 
-def replay_logs(module: nn.Module, logs: dict[str, tuple[float, float, dict[str, Any]]], batch_size: int, dtype: torch.dtype) -> None:
-    """Log the combined values on this rank, weighted per step by the global batch size."""
+def _to_floats(values: list[torch.Tensor | float]) -> list[float]:
+    """Floats of scalar tensors and numbers, with one device-to-host read for all tensors."""
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    if not tensors:
+        return [float(v) for v in values]  # type: ignore[arg-type]
+    home = tensors[0].device
+    read = iter(torch.stack([t.to(home) for t in tensors]).tolist())
+    return [next(read) if isinstance(v, torch.Tensor) else float(v) for v in values]
+
+
+def replay_logs(module: nn.Module, logs: Logs, batch_size: int, dtype: torch.dtype) -> None:
+    """Log the combined values on this rank, weighted per step by the global batch size
+    (a value still on the device is logged from there, without a host read)."""
+    log_dtype = dtype if dtype.is_floating_point else torch.float32
     for name, (weighted_sum, weight, kwargs) in logs.items():
-        value = torch.tensor(weighted_sum / weight if weight else 0.0, dtype=torch.float64)
-        module.log(name, value.to(dtype if dtype.is_floating_point else torch.float32), batch_size=batch_size, **kwargs)
+        if isinstance(weighted_sum, torch.Tensor):
+            value = weighted_sum / weight if weight else torch.zeros_like(weighted_sum)
+        else:
+            value = torch.tensor(weighted_sum / weight if weight else 0.0, dtype=torch.float64)
+        module.log(name, value.to(log_dtype), batch_size=batch_size, **kwargs)
