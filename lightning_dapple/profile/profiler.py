@@ -54,7 +54,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from torch import nn
 
 from lightning_dapple.errors import DappleConfigError, require
