@@ -21,6 +21,8 @@ simulator times) and hands each action to the collaborator that does it:
   every stage holding them after that (``execute/tied.py``);
 * stashed bytes to the ``StashLedger`` and their sizes to ``StashSizes``
   (``execute/stash_ledger.py``: ``schedule.ooo.stash_walk``'s rule with measured sizes).
+* where the step ends, the stage's buffers to ``StageBuffers`` (``execute/batchnorm.py``):
+  deferred BatchNorm statistics applied, replicas' buffers made the first replica's.
 
 Everything that depends on the plan only is decided once, in set-up: each action becomes an
 ``_Op`` (its handler, micro-batch, transfer key, the sends a receive settles, the layers of
@@ -38,6 +40,7 @@ import torch
 from torch import nn
 
 from lightning_dapple.errors import DappleConfigError
+from lightning_dapple.execute.batchnorm import StageBuffers
 from lightning_dapple.execute.failure import FailureChannel
 from lightning_dapple.execute.grad_sync import GradientSync
 from lightning_dapple.execute.groups import PlanGroups
@@ -157,6 +160,9 @@ class StageRunner:
         self.forward_context = self.pipeline_stage.forward_context
         self.recomputed = schedule.recomputed(self.stage) if self.stage < schedule.num_stages else frozenset()
         self.sync = self._build_sync(bucket_bytes)
+        self.buffers = StageBuffers(
+            self.layers, self.replica_groups.get(self.stage), self.stage_plan.devices[0], self.replica, self.stage_plan.replicas, failure, self.stage
+        )
         self._program = self._compile(settle_sends)
         # eval transfers (forward_step): activation of micro-batch mb from upstream and downstream
         self._eval_in = [transfer_key(Kind.RECV_ACT, self.stage, mb) for mb in range(plan.micro_batches)]
@@ -361,6 +367,7 @@ class StageRunner:
                 self.sync.finish()
             if self.tied is not None:
                 self.tied.finish()
+            self.buffers.end_step()  # deferred BatchNorm statistics applied; replicas' buffers made the first one's
         finally:
             restore_rng(rng)
             losses = self.pipeline_stage.end_step()

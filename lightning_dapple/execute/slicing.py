@@ -6,7 +6,9 @@ the same way everywhere (``floor(k * n / parts)``), so every rank knows which ro
 other rank holds without asking, and split-concat transfers are the overlaps of ranges.
 
 Batches and boundary activations are arbitrary nests (tensor, tuple, list, dict); every
-tensor leaf is batch-first. ``torch.utils._pytree`` flattens them for transport.
+tensor leaf is batch-first, or whole: a 0-d tensor or a first dimension of 1 beside a larger
+batch (``profile.sample_rows``), which is never cut and reaches every slice as it is.
+``torch.utils._pytree`` flattens them for transport.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from lightning_dapple.errors import DappleConfigError
+from lightning_dapple.profile.sample_rows import batch_rows
 
 
 def row_range(total: int, parts: int, index: int) -> tuple[int, int]:
@@ -40,15 +43,17 @@ def overlap(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int] | None:
 
 
 def batch_size_of(batch: Any) -> int:
-    """Rows of a batch: the first dimension of its first tensor leaf."""
-    for leaf in pytree.tree_leaves(batch):
-        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
-            return int(leaf.shape[0])
-    raise DappleConfigError("batch", "contains no tensor with a batch dimension", "return tensors (batch first) from the DataLoader")
+    """Rows of a batch: the first dimension of its first tensor leaf with more than one row
+    (``sample_rows.batch_rows``), so a leading (1, ...) table is not taken for the batch."""
+    rows = batch_rows(leaf for leaf in pytree.tree_leaves(batch) if isinstance(leaf, torch.Tensor))
+    if rows is None:
+        raise DappleConfigError("batch", "contains no tensor with a batch dimension", "return tensors (batch first) from the DataLoader")
+    return rows
 
 
 def take_rows(batch: Any, lo: int, hi: int) -> Any:
-    """The rows ``[lo, hi)`` of every batch-first tensor leaf; other leaves pass unchanged.
+    """The rows ``[lo, hi)`` of every batch-first tensor leaf; other leaves (whole values:
+    0-d, or a first dimension of 1 beside a larger batch) pass unchanged.
 
     A list of per-sample items of the batch's length (e.g. strings) is cut too.
     """

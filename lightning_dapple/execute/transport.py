@@ -37,6 +37,30 @@ A gradient transfer is one message: its receiver already knows the shapes (it se
 activations) and only leaves that require grad travel back. A lone gradient is sent as it
 is and received straight into a tensor of its dtype and shape, unless the wire has no such
 type (complex never travels typed, bool not under NCCL): then it goes as bytes.
+
+Whole values (``profile.sample_rows``: a 0-d tensor, or a first dimension of 1 beside a
+larger slice, such as a (1, T, n) rotary table or a (1, 1, T, T) mask) are not cut: a
+receiver gets one from the sender that holds its first row (``first`` below; both sides
+know it from the rows alone) and uses it as it is, the other senders leave it out of their
+message. Its gradient (the sum over the receiver's rows) goes back to that sender only, and
+a sender adds up what its receivers return (``torch.distributed.pipelining`` passes such
+values unsplit too). The layout header marks each leaf whole or per-sample.
+
+A sender whose slice is one row cannot tell a whole value of shape (1, ...) from its one
+row of a per-sample value; it marks such a leaf per-sample and sends its row to its one
+receiver. The receiver decides, from what it knows without asking:
+
+* if some sender marked the leaf whole, it is whole: the receiver takes the piece of the
+  sender of its first row (that piece is the whole value either way), and returns the
+  gradient to that sender and zeros of one row to the other one-row senders, which expect
+  a row; a sender of several rows that marked it per-sample contradicts this and is refused;
+* otherwise it is per-sample and the pieces are concatenated. This includes a receiver of
+  one row (both readings give the same tensor from the same sender) and a receiver of
+  several rows whose senders all hold one row: there no shape can tell, and a whole value
+  arrives repeated once per row, (rows, ...). Its gradient is still exact (each copy's row
+  goes back to the sender that sent it), and a model that broadcasts the value over the
+  batch computes the same; one that needs the (1, ...) shape gets it with slices of at
+  least two rows per sending replica.
 """
 from __future__ import annotations
 
@@ -54,6 +78,7 @@ from lightning_dapple.errors import DappleConfigError, require
 from lightning_dapple.execute.failure import FailureChannel
 from lightning_dapple.execute.slicing import flatten, overlap, unflatten
 from lightning_dapple.execute.wires import Incoming, make_wire
+from lightning_dapple.profile.sample_rows import is_whole
 
 HEADER_INTS = 512
 _DTYPES = [
@@ -115,18 +140,24 @@ class Peer:
 
 
 class LeafMeta(NamedTuple):
-    """One tensor leaf's layout. A named tuple rather than a dataclass: one is built per leaf
+    """One tensor leaf's layout: ``shape`` is a per-sample leaf's shape after its rows, a
+    whole leaf's whole shape. A named tuple rather than a dataclass: one is built per leaf
     and transfer on the per-micro-batch path, where construction cost shows."""
 
     dtype: torch.dtype
     requires_grad: bool
-    tail_shape: tuple[int, ...]
+    shape: tuple[int, ...]
+    whole: bool = False
 
     def nbytes(self, rows: int) -> int:
-        count = rows
-        for dim in self.tail_shape:
+        """Bytes of the leaf in a piece of ``rows`` rows (a whole leaf's own)."""
+        count = 1 if self.whole else rows
+        for dim in self.shape:
             count *= dim
         return count * self.dtype.itemsize
+
+    def piece_shape(self, rows: int) -> tuple[int, ...]:
+        return self.shape if self.whole else (rows, *self.shape)
 
 
 FLAG_SAME_LAYOUT = 0
@@ -134,14 +165,32 @@ FLAG_NEW_LAYOUT = 1
 _FLAGS = {flag: torch.tensor([flag], dtype=torch.uint8) for flag in (FLAG_SAME_LAYOUT, FLAG_NEW_LAYOUT)}  # cat copies them
 
 
-def _meta_of(leaf: torch.Tensor) -> LeafMeta:
+def _meta_of(leaf: torch.Tensor, rows: int | None = None) -> LeafMeta:
+    """The layout of ``leaf`` on a slice of ``rows`` rows (None: the leaf's own first
+    dimension, so only a 0-d leaf is whole)."""
     if leaf.dtype not in _DTYPE_CODE:
         raise TypeError(f"cannot send tensors of dtype {leaf.dtype} between stages")
-    return LeafMeta(leaf.dtype, leaf.requires_grad, tuple(leaf.shape[1:]))
+    shape = leaf.shape
+    if is_whole(shape, rows if rows is not None else (shape[0] if shape else 0)):
+        return LeafMeta(leaf.dtype, leaf.requires_grad, tuple(shape), True)
+    if rows is not None and shape[0] != rows:
+        raise DappleConfigError(
+            "layer output",
+            f"has a tensor of shape {tuple(shape)} whose first dimension is neither the batch ({rows} rows) nor 1",
+            "make every tensor passed between layers batch-first, or give a value that is the same for every sample "
+            "a first dimension of 1 (it then travels whole)",
+        )
+    return LeafMeta(leaf.dtype, leaf.requires_grad, tuple(shape[1:]))
 
 
-def _payload_bytes(metas: Sequence[LeafMeta], rows: int) -> int:
-    return sum(meta.nbytes(rows) for meta in metas)
+def _carried(metas: Sequence[LeafMeta], first: bool) -> Sequence[LeafMeta]:
+    """The leaves a piece carries: the per-sample ones, and the whole ones when its sender
+    holds the receiver's ``first`` row."""
+    return metas if first else [meta for meta in metas if not meta.whole]
+
+
+def _payload_bytes(metas: Sequence[LeafMeta], rows: int, first: bool = True) -> int:
+    return sum(meta.nbytes(rows) for meta in _carried(metas, first))
 
 
 def pack(tensors: Sequence[torch.Tensor], flag: int | None = None) -> torch.Tensor:
@@ -157,14 +206,19 @@ def pack(tensors: Sequence[torch.Tensor], flag: int | None = None) -> torch.Tens
     return torch.cat(parts)
 
 
-def unpack(buffer: torch.Tensor, metas: Sequence[LeafMeta], rows: int) -> list[torch.Tensor]:
-    out, offset = [], 0
+def unpack(buffer: torch.Tensor, metas: Sequence[LeafMeta], rows: int, first: bool = True) -> list[torch.Tensor | None]:
+    """The leaves of a piece of ``rows`` rows, None for whole leaves it does not carry."""
+    out: list[torch.Tensor | None] = []
+    offset = 0
     for meta in metas:
+        if meta.whole and not first:
+            out.append(None)
+            continue
         size = meta.nbytes(rows)
         chunk = buffer[offset : offset + size]
         if offset % meta.dtype.itemsize:  # after leaves of smaller items: copy to an aligned start
             chunk = chunk.clone()
-        out.append(chunk.view(meta.dtype).reshape(rows, *meta.tail_shape))
+        out.append(chunk.view(meta.dtype).reshape(meta.piece_shape(rows)))
         offset += size
     return out
 
@@ -214,9 +268,9 @@ class BufferSpec(NamedTuple):
         return count
 
 
-def _activation_buffer(metas: Sequence[LeafMeta], rows: int) -> BufferSpec:
-    """The leaves' bytes and a flag byte, zeroed (FLAG_SAME_LAYOUT)."""
-    return BufferSpec((_payload_bytes(metas, rows) + 1,), torch.uint8, zeroed=True)
+def _activation_buffer(metas: Sequence[LeafMeta], rows: int, first: bool) -> BufferSpec:
+    """The carried leaves' bytes and a flag byte, zeroed (FLAG_SAME_LAYOUT)."""
+    return BufferSpec((_payload_bytes(metas, rows, first) + 1,), torch.uint8, zeroed=True)
 
 
 def _typed_gradient(metas: Sequence[LeafMeta], typed: Callable[[torch.dtype], bool] = _as_is) -> bool:
@@ -226,16 +280,75 @@ def _typed_gradient(metas: Sequence[LeafMeta], typed: Callable[[torch.dtype], bo
 
 
 def _gradient_buffer(metas: Sequence[LeafMeta], rows: int, typed: bool) -> BufferSpec:
+    """The receive of the gradients of the carried leaves ``metas`` for ``rows`` rows."""
     if typed:
-        return BufferSpec((rows, *metas[0].tail_shape), metas[0].dtype)
+        return BufferSpec(metas[0].piece_shape(rows), metas[0].dtype)
     return BufferSpec((_payload_bytes(metas, rows),), torch.uint8)
 
 
-def _rows_of(tensors: Sequence[torch.Tensor], lo: int, hi: int) -> Sequence[torch.Tensor]:
-    """Rows ``[lo, hi)`` of each tensor; the tensors themselves when that is all of them."""
-    if not tensors or (lo == 0 and hi == tensors[0].shape[0]):
-        return tensors
-    return [tensor[lo:hi] for tensor in tensors]
+def _rows_of(tensors: Sequence[torch.Tensor], metas: Sequence[LeafMeta], lo: int, hi: int, first: bool) -> list[torch.Tensor]:
+    """What a piece carries: rows ``[lo, hi)`` of each per-sample tensor (the tensor itself
+    when that is all of it), and each whole tensor as it is when ``first``."""
+    out = []
+    for tensor, meta in zip(tensors, metas):
+        if meta.whole:
+            if first:
+                out.append(tensor)
+        elif lo == 0 and hi == tensor.shape[0]:
+            out.append(tensor)
+        else:
+            out.append(tensor[lo:hi])
+    return out
+
+
+def _gradient_piece(grads: Sequence[torch.Tensor], rows: int, lo: int, hi: int, first: bool, sender_rows: int) -> list[torch.Tensor]:
+    """The gradients one sender of an activation gets back from a receiver of ``rows`` rows
+    (module docstring): rows ``[lo, hi)`` of per-sample ones; a whole one's gradient if it
+    sent this receiver's ``first`` row, zeros of its one row if it holds one row and marked
+    the leaf per-sample, else nothing."""
+    out = []
+    for grad in grads:
+        if not is_whole(grad.shape, rows):
+            out.append(grad if lo == 0 and hi == rows else grad[lo:hi])
+        elif first:
+            out.append(grad)
+        elif sender_rows == 1 and grad.dim() > 0:
+            out.append(torch.zeros_like(grad))
+    return out
+
+
+def _settle_pieces(pieces: list[list[torch.Tensor | None]], layouts: list[Sequence[LeafMeta]], senders: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """The receiver's leaves from the pieces of several senders (in row order; ``senders``:
+    each one's rank and slice rows): per-sample leaves concatenated, whole ones taken from
+    the first piece, by the rule of the module docstring."""
+    if not any(meta.whole for metas in layouts for meta in metas):
+        return [torch.cat(parts) for parts in zip(*pieces)]  # type: ignore[arg-type]
+    leaves = []
+    for index in range(len(layouts[0])):
+        kinds = [metas[index] for metas in layouts]
+        marked = next((rank for meta, (rank, _) in zip(kinds, senders) if meta.whole), None)
+        if marked is None:
+            leaves.append(torch.cat([piece[index] for piece in pieces]))  # type: ignore[misc]
+            continue
+        for meta, (rank, rows) in zip(kinds, senders):
+            if not meta.whole and rows > 1:
+                raise DappleConfigError(
+                    "layer output",
+                    f"tensor {index} is per-sample on rank {rank} (rows first) and whole on rank {marked} (first dimension 1 or none)",
+                    "give the value the same kind on every slice: batch-first, or a first dimension of 1 for a value shared by all samples",
+                )
+        leaf = pieces[0][index]
+        if leaf is None:  # the sender of the first row always carries every leaf
+            raise RuntimeError(f"rank {senders[0][0]} sent no copy of whole tensor {index}; the two sides disagree on the rows")
+        shape = next(meta.shape for meta in kinds if meta.whole)
+        if tuple(leaf.shape) != shape:
+            raise DappleConfigError(
+                "layer output",
+                f"tensor {index} is whole of shape {shape} on rank {marked} but of shape {tuple(leaf.shape)} on rank {senders[0][0]}",
+                "give a value shared by all samples the same shape on every slice",
+            )
+        leaves.append(leaf)
+    return leaves
 
 
 class Transport:
@@ -304,20 +417,14 @@ class Transport:
         if key is None:
             key = transfer
         leaves, spec = flatten(structure)
-        for leaf in leaves:
-            if leaf.dim() == 0 or leaf.shape[0] != my_rows[1] - my_rows[0]:
-                raise DappleConfigError(
-                    "layer output",
-                    f"has a tensor of shape {tuple(leaf.shape)} whose first dimension is not the batch "
-                    f"({my_rows[1] - my_rows[0]} rows)",
-                    "make every tensor passed between layers batch-first",
-                )
-        metas = tuple(_meta_of(leaf) for leaf in leaves)
+        count = my_rows[1] - my_rows[0]
+        metas = tuple(_meta_of(leaf, count) for leaf in leaves)
         try:
             for peer in peers:
                 rows = overlap(my_rows, peer.rows)
                 if rows is not None:
-                    self._send_rows(leaves, metas, spec, rows[0] - my_rows[0], rows[1] - my_rows[0], peer.rank, transfer, key)
+                    lo, hi = rows[0] - my_rows[0], rows[1] - my_rows[0]
+                    self._send_rows(leaves, metas, spec, lo, hi, rows[0] == peer.rows[0], peer.rank, transfer, key)
         finally:
             if self._batch:
                 self._issue("activation")
@@ -329,21 +436,23 @@ class Transport:
         spec: Any,
         lo: int,
         hi: int,
+        first: bool,
         peer: int,
         transfer: Hashable,
         key: Hashable,
     ) -> None:
-        """The messages of one activation transfer to one peer (see the module docstring)."""
-        data = _rows_of(leaves, lo, hi)
+        """The messages of one activation transfer to one peer (see the module docstring);
+        ``first``: this rank holds the peer's first row (whole leaves go along)."""
+        data = _rows_of(leaves, metas, lo, hi, first)
         known = self._layout_sent.get(peer)
         if known == (metas, spec):
-            if self.short and _payload_bytes(metas, hi - lo):
+            if self.short and _payload_bytes(metas, hi - lo, first):
                 self._isend(as_message(data, self._typed), peer, transfer, key)  # the receiver's flag byte stays "same"
             else:
                 self._isend(pack(data, FLAG_SAME_LAYOUT), peer, transfer, key)
             return
         if known is not None:  # the receiver expects the old layout's size: tell it to read a header
-            filler = torch.zeros(_payload_bytes(known[0], hi - lo) + 1, dtype=torch.uint8)
+            filler = torch.zeros(_payload_bytes(known[0], hi - lo, first) + 1, dtype=torch.uint8)
             filler[-1] = FLAG_NEW_LAYOUT
             self._isend(filler, peer, f"layout change of {transfer}", key)
         header, spec_bytes = self._header(metas, spec, send_spec=known is None or known[1] != spec)
@@ -360,13 +469,15 @@ class Transport:
         (``transfer`` when not given)."""
         if key is None:
             key = transfer
+        count = my_rows[1] - my_rows[0]
         try:
             for peer in peers:
                 rows = overlap(my_rows, peer.rows)
                 if rows is None:
                     continue
                 lo, hi = rows[0] - my_rows[0], rows[1] - my_rows[0]
-                self._isend(as_message(_rows_of(grads, lo, hi), self._typed), peer.rank, transfer, key)
+                piece = _gradient_piece(grads, count, lo, hi, rows[0] == my_rows[0], peer.rows[1] - peer.rows[0])
+                self._isend(as_message(piece, self._typed), peer.rank, transfer, key)
         finally:
             if self._batch:
                 self._issue("gradient")
@@ -378,7 +489,7 @@ class Transport:
             spec_bytes = torch.frombuffer(bytearray(_spec_to_bytes(spec)), dtype=torch.uint8)
         ints = [len(metas), 0 if spec_bytes is None else spec_bytes.numel()]
         for meta in metas:
-            ints += [_DTYPE_CODE[meta.dtype], int(meta.requires_grad), len(meta.tail_shape), *meta.tail_shape]
+            ints += [_DTYPE_CODE[meta.dtype], int(meta.requires_grad), int(meta.whole), len(meta.shape), *meta.shape]
         if len(ints) > HEADER_INTS:
             raise ValueError(f"a layer output has too many tensors/dimensions to describe in {HEADER_INTS} ints")
         header = torch.zeros(HEADER_INTS, dtype=torch.int64)
@@ -472,27 +583,30 @@ class Transport:
             known = self._layout_received.get(peer.rank)
             if known is None:
                 return None
-            specs.append((peer.rank, _activation_buffer(known[0], rows[1] - rows[0]), True))
+            specs.append((peer.rank, _activation_buffer(known[0], rows[1] - rows[0], rows[0] == my_rows[0]), True))
         return specs
 
     def post_gradient(self, like: Sequence[torch.Tensor], my_rows: tuple[int, int], peers: Sequence[Peer], transfer: Hashable) -> None:
         """Post the receives of gradient ``transfer`` (for this rank's outputs ``like``) now
         (nothing on a wire that does not post ahead)."""
         if self.wire.posts_ahead:
-            self._post(transfer, self._gradient_specs([_meta_of(t) for t in like], my_rows, peers)[0], "gradient")
+            count = my_rows[1] - my_rows[0]
+            self._post(transfer, self._gradient_specs([_meta_of(t, count) for t in like], my_rows, peers)[0], "gradient")
 
     def _gradient_specs(
         self, metas: Sequence[LeafMeta], my_rows: tuple[int, int], peers: Sequence[Peer]
-    ) -> tuple[list[tuple[int, BufferSpec, bool]], list[int]]:
-        """The receives of a gradient from ``peers``, and the rows each brings."""
-        typed = _typed_gradient(metas, self._typed)
-        specs, counts = [], []
+    ) -> tuple[list[tuple[int, BufferSpec, bool]], list[tuple[int, bool]]]:
+        """The receives of a gradient from ``peers``, and per receive the rows it brings and
+        whether this rank sent that peer its first row (its whole leaves' gradients come)."""
+        specs, pieces = [], []
         for peer in peers:
             rows = overlap(my_rows, peer.rows)
             if rows is not None:
-                specs.append((peer.rank, _gradient_buffer(metas, rows[1] - rows[0], typed), False))
-                counts.append(rows[1] - rows[0])
-        return specs, counts
+                first = rows[0] == peer.rows[0]
+                carried = _carried(metas, first)
+                specs.append((peer.rank, _gradient_buffer(carried, rows[1] - rows[0], _typed_gradient(carried, self._typed)), False))
+                pieces.append((rows[1] - rows[0], first))
+        return specs, pieces
 
     def _post(self, transfer: Hashable, specs: list[tuple[int, BufferSpec, bool]], direction: str) -> None:
         if transfer in self._posted:
@@ -509,22 +623,24 @@ class Transport:
 
         The receives of every peer whose layout is known are posted together and waited
         together; a peer whose flag byte says "new layout" (or whose layout is unknown) then
-        sends a header, maybe the structure, and the data."""
+        sends a header, maybe the structure, and the data. Whole leaves come from the peer of
+        this rank's first row (module docstring)."""
         parts = []
         for peer in peers:
             rows = overlap(my_rows, peer.rows)
             if rows is not None:
-                parts.append((peer.rank, rows[1] - rows[0], self._layout_received.get(peer.rank)))
+                first = rows[0] == my_rows[0]
+                parts.append((peer.rank, rows[1] - rows[0], self._layout_received.get(peer.rank), first, peer.rows[1] - peer.rows[0]))
         posted = self._posted.pop(transfer, None)
         if posted is None:
-            specs = [(rank, _activation_buffer(known[0], count), True) for rank, count, known in parts if known is not None]
+            specs = [(rank, _activation_buffer(known[0], count, first), True) for rank, count, known, first, _ in parts if known is not None]
             posted = self.wire.post(specs, "activation") if specs else []
         label = self._labels.get(transfer) or self._label(transfer)
         received = iter(self.wire.wait(posted, _from(label, posted)) if posted else ())
-        pieces: list[list[torch.Tensor]] = []
-        metas: Sequence[LeafMeta] = ()
+        pieces: list[list[torch.Tensor | None]] = []
+        layouts: list[Sequence[LeafMeta]] = []
         spec = None
-        for rank, count, known in parts:
+        for rank, count, known, first, _ in parts:
             buffer = None
             if known is not None:
                 message, flag = next(received)
@@ -532,14 +648,18 @@ class Transport:
                     buffer = message  # unpack reads the leaves' bytes and leaves the flag byte
             if buffer is None:
                 known = self._recv_layout(rank, known, label)
-                buffer = self._recv_now(BufferSpec((_payload_bytes(known[0], count),), torch.uint8), rank, label)
+                buffer = self._recv_now(BufferSpec((_payload_bytes(known[0], count, first),), torch.uint8), rank, label)
             metas, spec = known
-            pieces.append(unpack(buffer, metas, count))
-        leaves = [parts[0] if len(pieces) == 1 else torch.cat(parts) for parts in zip(*pieces)]
-        for leaf, meta in zip(leaves, metas):
+            layouts.append(metas)
+            pieces.append(unpack(buffer, metas, count, first))
+        if len(pieces) == 1:
+            leaves = pieces[0]  # one sender: it holds the first row, so it carried every leaf
+        else:
+            leaves = _settle_pieces(pieces, layouts, [(rank, rows) for rank, _, _, _, rows in parts])
+        for leaf, meta in zip(leaves, layouts[0] if layouts else ()):
             if meta.requires_grad:
-                leaf.requires_grad_(True)
-        return unflatten(leaves, spec)
+                leaf.requires_grad_(True)  # type: ignore[union-attr]
+        return unflatten(leaves, spec)  # type: ignore[arg-type]
 
     def _recv_layout(self, peer: int, known: tuple[tuple[LeafMeta, ...], Any] | None, what: str) -> tuple[tuple[LeafMeta, ...], Any]:
         """Receive a header (and the structure if it changed) and remember the layout."""
@@ -559,17 +679,40 @@ class Transport:
     def recv_gradient(
         self, like: Sequence[torch.Tensor], my_rows: tuple[int, int], peers: Sequence[Peer], transfer: Hashable
     ) -> list[torch.Tensor]:
-        """Gradients for the leaves ``like`` (this rank's outputs that require grad)."""
-        metas = [_meta_of(t) for t in like]
-        typed = _typed_gradient(metas, self._typed)
+        """Gradients for the leaves ``like`` (this rank's outputs that require grad): rows
+        concatenated; a whole leaf's summed over the receivers it was sent to (zeros if it
+        went to none)."""
+        count = my_rows[1] - my_rows[0]
+        metas = [_meta_of(t, count) for t in like]
         specs, counts = self._gradient_specs(metas, my_rows, peers)
         posted = self._posted.pop(transfer, None)
         if posted is None:
             posted = self.wire.post(specs, "gradient")
         label = self._labels.get(transfer) or self._label(transfer)
         received = self.wire.wait(posted, _from(label, posted)) if posted else []
-        pieces = [[buffer] if typed else unpack(buffer, metas, count) for (buffer, _), count in zip(received, counts)]
-        return [parts[0] if len(pieces) == 1 else torch.cat(parts) for parts in zip(*pieces)]
+        pieces = [self._gradient_leaves(buffer, metas, rows, first) for (buffer, _), (rows, first) in zip(received, counts)]
+        if not any(meta.whole for meta in metas):
+            return [parts[0] if len(pieces) == 1 else torch.cat(parts) for parts in zip(*pieces)]  # type: ignore[arg-type]
+        grads = []
+        for leaf, meta, parts in zip(like, metas, zip(*pieces)):
+            got = [part for part in parts if part is not None]
+            if not meta.whole:
+                grads.append(got[0] if len(got) == 1 else torch.cat(got))
+            elif not got:
+                grads.append(torch.zeros_like(leaf))
+            else:
+                total = got[0]
+                for part in got[1:]:
+                    total = total + part
+                grads.append(total)
+        return grads
+
+    def _gradient_leaves(self, buffer: torch.Tensor, metas: Sequence[LeafMeta], rows: int, first: bool) -> list[torch.Tensor | None]:
+        """One receiver's piece of a gradient transfer, per leaf (None: not carried)."""
+        carried = _carried(metas, first)
+        if not _typed_gradient(carried, self._typed):
+            return unpack(buffer, metas, rows, first)
+        return [buffer if first or not meta.whole else None for meta in metas]
 
     @staticmethod
     def _parse_header(header: torch.Tensor) -> tuple[list[LeafMeta], int]:
@@ -577,9 +720,9 @@ class Transport:
         count, spec_len = ints[0], ints[1]
         metas, pos = [], 2
         for _ in range(count):
-            dtype, requires_grad, ndim = _DTYPES[ints[pos]], bool(ints[pos + 1]), ints[pos + 2]
-            metas.append(LeafMeta(dtype, requires_grad, tuple(ints[pos + 3 : pos + 3 + ndim])))
-            pos += 3 + ndim
+            dtype, requires_grad, whole, ndim = _DTYPES[ints[pos]], bool(ints[pos + 1]), bool(ints[pos + 2]), ints[pos + 3]
+            metas.append(LeafMeta(dtype, requires_grad, tuple(ints[pos + 4 : pos + 4 + ndim]), whole))
+            pos += 4 + ndim
         return metas, spec_len
 
 

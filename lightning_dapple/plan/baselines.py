@@ -42,7 +42,7 @@ def _balanced_cuts(tables: RangeTables, cluster: Cluster, devices: Sequence[tupl
         value = np.maximum(best[:, None], tables.work[:, ends] * scale)
         if not last:
             unit = p2p_ms_fast(cluster, 1e6, devices[s], devices[s + 1]) / 1e6
-            value = np.maximum(value, (2.0 * tables.output[ends - 1] * whole * unit)[None, :])
+            value = np.maximum(value, (2.0 * tables.cut_bytes(ends - 1, whole) * unit)[None, :])
         value = np.where((starts >= s) & (starts < ends[None, :]), value, _INF)
         k = np.argmin(value, axis=0)  # the first (lowest) start on ties
         nxt = np.full(n + 1, _INF)

@@ -7,7 +7,11 @@ numbers once, so the planner's formula (``dapple_latency``) and the discrete-eve
 simulator charge a plan exactly the same costs.
 
 A stage replicated r ways runs a slice of micro_batch_size / r samples on each device
-(split-concat, 5.2.2); times and activation bytes scale linearly with the slice.
+(split-concat, 5.2.2); times and activation bytes scale linearly with the slice, except a
+cut's whole part (``LayerProfile.output_whole_bytes``: values the same for every sample),
+which every slice holds once (``LayerProfile.cut_bytes``). A transfer is priced as one
+micro-batch's cut split over the pairs; the whole part travels once to each receiver, so
+with several receivers that prices it low by the extra copies.
 
 Tied parameters (``ModelProfile.tied``) whose layers a plan puts on several stages live on
 each of those stages: each holds their bytes (weights, gradients, optimizer state), its
@@ -24,7 +28,7 @@ from typing import Iterable, Sequence
 from lightning_dapple.cluster import Cluster
 from lightning_dapple.plan.buckets import bucket_layers
 from lightning_dapple.plan.plan import Prediction, StagePlan
-from lightning_dapple.profile.model_profile import ModelProfile
+from lightning_dapple.profile.model_profile import LayerProfile, ModelProfile
 
 
 @dataclass(frozen=True)
@@ -211,14 +215,14 @@ def stage_costs(
         layers = profile.span(stage.start, stage.end)
         per_device = profile.scale(slice_size(micro_batch_size, stage.replicas))
         whole = profile.scale(micro_batch_size)
-        output_bytes = layers[-1].output_bytes * whole
+        output_bytes = layers[-1].cut_bytes(whole)
         send_ms = 0.0
         if index + 1 < len(stages):
             send_ms = cluster.p2p_ms(output_bytes, stage.devices, stages[index + 1].devices)
         param_bytes = sum(layer.param_bytes for layer in layers) + extra_bytes[index]
         sync_bytes = sum(synced[index])
         if stage.start > 0:
-            input_bytes = profile.layers[stage.start - 1].output_bytes * per_device
+            input_bytes = profile.layers[stage.start - 1].cut_bytes(per_device)
         else:
             input_bytes = profile.input_bytes * per_device
         layer_ar = tuple(
@@ -239,11 +243,9 @@ def stage_costs(
                 slice_size=slice_size(micro_batch_size, stage.replicas) / 1.0,
                 recompute_ms=forward_ms if stage.recompute != "never" else 0.0,
                 input_bytes=input_bytes,
-                wgrad_bytes=sum(
-                    max(layer.output_bytes, layer.stash_bytes)
-                    for position, layer in enumerate(layers)
-                    if layer.param_bytes > 0 or stage.start + position in uses_tied
-                ) * per_device,
+                wgrad_bytes=_wgrad_bytes(
+                    [layer for position, layer in enumerate(layers) if layer.param_bytes > 0 or stage.start + position in uses_tied], per_device
+                ),
                 layer_weight_ms=tuple(layer.weight_grad_ms * per_device for layer in layers),
                 layer_allreduce_ms=layer_ar,
                 buckets=stage_buckets(profile, cluster, stage, per_device, synced[index]),
@@ -251,6 +253,14 @@ def stage_costs(
             )
         )
     return costs
+
+
+def _wgrad_bytes(weighted: Sequence[LayerProfile], per_device: float) -> float:
+    """What one slice keeps between its B and its deferred W: per layer with weight work
+    (``weighted``), its output gradient or its stash, whichever is larger (the gradient of a
+    whole output once)."""
+    per_sample = sum(max(layer.output_bytes, layer.stash_bytes) for layer in weighted) * per_device
+    return per_sample + sum(layer.output_whole_bytes for layer in weighted)
 
 
 def stage_memory_bytes(cost: StageCost, in_flight: int, cluster: Cluster) -> float:

@@ -68,7 +68,7 @@ def _quick_latency(tables: RangeTables, cluster: Cluster, stages: Sequence[Stage
         per_device = slice_size(mbs, stage.replicas) / tables.pbs
         send = 0.0
         if index + 1 < len(stages):
-            send = p2p_ms_fast(cluster, tables.output[b - 1] * whole, stage.devices, stages[index + 1].devices)
+            send = p2p_ms_fast(cluster, tables.cut_bytes(b - 1, whole), stage.devices, stages[index + 1].devices)
         params = float(tables.params[a, b])
         costs.append(
             _QuickCost(

@@ -406,7 +406,7 @@ class StageSearch:
         block = self.block(cand.occupied, cand.last, wanted)
         sel = block.select(wanted, sizes)
         j = cand.end
-        boundary = float(self.t.output[j - 1] * self.whole) if j > 0 else 0.0
+        boundary = float(self.t.cut_bytes(j - 1, self.whole)) if j > 0 else 0.0
         if cand.last is not None and boundary > 0:
             c1 = boundary * sel.unit_in + self.lat
         else:
@@ -744,7 +744,7 @@ class StageSearch:
         c1, s_rest = batch.c1[rows], batch.s_rest[rows, 0]
         fr, br = t.forward[ends, n] * s_rest, t.backward[ends, n] * s_rest
         ar = self._exposed_last(ring_rest[rows], ends)
-        out = t.output[ends - 1] * self.whole
+        out = t.cut_bytes(ends - 1, self.whole)
         c2 = np.where(out > 0, out * units[rows] + self.lat, 0.0)
         fb1, fb2, fbr = 2.0 * c1, 2.0 * c2, fr + br
         # Algorithm 1 over the new phases (R, c2, n, c1); a = F+B after the phase being

@@ -2,19 +2,19 @@
 
 The search prices thousands of stages per second; these tables give any layer range's
 forward, backward, parameter and stash sums in O(1), summed exactly as ``costs.stage_costs``
-sums them (so ties in DAPPLE's Algorithm 1 resolve the same way in the search and in the
+sums them, and every cut's bytes (per-sample part scaled, whole part once) (so ties in DAPPLE's Algorithm 1 resolve the same way in the search and in the
 official formula), plus the exposed AllReduce tails of ``overlap.OverlapTables``.
 """
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 from lightning_dapple.cluster import Cluster
 from lightning_dapple.plan.overlap import OverlapTables
-from lightning_dapple.profile.model_profile import ModelProfile
+from lightning_dapple.profile.model_profile import ModelProfile, cut_bytes
 
 __all__ = ["RangeTables", "p2p_ms_fast"]
 
@@ -34,7 +34,13 @@ class RangeTables:
         self.stash = self._range_sums([layer.stash_bytes for layer in layers])
         self.work = self.forward + self.backward
         self.output = np.array([layer.output_bytes for layer in layers], dtype=float)
+        self.output_whole = np.array([layer.output_whole_bytes for layer in layers], dtype=float)
         self.overlap = OverlapTables([layer.param_bytes for layer in layers], [layer.backward_ms for layer in layers])
+
+    def cut_bytes(self, last: Any, scale: float) -> Any:
+        """Bytes crossing the cut after layer(s) ``last`` (an index or an index array) for
+        ``scale`` x the profile's micro-batch (``model_profile.cut_bytes``)."""
+        return cut_bytes(self.output[last], self.output_whole[last], scale)
 
     @staticmethod
     def _range_sums(values: Sequence[float]) -> np.ndarray:

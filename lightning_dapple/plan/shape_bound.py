@@ -110,7 +110,7 @@ def _straight_bound(request: PlanRequest, m: int) -> tuple[float, int] | None:
     cheapest = min((cluster.p2p_ms(probe, (t - 1,), (t,)), cluster.p2p_ms(2 * probe, (t - 1,), (t,))) for t in range(1, g))
     per_byte, latency = (cheapest[1] - cheapest[0]) / probe, 2 * cheapest[0] - cheapest[1]
     # transfer[c]: the cut before layer c (no stage starts at 0's left or after the last layer)
-    transfer = np.array([0.0] + [layer.output_bytes * scale * per_byte + latency for layer in layers[:-1]] + [_INF])
+    transfer = np.array([0.0] + [layer.cut_bytes(scale) * per_byte + latency for layer in layers[:-1]] + [_INF])
     paths = _path_transfers(transfer, g)
     starts = np.arange(n + 1)
     is_stage = starts[:, None] < starts[None, :]

@@ -6,6 +6,9 @@ for the AllReduce term, activation sizes for cross-stage communication) and Pipe
 ``backward_weight_ms`` split the backward for out-of-order backprop (ooo-backprop sec. 3).
 ``stash_bytes`` is what a layer keeps from its forward until its backward; the memory
 model multiplies it by the number of micro-batches in flight (DAPPLE 5.3, K_i).
+``output_whole_bytes`` is the part of a cut that is the same for every sample (a rotary
+table, a broadcast mask: ``sample_rows``), sent whole once per micro-batch and receiver;
+``cut_bytes`` is the one place that adds it to the per-sample part.
 ``tied`` lists parameters several layers use (tied weights): a layer's ``param_bytes``
 counts a parameter only in the first layer using it, and the cost model adds the copy
 every other stage holding one of its layers keeps (``plan/costs.py``).
@@ -23,13 +26,22 @@ from typing import Any
 from lightning_dapple.errors import DappleConfigError, require
 
 
+def cut_bytes(per_sample: Any, whole: Any, scale: Any) -> Any:
+    """Bytes crossing a cut for ``scale`` x the profile's micro-batch: the per-sample part
+    scaled, the whole part once. The one formula for a cut's bytes (floats or numpy
+    arrays alike: the planner's tables price every cut at once with it)."""
+    return per_sample * scale + whole
+
+
 @dataclass(frozen=True)
 class LayerProfile:
     """Costs of one layer for one micro-batch of the profile's size.
 
     ``output_bytes`` is what crosses a cut placed right after this layer (for a linearised
     branching graph, every activation produced at or before this position and consumed
-    after it).
+    after it), the per-sample part: it scales with the rows. ``output_whole_bytes`` is
+    the part that does not (values with no batch dimension or a first dimension of 1);
+    profiles without it have none.
     """
 
     name: str
@@ -40,6 +52,11 @@ class LayerProfile:
     stash_bytes: float
     backward_input_ms: float | None = None
     backward_weight_ms: float | None = None
+    output_whole_bytes: float = 0.0
+
+    def cut_bytes(self, scale: float) -> float:
+        """Bytes crossing a cut after this layer for ``scale`` x the profile's micro-batch."""
+        return cut_bytes(self.output_bytes, self.output_whole_bytes, scale)
 
     @property
     def input_grad_ms(self) -> float:
@@ -114,6 +131,8 @@ class ModelProfile:
             for optional in ("backward_input_ms", "backward_weight_ms"):
                 if entry[optional] is None:
                     del entry[optional]
+            if not entry["output_whole_bytes"]:
+                del entry["output_whole_bytes"]
             layers.append(entry)
         out: dict[str, Any] = {
             "name": self.name,
@@ -154,7 +173,7 @@ def validate_profile(profile: ModelProfile) -> None:
     require(len(profile.layers) > 0, "profile.layers", "is empty", "list at least one layer")
     for index, layer in enumerate(profile.layers):
         where = f"profile.layers[{index}] ({layer.name})"
-        for name in ("forward_ms", "backward_ms", "output_bytes", "param_bytes", "stash_bytes"):
+        for name in ("forward_ms", "backward_ms", "output_bytes", "param_bytes", "stash_bytes", "output_whole_bytes"):
             value = _number(getattr(layer, name), f"{where}.{name}", "write a number >= 0")
             require(value >= 0, f"{where}.{name}", f"is negative ({value})", "times and sizes must be >= 0")
         for name in ("backward_input_ms", "backward_weight_ms"):
@@ -204,7 +223,8 @@ def profile_from_dict(data: Any, source: str = "profile") -> ModelProfile:
             name: (None if entry.get(name) is None else _number(entry[name], f"{where}.{name}", "write a number >= 0"))
             for name in ("backward_input_ms", "backward_weight_ms")
         }
-        layers.append(LayerProfile(name=str(entry["name"]), **numbers, **optional))
+        whole = _number(entry.get("output_whole_bytes", 0.0), f"{where}.output_whole_bytes", "write a number >= 0 or leave it out")
+        layers.append(LayerProfile(name=str(entry["name"]), **numbers, **optional, output_whole_bytes=whole))
     mbs = data["micro_batch_size"]
     require(
         isinstance(mbs, int) and not isinstance(mbs, bool) and mbs > 0,

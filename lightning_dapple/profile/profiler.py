@@ -26,7 +26,10 @@ Measured quantities, per layer:
 * ``forward_ms``: forward with autograd recording (as in training);
 * ``backward_ms``: gradient w.r.t. the floating inputs and the parameters together;
 * ``backward_input_ms`` / ``backward_weight_ms``: the B / W split above;
-* ``output_bytes``: every tensor in the output, whether or not it requires grad;
+* ``output_bytes`` / ``output_whole_bytes``: every tensor in the output, whether or not it
+  requires grad, split by ``sample_rows.is_whole`` against the sample's rows into the
+  per-sample part and the part sent whole (a (1, T, n) table beside the batch). A sample of
+  one row cannot tell the two apart: all of it counts as per-sample then;
 * ``param_bytes``: the layer's parameters; a parameter several layers use (tied
   weights) counts in the first of them only, and the profile's ``tied`` says which
   layers share it (``profile/ties.py``);
@@ -51,17 +54,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from lightning_dapple.profile.stash import StashMeter, parameter_storages
 from torch import nn
 
 from lightning_dapple.errors import DappleConfigError, require
 from lightning_dapple.profile.model_profile import LayerProfile, ModelProfile, profile_from_dict
+from lightning_dapple.profile.sample_rows import batch_rows, split_bytes
+from lightning_dapple.profile.stash import StashMeter, parameter_storages
 from lightning_dapple.profile.ties import first_use_param_bytes, tied_params_records, tied_parameters
 
 __all__ = ["profile_layers", "tensor_bytes", "iter_tensors", "map_tensors"]
 
-_CACHE_VERSION = 1
+_CACHE_VERSION = 2
 _CONVENTION_FIX = (
     "each layer is called as layer(x) with x exactly what the previous layer returned "
     "(one positional argument: a tensor, tuple or dict, never unpacked); make the layers accept that"
@@ -222,10 +225,11 @@ def _cache_key(
 
 
 def _measure_layer(
-    layer: nn.Module, index: int, label: str, x: Any, device: torch.device, repeats: int, warmup: int, autocast: torch.dtype | None = None
+    layer: nn.Module, index: int, label: str, x: Any, device: torch.device, repeats: int, warmup: int, autocast: torch.dtype | None = None, *, rows: int
 ) -> tuple[LayerProfile, Any]:
-    """Profile one layer (already on ``device``) on input ``x`` (already on ``device``);
-    its forwards run under autocast to ``autocast`` when given (mixed precision)."""
+    """Profile one layer (already on ``device``) on input ``x`` (already on ``device``) of
+    ``rows`` samples; its forwards run under autocast to ``autocast`` when given (mixed
+    precision)."""
     params = [p for p in layer.parameters() if p.requires_grad]
     param_bytes = sum(p.numel() * p.element_size() for p in layer.parameters())
     param_storages_ptrs = parameter_storages(list(layer.parameters()))
@@ -249,7 +253,7 @@ def _measure_layer(
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
         out = _call(layer, index, xg, autocast)
     stash_bytes = meter.bytes
-    output_bytes = tensor_bytes(out)
+    output_bytes, output_whole_bytes = split_bytes(iter_tensors(out), rows)
     differentiable = [t for t in iter_tensors(out) if t.requires_grad]
     generator = torch.Generator(device="cpu").manual_seed(1234 + index)
     cotangents = [
@@ -296,6 +300,7 @@ def _measure_layer(
         stash_bytes=float(stash_bytes),
         backward_input_ms=statistics.median(backward_in),
         backward_weight_ms=statistics.median(backward_w),
+        output_whole_bytes=float(output_whole_bytes),
     )
     return profile, next_input
 
@@ -312,9 +317,9 @@ def profile_layers(
 ) -> ModelProfile:
     """Time and size every layer on one micro-batch, as PipeDream's profiler does (PipeDream 3.2).
 
-    ``sample_input`` is one micro-batch (a tensor, tuple/list or dict of tensors); its first
-    tensor's first dimension is the profile's ``micro_batch_size`` (DAPPLE 4 scales times
-    linearly from it). Each layer is moved to ``device``, measured with ``warmup`` untimed
+    ``sample_input`` is one micro-batch (a tensor, tuple/list or dict of tensors); its rows
+    (``sample_rows.batch_rows``: the first dimension of its first tensor with more than one
+    row) are the profile's ``micro_batch_size`` (DAPPLE 4 scales times linearly from it). Each layer is moved to ``device``, measured with ``warmup`` untimed
     runs and the median of ``repeats`` timed runs, and moved back. With ``cache_dir`` the
     result is stored as JSON keyed by a hash of the layers' reprs and parameter shapes,
     the input's structure, the device and the sample size; a later call with the same key
@@ -338,7 +343,7 @@ def profile_layers(
         cached = _cached_profile(cache_file, name)
         if cached is not None:
             return cached
-    results = _measure_layers(layer_list, labels, sample_input, dev, repeats, warmup, autocast_dtype)
+    results = _measure_layers(layer_list, labels, sample_input, dev, repeats, warmup, autocast_dtype, batch)
     owned = first_use_param_bytes(layer_list)  # a tied parameter counts in its first layer
     result = ModelProfile(
         micro_batch_size=batch,
@@ -370,13 +375,14 @@ def _check_inputs(sample_input: Any, repeats: Any, warmup: Any) -> int:
     require(isinstance(warmup, int) and warmup >= 0, "warmup", f"must be an integer >= 0, got {warmup!r}", "use e.g. 2")
     tensors = list(iter_tensors(sample_input))
     require(bool(tensors), "sample_input", "contains no tensor", "pass one micro-batch: a tensor, or a tuple/dict of tensors")
+    batch = batch_rows(tensors)
     require(
-        tensors[0].dim() >= 1,
+        batch is not None,
         "sample_input",
-        "its first tensor is 0-dimensional, so it has no batch dimension",
-        "give the first tensor a leading batch dimension",
+        "has only 0-dimensional tensors, so it has no batch dimension",
+        "give the per-sample tensors a leading batch dimension",
     )
-    batch = int(tensors[0].shape[0])
+    assert batch is not None
     require(batch > 0, "sample_input", "has batch size 0", "pass at least one sample")
     return batch
 
@@ -409,6 +415,7 @@ def _measure_layers(
     repeats: int,
     warmup: int,
     autocast_dtype: torch.dtype | None,
+    rows: int,
 ) -> list[LayerProfile]:
     """Each layer in turn on ``dev`` with the previous one's output, then back home with its
     buffers as they were (running statistics are not the profiler's to change); the RNG is
@@ -424,7 +431,7 @@ def _measure_layers(
             layer.to(dev)
             try:
                 x_dev = map_tensors(x, lambda t: t.to(dev))
-                profile, out = _measure_layer(layer, index, labels[index], x_dev, dev, repeats, warmup, autocast_dtype)
+                profile, out = _measure_layer(layer, index, labels[index], x_dev, dev, repeats, warmup, autocast_dtype, rows=rows)
             finally:
                 if home is not None:
                     layer.to(home)

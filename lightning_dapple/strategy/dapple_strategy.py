@@ -42,6 +42,7 @@ from typing import Any, Callable, ContextManager, Generator, Literal
 import torch
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
@@ -55,6 +56,7 @@ from typing_extensions import override
 
 from lightning_dapple.cluster import detect_cluster, load_cluster
 from lightning_dapple.errors import DappleConfigError, require
+from lightning_dapple.execute.batchnorm import convert_batchnorm
 from lightning_dapple.execute.clipping import clip_grad_norm_global
 from lightning_dapple.execute.failure import FailureChannel
 from lightning_dapple.execute.groups import PlanGroups, build_groups
@@ -66,7 +68,7 @@ from lightning_dapple.execute.topology import report_placement
 from lightning_dapple.execute.wires import WIRES, choose_wire
 from lightning_dapple.plan.console import make_console, render_text
 from lightning_dapple.plan.explain import plan_summary, plan_table
-from lightning_dapple.plan.plan import Plan, PlanShape, atomic_write_text, load_plan_or_shape, plan_or_shape_from_dict
+from lightning_dapple.plan.plan import Plan, PlanShape, StagePlan, atomic_write_text, load_plan_or_shape, plan_or_shape_from_dict
 from lightning_dapple.profile.ties import TiedParameter, tied_parameters
 from lightning_dapple.profile.traced_layers import TracedLayers
 from lightning_dapple.simulate.plans import schedule_for_plan
@@ -98,7 +100,7 @@ from lightning_dapple.strategy.precision import (
     agree_found_inf,
     as_dapple_precision,
 )
-from lightning_dapple.strategy.reporting import SILENT, OneLineLauncher, install_excepthook
+from lightning_dapple.strategy.reporting import SILENT, OneLineLauncher, failure_known, install_excepthook, watch_for_peer_failures
 from lightning_dapple.strategy.resolve import PlanArguments, resolve_plan, shape_with_arguments
 from lightning_dapple.strategy.slice_transfer import StepTransfers
 from lightning_dapple.strategy.tied_layers import KeptTensors, free_layer, retie
@@ -265,6 +267,11 @@ class DappleStrategy(DDPStrategy):
             ``checkpoint_io``, ``precision_plugin`` and ``process_group_backend``. Options
             of DDP's wrapper (``find_unused_parameters``, ``ddp_comm_hook``, ...) are
             refused with what the strategy does instead (``ddp_options.py``).
+        deferred_batchnorm: BatchNorm running statistics updated once per step from the
+            whole global batch, each micro-batch still normalised with its own statistics
+            (torchgpipe's DeferredBatchNorm, GPipe 2.2; ``execute/batchnorm.py``). Off, they
+            move once per micro-batch slice. ``Trainer(sync_batchnorm=True)`` normalises each
+            micro-batch over all replicas of its stage.
     """
 
     strategy_name = "dapple"
@@ -284,6 +291,7 @@ class DappleStrategy(DDPStrategy):
         recompute: Any = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         wire: str = "auto",
+        deferred_batchnorm: bool = False,
         **kwargs: Any,
     ) -> None:
         refuse_ddp_options(kwargs)
@@ -298,6 +306,7 @@ class DappleStrategy(DDPStrategy):
         )
         require(wire in WIRES, "wire", f"is {wire!r}", f"use one of {', '.join(WIRES)}")
         self.wire = wire
+        self.deferred_batchnorm = deferred_batchnorm
         self.plan_spec = plan
         self.cluster_spec = cluster
         self.layers_path = layers
@@ -382,11 +391,13 @@ class DappleStrategy(DDPStrategy):
         destroy_groups_at_exit(self)
         # an uncaught error prints one line, once (reporting.py; DAPPLE_DEBUG=1: tracebacks)
         install_excepthook(self.global_rank if self._start_method == "popen" else SILENT)
+        watch_for_peer_failures(self.global_rank)  # a peer's failure in Lightning's own hooks, before setup: it speaks
         choose_wire(self.wire, self.root_device)  # a forced wire this backend cannot run fails before training
 
     def exit_failed(self) -> bool:
-        """Whether this rank has seen a failure (then the exit handler leaves the groups alone)."""
-        return self.failure is not None and self.failure.known_failed
+        """Whether this rank has seen a failure (then the exit handler leaves the groups alone):
+        in training (the failure channel) or before it (``reporting.failure_known``)."""
+        return (self.failure is not None and self.failure.known_failed) or failure_known()
 
     def release_groups(self) -> None:
         """Drop this strategy's references to process groups (so that destroying them at
@@ -521,6 +532,7 @@ class DappleStrategy(DDPStrategy):
         self.failure = FailureChannel(self.global_rank, timeout_s=self.timeout_s)
         self.groups = build_groups(plan)
         tie_groups = tied_groups(plan, self._ties)  # a collective: every rank makes every group
+        self._convert_batchnorm(module, container, stage)
         local = [container[i] for i in range(stage.start, stage.end)]
         self.runner = StageRunner(
             plan,
@@ -535,6 +547,24 @@ class DappleStrategy(DDPStrategy):
             wire=self.wire,
             tied=build_tied_sync(plan, self._ties, self.global_rank, local, tie_groups, self.failure),
         )
+
+    def _convert_batchnorm(self, module: LightningModule, container: nn.Module, stage: StagePlan) -> None:
+        """This stage's BatchNorm as asked (``execute/batchnorm.py``): statistics over the
+        stage's replicas under ``Trainer(sync_batchnorm=True)`` (Lightning's DDP converts to
+        ``nn.SyncBatchNorm`` instead, which would synchronise over the whole job and refuses
+        CPU tensors), running statistics once per step under ``deferred_batchnorm``."""
+        layer_sync = self._layer_sync
+        require(
+            layer_sync is None or isinstance(layer_sync, TorchSyncBatchNorm),
+            "Trainer(plugins)",
+            f"include a {type(layer_sync).__name__} layer-sync plugin, which the dapple strategy cannot apply per pipeline stage",
+            "use Trainer(sync_batchnorm=True) (BatchNorm statistics over each stage's replicas) or leave the plugin out",
+        )
+        assert self.groups is not None
+        scope = [container[i] for i in range(stage.start, stage.end)]
+        replica = stage.devices.index(self.global_rank)
+        sync = layer_sync is not None
+        convert_batchnorm(module, scope, self.groups.replicas.get(self.stage), replica, stage.replicas, sync, self.deferred_batchnorm)
 
     def _free_other_stages(self, container: nn.Module, start: int, end: int) -> None:
         """Free every layer outside [start, end) to the meta device (structure kept, memory

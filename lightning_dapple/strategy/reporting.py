@@ -7,6 +7,15 @@ ranks, four tracebacks, three of them only saying that a peer failed. Here:
 * in a rank process, an uncaught exception prints one line: the rank's own error, or
   nothing when it only stopped because a peer failed (``PeerFailedError``; the failing
   rank prints) or when it is bad configuration that every rank found (rank 0 prints);
+* the same holds before the strategy's failure channel exists, when one of Lightning's
+  own hooks (``prepare_data``, ``setup``, ``configure_model``) fails on one rank: the
+  failing rank publishes its error in the job's store before it prints (the first one
+  published is the job's failure, as ``execute/failure.py`` has it), every rank watches
+  the store from its start (``watch_for_peer_failures``), and a rank whose error comes
+  after a peer's -- typically "connection closed by peer" from a collective the failed rank
+  left -- stays quiet. The failing rank stays until its peers have seen its report (a
+  few seconds at most): under Lightning's launchers rank 0 serves the store, which ends
+  with it;
 * under the multiprocessing launchers (``start_method="spawn"/"fork"``) the launching
   process re-raises a rank's failure as ``DappleRunError`` with that rank's one-line
   message, and prints just that line if nothing catches it.
@@ -15,24 +24,31 @@ ranks, four tracebacks, three of them only saying that a peer failed. Here:
 """
 from __future__ import annotations
 
+import atexit
 import os
+import re
 import signal
 import sys
+import threading
+import time
 from types import TracebackType
 from typing import Any, Callable
 
+import torch.distributed as dist
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from torch.multiprocessing import ProcessRaisedException
 from typing_extensions import override
 
 from lightning_dapple.errors import DappleConfigError
-from lightning_dapple.execute.failure import PeerFailedError
+from lightning_dapple.execute.failure import FAILURE_KEY, TICKET_KEY, PeerFailedError
 
 DEBUG_ENV = "DAPPLE_DEBUG"
 PREFIX = "lightning_dapple: error:"
 HINT = f"(set {DEBUG_ENV}=1 for tracebacks)"
+SEEN_KEY = "lightning_dapple/failure_seen"  # how many peers have seen the published failure
+LINGER_S = 3.0  # longest a failing rank waits for its peers to see its report
 
-__all__ = ["DEBUG_ENV", "DappleRunError", "OneLineLauncher", "install_excepthook", "one_line"]
+__all__ = ["DEBUG_ENV", "DappleRunError", "OneLineLauncher", "failure_known", "install_excepthook", "one_line", "watch_for_peer_failures"]
 
 
 class DappleRunError(RuntimeError):
@@ -53,6 +69,9 @@ def _rank_line(exc: BaseException) -> str:
     """The last line of a failed rank's traceback text (its exception and message)."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     last = lines[-1] if lines else one_line(exc)
+    peer = re.fullmatch(r"(?:[\w.]+\.)?PeerFailedError: rank (\d+) raised (.*?)(?: \(seen on rank \d+\))?", last)
+    if peer is not None:  # a rank that stopped for a peer's failure: the peer's error, in the same form
+        return f"rank {peer.group(1)}: {peer.group(2)}"
     index = getattr(exc, "error_index", None)
     return f"rank {index}: {last}" if index is not None and not last.startswith("rank ") else last
 
@@ -88,10 +107,19 @@ def install_excepthook(rank: int | None) -> None:
         if debugging() or not ours:
             previous(kind, value, tb)
             return
-        if _should_print(value, current):
-            where = f" rank {current}:" if current is not None and not isinstance(value, (DappleConfigError, DappleRunError)) else ""
-            sys.stderr.write(f"{PREFIX}{where} {one_line(value) if not isinstance(value, DappleRunError) else value} {HINT}\n")
-            sys.stderr.flush()
+        if not _should_print(value, current):
+            if isinstance(value, PeerFailedError):
+                _acknowledge()  # the failing rank may be waiting for that
+            return
+        first = current is None or isinstance(value, (DappleConfigError, DappleRunError)) or _peer_failure(value, current) is None
+        if not first:
+            _acknowledge()
+            return  # a peer failed first and says so; this error is its consequence
+        where = f" rank {current}:" if current is not None and not isinstance(value, (DappleConfigError, DappleRunError)) else ""
+        sys.stderr.write(f"{PREFIX}{where} {one_line(value) if not isinstance(value, DappleRunError) else value} {HINT}\n")
+        sys.stderr.flush()
+        if current is not None and not isinstance(value, DappleConfigError):
+            _linger_until_seen()
 
     excepthook.dapple_rank = rank  # type: ignore[attr-defined]
     sys.excepthook = excepthook
@@ -100,12 +128,137 @@ def install_excepthook(rank: int | None) -> None:
 _MISSING = object()
 
 
+def _job_store() -> Any:
+    """The default process group's store (None outside a distributed run)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist.distributed_c10d._get_default_store()
+
+
+def _peer_failure(exc: BaseException, rank: int) -> str | None:
+    """Publish this rank's error as the job's failure unless one is published already; the
+    job's failure when it is another rank's (None: this rank's, which it is to report)."""
+    global _FAILED
+    _FAILED = True
+    if _WATCH is not None and _WATCH.peer_report is not None:
+        return _WATCH.peer_report  # seen (and acknowledged) already: no store call (its host may be gone)
+    store = _job_store()
+    if store is None:
+        return None
+    try:
+        if int(store.add(TICKET_KEY, 1)) == 1:
+            store.set(FAILURE_KEY, f"rank {rank} raised {type(exc).__name__}: {exc}")
+            return None
+        deadline = time.monotonic() + 1.0  # the first publisher writes its message right after its ticket
+        while not store.check([FAILURE_KEY]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        message = store.get(FAILURE_KEY).decode() if store.check([FAILURE_KEY]) else None
+    except Exception:  # the store's host (rank 0) is gone: what its report said, if this rank saw it
+        return _WATCH.peer_report if _WATCH is not None else None
+    return None if message is None or message.startswith(f"rank {rank} raised") else message
+
+
+def _acknowledge() -> None:
+    """Count this rank, once, among the peers that have seen the job's failure."""
+    global _ACKNOWLEDGED
+    store = _job_store()
+    with _ACK_LOCK:  # the watch thread and the failing main thread may both get here
+        if _ACKNOWLEDGED or store is None:
+            return
+        _ACKNOWLEDGED = True
+    try:
+        store.add(SEEN_KEY, 1)
+    except Exception:  # the store's host is gone: nobody waits for the count
+        pass
+
+
+def _linger_until_seen() -> None:
+    """Keep this failed rank (and the store it may serve) up until every peer has seen its
+    report, or ``LINGER_S`` has passed."""
+    store = _job_store()
+    if store is None:
+        return
+    peers = dist.get_world_size() - 1
+    deadline = time.monotonic() + LINGER_S
+    try:
+        while int(store.add(SEEN_KEY, 0)) < peers and time.monotonic() < deadline:
+            time.sleep(0.05)
+    except Exception:  # the store is gone: nobody left to wait for
+        pass
+
+
+class _PeerWatch:
+    """Watches the job's store for a failure another rank published, from the rank's start:
+    the rank then knows its own later error is that failure's consequence, and counts itself
+    in ``SEEN_KEY`` so that the failing rank can leave."""
+
+    def __init__(self, store: Any, rank: int, poll_s: float = 0.25) -> None:
+        self.store = store
+        self.rank = rank
+        self.poll_s = poll_s
+        self.peer_report: str | None = None
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dapple-peer-watch", daemon=True)
+        self._thread.start()
+        # a daemon thread inside a store call at interpreter exit can abort the process (failure.py)
+        atexit.register(self.close)
+
+    def _run(self) -> None:
+        while not self._closed.wait(self.poll_s):
+            try:
+                if not self.store.check([FAILURE_KEY]):
+                    continue
+                message = self.store.get(FAILURE_KEY).decode()
+                if not message.startswith(f"rank {self.rank} raised"):
+                    self.peer_report = message
+                    _acknowledge()
+            except Exception:  # the store's host is gone
+                pass
+            return
+
+    def close(self) -> None:
+        self._closed.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=5.0)
+        atexit.unregister(self.close)
+
+
+_WATCH: _PeerWatch | None = None
+_FAILED = False  # this process has raised to the top (see ``failure_known``)
+_ACKNOWLEDGED = False  # this process is counted in SEEN_KEY
+_ACK_LOCK = threading.Lock()
+
+
+def failure_known() -> bool:
+    """Whether this rank has failed or seen a peer's published failure: its exit then
+    leaves the process groups alone (a peer that is gone can keep their clean-up waiting)."""
+    return _FAILED or (_WATCH is not None and _WATCH.peer_report is not None)
+
+
+def watch_for_peer_failures(rank: int) -> None:
+    """Start watching for a peer's published failure (see the module docstring); call once
+    the default process group exists. A second call replaces the first watch."""
+    global _WATCH
+    if _WATCH is not None:
+        _WATCH.close()
+    store = _job_store()
+    _WATCH = _PeerWatch(store, rank) if store is not None else None
+
+
 def _root_cause(strategy: Any, exc: Exception) -> Exception:
     """A rank that broke only because a peer failed (e.g. a connection closed under a
-    collective) gives the peer's reported error instead of its own symptom."""
+    collective) gives the peer's reported error instead of its own symptom. Before the
+    strategy's failure channel exists, the failure published first is the root cause; a
+    rank whose own error it is stays until its peers have seen it."""
     failure = getattr(strategy, "failure", None)
-    if failure is None or isinstance(exc, PeerFailedError):
+    if isinstance(exc, PeerFailedError):
         return exc
+    if failure is None:
+        peer = _peer_failure(exc, strategy.global_rank)
+        if peer is None:
+            _linger_until_seen()
+            return exc
+        return PeerFailedError(f"{peer} (seen on rank {strategy.global_rank})")
     try:
         failure.check()
     except PeerFailedError as peer:
