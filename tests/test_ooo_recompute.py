@@ -28,7 +28,8 @@ from lightning_dapple.plan.options import with_weight_split
 from lightning_dapple.profile.model_profile import LayerProfile, ModelProfile
 from lightning_dapple.schedule import Kind, build_schedule, compute_order
 from lightning_dapple.simulate.plans import schedule_for_plan
-from lightning_dapple.schedule.ooo import build_ooo_schedule, ending_order, stash_walk
+from lightning_dapple.schedule.actions import stash_walk
+from lightning_dapple.schedule.ooo import build_ooo_schedule, ending_order
 from lightning_dapple.simulate import simulate, simulate_plan
 from test_executor_equivalence import PLANS
 

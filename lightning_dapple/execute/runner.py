@@ -20,7 +20,7 @@ simulator times) and hands each action to the collaborator that does it:
   parameters this stage shares with others stay out of the buckets and are summed over
   every stage holding them after that (``execute/tied.py``);
 * stashed bytes to the ``StashLedger`` and their sizes to ``StashSizes``
-  (``execute/stash_ledger.py``: ``schedule.ooo.stash_walk``'s rule with measured sizes).
+  (``execute/stash_ledger.py``: ``schedule.actions.stash_walk``'s rule with measured sizes).
 
 Everything that depends on the plan only is decided once, in set-up: each action becomes an
 ``_Op`` (its handler, micro-batch, transfer key, the sends a receive settles, the layers of
@@ -54,8 +54,7 @@ from lightning_dapple.execute.transport import Peer, Transport, receives_ahead_p
 from lightning_dapple.plan.buckets import BUCKET_BYTES, bucket_layers
 from lightning_dapple.plan.plan import Plan
 from lightning_dapple.profile.stash import StashMeter
-from lightning_dapple.schedule.actions import Action, Kind
-from lightning_dapple.schedule.builders import Schedule
+from lightning_dapple.schedule.actions import Action, Kind, Schedule
 from lightning_dapple.schedule.settle import settle_points
 
 __all__ = ["StageRunner", "StageStats", "StageCallbacks", "EvalCallbacks"]

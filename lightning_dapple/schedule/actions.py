@@ -26,6 +26,10 @@ diffed and typed by hand: ``1F0`` (stage 1, forward of micro-batch 0), ``1B0``, 
 suffix for ``layers`` (``0W3[2:4]``, ``0ALLREDUCE[0:2]``). The grammar is
 ``<stage><KIND>[<microbatch>][[<lo>:<hi>]]``; ``Action.parse`` inverts it exactly and
 ``format_actions`` / ``parse_actions`` do the same for whole schedules, one line per stage.
+
+``Schedule`` bundles the per-stage lists with what every consumer reads beside them (K_i,
+recomputation modes, in-flight caps), and ``stash_walk`` is the memory rule of any such list;
+both serve every builder (``builders.py``, ``ooo.py``) and therefore live here.
 """
 from __future__ import annotations
 
@@ -131,3 +135,104 @@ def format_actions(actions_by_stage: Sequence[Sequence[Action]], compute_only: b
 def parse_actions(text: str) -> tuple[tuple[Action, ...], ...]:
     """The per-stage lists ``format_actions`` wrote as ``text`` (blank lines are skipped)."""
     return tuple(tuple(Action.parse(token) for token in line.split()) for line in text.splitlines() if line.strip())
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """An action list per stage; ``warmups`` are the K_i the lists were built with."""
+
+    name: str
+    num_stages: int
+    micro_batches: int
+    warmups: tuple[int, ...]
+    actions: tuple[tuple[Action, ...], ...]
+    split_backward: bool = False
+    # per stage: "never", "always" or "except_last" (empty: never everywhere)
+    recompute: tuple[str, ...] = ()
+    # out-of-order backprop: max micro-batches a stage holds (F done, W not done), and
+    # Algorithm 2's k used for the per-layer ending phase of replicated stages
+    in_flight_caps: tuple[int, ...] = ()
+    first_k: int | None = None
+
+    def compute(self, stage: int) -> list[Action]:
+        return [action for action in self.actions[stage] if action.kind.is_compute]
+
+    def describe(self, stage: int) -> str:
+        return " ".join(a.label for a in self.compute(stage))
+
+    def recompute_mode(self, stage: int) -> str:
+        return self.recompute[stage] if stage < len(self.recompute) else "never"
+
+    def recomputed(self, stage: int) -> frozenset[int]:
+        """Micro-batches whose stage forward is recomputed before their backward.
+
+        ``always``: all. ``except_last``: all but those whose backward comes before any
+        other forward on the stage -- the micro-batch last in flight (torchgpipe's
+        'except_last'; under GPipe only micro-batch M-1, under early backward also every
+        micro-batch of a stage with K_i = 1), whose recomputation would save no memory.
+        """
+        mode = self.recompute_mode(stage)
+        if mode == "never":
+            return frozenset()
+        every = range(self.micro_batches)
+        if mode == "always":
+            return frozenset(every)
+        kept: set[int] = set()
+        last_forward: int | None = None
+        for action in self.compute(stage):
+            if action.kind is Kind.F:
+                last_forward = action.microbatch
+            elif action.kind is Kind.B and action.microbatch == last_forward:
+                kept.add(action.microbatch)
+        return frozenset(mb for mb in every if mb not in kept)
+
+
+def stash_walk(
+    compute: Sequence[Action],
+    recomputed: frozenset[int] | set[int],
+    stash: float,
+    input_bytes: float = 0.0,
+    wgrad_bytes: float = 0.0,
+) -> tuple[float, int]:
+    """(peak stashed bytes, peak micro-batches in flight) of one stage's compute list.
+
+    The rule the executor measures by (``execute/runner.py``) and the planner estimates by:
+
+    * F of a micro-batch keeps ``stash`` bytes, or only its stage input (``input_bytes``)
+      when the micro-batch is recomputed;
+    * B of a recomputed micro-batch rebuilds the stash (input + stash held from then on);
+    * when a W follows later, B also keeps the gradients of the layer outputs that W
+      needs (``wgrad_bytes``) and the micro-batch is released by its (last) W, otherwise
+      by its B.
+
+    Peaks are taken after every step, so the result bounds the stash at any time.
+    """
+    last_w: dict[int, int] = {}
+    for index, action in enumerate(compute):
+        if action.kind is Kind.W and action.microbatch is not None:
+            last_w[action.microbatch] = index
+    held: dict[int, float] = {}
+    peak = 0.0
+    peak_count = 0
+    for index, action in enumerate(compute):
+        mb = action.microbatch
+        if mb is None:
+            continue
+        if action.kind is Kind.F:
+            held[mb] = input_bytes if mb in recomputed else stash
+            peak_count = max(peak_count, len(held))
+        elif action.kind is Kind.B:
+            if mb in recomputed:
+                held[mb] = held.get(mb, 0.0) + stash
+                peak = max(peak, sum(held.values()))
+            if mb in last_w:
+                held[mb] = held.get(mb, 0.0) + wgrad_bytes
+            else:
+                peak = max(peak, sum(held.values()))
+                held.pop(mb, None)
+                continue
+        elif action.kind is Kind.W and last_w.get(mb) == index:
+            held.pop(mb, None)
+            continue
+        peak = max(peak, sum(held.values()))
+    return peak, peak_count

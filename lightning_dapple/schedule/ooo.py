@@ -54,8 +54,8 @@ from typing import Sequence
 from lightning_dapple.errors import require
 from lightning_dapple.plan.buckets import BUCKET_BYTES, bucket_layers
 from lightning_dapple.plan.warmup import warmup_counts
-from lightning_dapple.schedule.actions import Action, Kind
-from lightning_dapple.schedule.builders import Schedule, compute_order, with_communication
+from lightning_dapple.schedule.actions import Action, Kind, Schedule
+from lightning_dapple.schedule.builders import compute_order, with_communication
 
 __all__ = [
     "build_ooo_schedule",
@@ -63,7 +63,6 @@ __all__ = [
     "ending_buckets",
     "ending_order",
     "ooo_compute_orders",
-    "stash_walk",
 ]
 
 
@@ -317,54 +316,3 @@ def build_ooo_schedule(
         in_flight_caps=tuple(caps),
         first_k=first_k,
     )
-
-
-def stash_walk(
-    compute: Sequence[Action],
-    recomputed: frozenset[int] | set[int],
-    stash: float,
-    input_bytes: float = 0.0,
-    wgrad_bytes: float = 0.0,
-) -> tuple[float, int]:
-    """(peak stashed bytes, peak micro-batches in flight) of one stage's compute list.
-
-    The rule the executor measures by (``execute/runner.py``) and the planner estimates by:
-
-    * F of a micro-batch keeps ``stash`` bytes, or only its stage input (``input_bytes``)
-      when the micro-batch is recomputed;
-    * B of a recomputed micro-batch rebuilds the stash (input + stash held from then on);
-    * when a W follows later, B also keeps the gradients of the layer outputs that W
-      needs (``wgrad_bytes``) and the micro-batch is released by its (last) W, otherwise
-      by its B.
-
-    Peaks are taken after every step, so the result bounds the stash at any time.
-    """
-    last_w: dict[int, int] = {}
-    for index, action in enumerate(compute):
-        if action.kind is Kind.W and action.microbatch is not None:
-            last_w[action.microbatch] = index
-    held: dict[int, float] = {}
-    peak = 0.0
-    peak_count = 0
-    for index, action in enumerate(compute):
-        mb = action.microbatch
-        if mb is None:
-            continue
-        if action.kind is Kind.F:
-            held[mb] = input_bytes if mb in recomputed else stash
-            peak_count = max(peak_count, len(held))
-        elif action.kind is Kind.B:
-            if mb in recomputed:
-                held[mb] = held.get(mb, 0.0) + stash
-                peak = max(peak, sum(held.values()))
-            if mb in last_w:
-                held[mb] = held.get(mb, 0.0) + wgrad_bytes
-            else:
-                peak = max(peak, sum(held.values()))
-                held.pop(mb, None)
-                continue
-        elif action.kind is Kind.W and last_w.get(mb) == index:
-            held.pop(mb, None)
-            continue
-        peak = max(peak, sum(held.values()))
-    return peak, peak_count

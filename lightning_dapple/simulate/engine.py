@@ -63,8 +63,7 @@ from typing import Any, Iterator, NamedTuple, Sequence
 from lightning_dapple.errors import DappleConfigError, require
 from lightning_dapple.plan.costs import StageCost
 from lightning_dapple.schedule.actions import Action, Kind
-from lightning_dapple.schedule.builders import Schedule
-from lightning_dapple.schedule.ooo import stash_walk
+from lightning_dapple.schedule.actions import Schedule, stash_walk
 
 __all__ = [
     "ScheduleDeadlock",
@@ -108,7 +107,7 @@ class StageResult:
     ``peak_stash_bytes`` is that count times the stash of one micro-batch slice (the
     activation term of DAPPLE 5.3's memory bound: K_i slices under early backward, M under
     GPipe); when the stage recomputes or defers W it is the peak of
-    ``schedule.ooo.stash_walk`` (stage input only for recomputed micro-batches, stash plus
+    ``schedule.actions.stash_walk`` (stage input only for recomputed micro-batches, stash plus
     kept gradients while a W is pending), the rule the executor measures by.
     """
 

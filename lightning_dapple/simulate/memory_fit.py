@@ -5,7 +5,7 @@ what the memory/time trade-offs of this issue add, by pricing the *exact action 
 executor will run (``schedule_for_plan``) with the shared cost model:
 
 * memory per device = weights + gradients + optimizer state (``stage_memory_bytes``'s
-  first term) + the peak of the schedule's stash walk (``schedule.ooo.stash_walk``: full
+  first term) + the peak of the schedule's stash walk (``schedule.actions.stash_walk``: full
   stash for held micro-batches, only the stage input for recomputed ones, stash plus the
   layer-output gradients for micro-batches whose W is deferred);
 * ``recompute="auto"``: every stage starts at ``never`` with the default deferral cap; a

@@ -25,8 +25,9 @@ from lightning_dapple.plan.options import with_weight_split
 from lightning_dapple.plan.pipedream_planner import plan_pipedream
 from lightning_dapple.plan.plan import Plan
 from lightning_dapple.profile.model_profile import ModelProfile
-from lightning_dapple.schedule.builders import Schedule, build_schedule
-from lightning_dapple.schedule.ooo import build_ooo_schedule, stash_walk
+from lightning_dapple.schedule.actions import Schedule, stash_walk
+from lightning_dapple.schedule.builders import build_schedule
+from lightning_dapple.schedule.ooo import build_ooo_schedule
 from lightning_dapple.simulate.engine import SimulationResult, simulate
 
 __all__ = ["PLANNERS", "check_plan_fits", "make_plan", "schedule_for_plan", "simulate_plan", "stage_memory"]
