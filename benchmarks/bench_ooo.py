@@ -111,10 +111,8 @@ def worker(rank: int, world: int, cfg: dict) -> dict:
     import torch.nn.functional as F
 
     from lightning_dapple.execute.failure import FailureChannel
-    from lightning_dapple.execute.groups import build_groups
     from lightning_dapple.execute.runner import StageRunner
     from lightning_dapple.plan.plan import plan_from_dict
-    from lightning_dapple.simulate.plans import schedule_for_plan
 
     class Callbacks:
         def make_input(self, batch: Any) -> Any:
@@ -128,11 +126,10 @@ def worker(rank: int, world: int, cfg: dict) -> dict:
     optimizers: dict[str, Any] = {}
     for name, data in cfg["plans"].items():
         plan = plan_from_dict(data)
-        groups = build_groups(plan)
         stage = plan.stages[plan.stage_of_rank(rank)]
         layers = make_layers(cfg["width"], cfg["layers"])
         local = layers[stage.start : stage.end]
-        runners[name] = StageRunner(plan, schedule_for_plan(plan), rank, local, torch.device("cpu"), failure, groups)
+        runners[name] = StageRunner.for_plan(plan, rank, local, torch.device("cpu"), failure)
         optimizers[name] = torch.optim.Adam(runners[name].parameters, lr=1e-3)
     timed = [name for name in ("plain", "ooo") if name in runners]
     times: dict[str, list[float]] = {name: [] for name in timed}

@@ -40,7 +40,7 @@ from torch import nn
 from lightning_dapple.errors import DappleConfigError
 from lightning_dapple.execute.failure import FailureChannel
 from lightning_dapple.execute.grad_sync import GradientSync
-from lightning_dapple.execute.groups import PlanGroups
+from lightning_dapple.execute.groups import PlanGroups, build_groups
 from lightning_dapple.execute.keys import TransferKey, transfer_key
 from lightning_dapple.execute.links import plan_links
 from lightning_dapple.execute.replay import restore_rng, save_rng
@@ -49,13 +49,15 @@ from lightning_dapple.execute.slicing import batch_size_of, slice_rows, take_row
 from lightning_dapple.execute.spans import CudaSpans, HostSpans, Span, span_clock
 from lightning_dapple.execute.stage import EvalCallbacks, Stage, StageCallbacks
 from lightning_dapple.execute.stash_ledger import KnownSizes, StashLedger, StashSizes, StepSizes
-from lightning_dapple.execute.tied import TiedSync
+from lightning_dapple.execute.tied import TiedSync, build_tied_sync, tied_groups
 from lightning_dapple.execute.transport import Peer, Transport, receives_ahead_pay
 from lightning_dapple.plan.buckets import BUCKET_BYTES, bucket_layers
 from lightning_dapple.plan.plan import Plan
 from lightning_dapple.profile.stash import StashMeter
+from lightning_dapple.profile.ties import TiedParameter
 from lightning_dapple.schedule.actions import Action, Kind, Schedule
 from lightning_dapple.schedule.settle import settle_points
+from lightning_dapple.simulate.plans import schedule_for_plan
 
 __all__ = ["StageRunner", "StageStats", "StageCallbacks", "EvalCallbacks"]
 
@@ -163,6 +165,41 @@ class StageRunner:
         # the step in progress: its routes and stash sizes (set by train_step)
         self._step_routes: list[_Route] = []
         self._step_sizes: StepSizes = KnownSizes({}, {})
+
+    @classmethod
+    def for_plan(
+        cls,
+        plan: Plan,
+        rank: int,
+        layers: Sequence[nn.Module],
+        device: torch.device,
+        failure: FailureChannel,
+        *,
+        groups: PlanGroups | None = None,
+        ties: Sequence[TiedParameter] = (),
+        tie_groups: dict[tuple[int, ...], Any] | None = None,
+        schedule: Schedule | None = None,
+        **options: Any,
+    ) -> "StageRunner":
+        """This rank's runner of ``plan``: the one way every caller builds one.
+
+        Process groups are collectives of the whole default group, so every rank calls this
+        for every plan, in the same order: the replica and plan groups (``build_groups``)
+        first, then one group per set of ranks sharing tied parameters (``ties``, the
+        model's; ``tied_groups``). A caller running several plans of one device layout
+        passes the groups it made once (``groups``, ``tie_groups``). The schedule is the one
+        the simulator times for the plan (``schedule_for_plan``) unless ``schedule`` is given.
+        ``failure`` stays the caller's: it outlives the runner (its watchdog is closed by
+        whoever opened it). ``options`` are ``StageRunner``'s own keywords (``post_ahead``,
+        ``wire``, ``loss_reduction``, ...).
+        """
+        groups = groups if groups is not None else build_groups(plan)
+        tied = None
+        if ties:
+            tie_groups = tie_groups if tie_groups is not None else tied_groups(plan, ties)
+            tied = build_tied_sync(plan, ties, rank, layers, tie_groups, failure)
+        schedule = schedule if schedule is not None else schedule_for_plan(plan)
+        return cls(plan, schedule, rank, layers, device, failure, groups, tied=tied, **options)
 
     # -- set-up: everything decided once per plan ----------------------------------
     def _build_stage(
