@@ -249,11 +249,11 @@ def simulated() -> dict[str, Any]:
             "planner": planner_name, "planning_s": planned_s, "plan": plan.to_dict(),
             "latency_ms": {"plain": plain.latency_ms, "ooo": ooo.latency_ms, "recompute_always": rc_sim.latency_ms},
             "bubble": {"plain": plain.bubble_fraction, "ooo": ooo.bubble_fraction},
-            "first_k": chosen.first_k, "ooo_in_flight": chosen.extra.get("ooo_in_flight"),
+            "first_k": chosen.first_k, "ooo_in_flight": chosen.ooo_in_flight,
             "memory_bytes": memory,
         }
         print(f"{name} ({plan.kind()}, M={plan.micro_batches}, {planner_name}): {plain.latency_ms:.1f} ms -> {ooo.latency_ms:.1f} ms with ooo "
-              f"(bubble {plain.bubble_fraction:.3f} -> {ooo.bubble_fraction:.3f}, k={chosen.first_k}, caps {chosen.extra.get('ooo_in_flight')}); "
+              f"(bubble {plain.bubble_fraction:.3f} -> {ooo.bubble_fraction:.3f}, k={chosen.first_k}, caps {chosen.ooo_in_flight}); "
               f"recompute always: {rc_sim.latency_ms:.1f} ms, peak memory {max(memory['recompute_always']) / 2**30:.2f} GiB "
               f"vs {max(memory['plain']) / 2**30:.2f} GiB")
     return out

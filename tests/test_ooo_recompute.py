@@ -20,6 +20,7 @@ from conftest import shared_profiles
 from dist_harness import run_ranks
 from lightning_dapple.cli.simulate import main as simulate_main
 from lightning_dapple.cluster import Cluster, load_cluster
+from lightning_dapple.errors import DappleConfigError
 from lightning_dapple.plan.costs import StageCost, dapple_latency, stage_costs
 from lightning_dapple.plan.plan import Plan, StagePlan, plan_from_dict, straight_plan
 from lightning_dapple.simulate.memory_fit import apply_ooo_recompute
@@ -215,7 +216,28 @@ def test_auto_recompute_picks_the_cheapest_setting_that_fits() -> None:
     assert "stage 0 recomputes" in data["reason"]
     assert data["extra"]["memory"]["budget_bytes"] == budget
     assert plan_from_dict(data).stages == tight.stages
-    assert schedule_for_plan(plan_from_dict(data)).in_flight_caps == tuple(data["extra"]["ooo_in_flight"])
+    assert schedule_for_plan(plan_from_dict(data)).in_flight_caps == tuple(data["ooo_in_flight"]) == tight.ooo_in_flight
+
+
+
+def test_in_flight_caps_are_a_plan_field_saved_compared_validated_and_read_from_old_files() -> None:
+    base = {**PLANS["3-stage"], "global_batch_size": 12, "micro_batches": 3, "ooo": True}
+    plan = plan_from_dict({**base, "ooo_in_flight": [3, 0, -1]})
+    assert plan.ooo_in_flight == (3, 0, -1)
+    assert json.loads(plan.to_json())["ooo_in_flight"] == [3, 0, -1] and "extra" not in json.loads(plan.to_json())
+    assert plan_from_dict(json.loads(plan.to_json())) == plan
+    # plans that differ only in their caps run different action lists: they are not equal
+    assert plan != replace(plan, ooo_in_flight=(3, 0, 0)) and plan != replace(plan, ooo_in_flight=None)
+    # a file written when the caps lived in extra loads into the field
+    old = plan_from_dict({**base, "extra": {"ooo_in_flight": [3, 0, -1], "memory": {}}})
+    assert old == plan and old.extra == {"memory": {}}
+    assert schedule_for_plan(old).in_flight_caps[1:] == (0, -1)
+    with pytest.raises(DappleConfigError, match=r"plan\.ooo_in_flight: has 2 entries for 3 stages"):
+        plan_from_dict({**base, "ooo_in_flight": [3, 0]})
+    with pytest.raises(DappleConfigError, match=r"plan\.ooo_in_flight\[2\]: is -2"):
+        plan_from_dict({**base, "ooo_in_flight": [3, 0, -2]})
+    with pytest.raises(DappleConfigError, match=r"plan\.ooo_in_flight: is \[3, 'x', 0\]"):
+        plan_from_dict({**base, "ooo_in_flight": [3, "x", 0]})
 
 
 def embedding_profile() -> ModelProfile:
@@ -376,7 +398,7 @@ def _executor_cases() -> list[tuple[str, dict, str]]:
                 for mode in MODES:
                     cases.append((f"{model}-dropout", with_options(base, "dapple", ooo, mode), f"{model}-dropout/{name}/dapple/{ooo}/{mode}"))
             if name == "3-stage":  # per-stage deferral: cap K_0, none (W right after B), no split
-                data = {**with_options(base, "dapple", True, ["always", "never", "except_last"]), "extra": {"ooo_in_flight": [3, 0, -1]}}
+                data = {**with_options(base, "dapple", True, ["always", "never", "except_last"]), "ooo_in_flight": [3, 0, -1]}
                 cases.append((model, data, f"{model}/{name}/dapple/True/mixed/caps"))
             if name in ("2x2", "3:1"):  # reverse first-k ending on replicated stages (Algorithm 2)
                 data = {**with_options(base, "dapple", True, "except_last"), "first_k": 2}
@@ -435,7 +457,7 @@ def test_executor_variants() -> None:
         for rank, res in zip(range(4), ranks):
             assert res["recomputed"] == len(schedule.recomputed(res["stage"])), label
             assert ("W" in res["kinds"]) == bool(schedule.compute(res["stage"]) and any(a.kind is Kind.W for a in schedule.compute(res["stage"]))), label
-            assert ("W" in res["kinds"]) == (plan.ooo and plan.extra.get("ooo_in_flight", [0] * 4)[res["stage"]] >= 0), label
+            assert ("W" in res["kinds"]) == (plan.ooo and (plan.ooo_in_flight or (0,) * 4)[res["stage"]] >= 0), label
     # dropout: every variant gives the parameters of the same plan without ooo/recompute
     for model in ("mlp-dropout", "transformer-dropout"):
         for name in PLANS:

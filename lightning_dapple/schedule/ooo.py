@@ -19,7 +19,7 @@ the pipeline with unit costs (F = B = W = 1, free transfers):
   (K_0): every stage may hold as many micro-batches as the most loaded stage already
   does, so for balanced stages the peak over devices is that of DAPPLE without ooo (the
   same argument as the zero-bubble "H1" schedule). A planner that knows the memory of
-  each device lowers caps (``plan.extra["ooo_in_flight"]``, down to K_i); a cap of 0
+  each device lowers caps (``plan.ooo_in_flight``, down to K_i); a cap of 0
   defers nothing on that stage: each W runs right after its B (the gradient still leaves
   first), which keeps no layer-output gradients across other work; a cap of -1 does not
   split that stage's backward at all (plain B, no W, nothing extra kept);
