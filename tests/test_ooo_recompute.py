@@ -57,21 +57,22 @@ def uniform_profile(num_layers: int, param_bytes: float = 1e6, stash: float = 1e
 
 @pytest.mark.parametrize("name", ["dapple", "gpipe"])
 @pytest.mark.parametrize(("stages", "micro_batches"), [(1, 3), (2, 4), (3, 4), (4, 8), (5, 3)])
-def test_ooo_lists_keep_base_order_and_place_each_w_after_its_b(name: str, stages: int, micro_batches: int) -> None:
+def test_ooo_lists_keep_base_order_and_place_each_w_after_its_i(name: str, stages: int, micro_batches: int) -> None:
     built = build_ooo_schedule(name, stages, micro_batches)
     plain = build_schedule(name, stages, micro_batches)
-    assert built.split_backward
     for s in range(stages):
+        assert built.splits(s) and not plain.splits(s)
         compute = built.compute(s)
-        fb = [(a.kind, a.microbatch) for a in compute if a.kind is not Kind.W]
+        assert not any(a.kind is Kind.B for a in compute)  # every backward is input-only, its W follows
+        fb = [(Kind.B if a.kind is Kind.I else a.kind, a.microbatch) for a in compute if a.kind is not Kind.W]
         assert fb == [(a.kind, a.microbatch) for a in plain.compute(s)]
         position = {(a.kind, a.microbatch): i for i, a in enumerate(compute)}
         for mb in range(micro_batches):
-            assert position[(Kind.B, mb)] < position[(Kind.W, mb)]
-        # the gradient leaves right after B (fast-forwarding), before any W
+            assert position[(Kind.I, mb)] < position[(Kind.W, mb)]
+        # the gradient leaves right after I (fast-forwarding), before any W
         actions = built.actions[s]
         for index, action in enumerate(actions):
-            if action.kind is Kind.B and s > 0:
+            if action.kind is Kind.I and s > 0:
                 assert actions[index + 1].kind is Kind.SEND_GRAD
         assert actions[-1].kind is Kind.ALLREDUCE
     result = simulate(built, [unit_cost() for _ in range(stages)])
@@ -82,9 +83,9 @@ def test_ooo_lists_keep_base_order_and_place_each_w_after_its_b(name: str, stage
 def test_example_action_lists_s3_m4() -> None:
     built = build_ooo_schedule("dapple", 3, 4)
     assert [built.describe(s) for s in range(3)] == [
-        "F0 F1 F2 B0 W0 F3 B1 W1 B2 W2 B3 W3",
-        "F0 F1 B0 F2 B1 W0 F3 B2 W1 B3 W2 W3",
-        "F0 B0 F1 B1 F2 B2 W0 F3 B3 W1 W2 W3",
+        "F0 F1 F2 I0 W0 F3 I1 W1 I2 W2 I3 W3",
+        "F0 F1 I0 F2 I1 W0 F3 I2 W1 I3 W2 W3",
+        "F0 I0 F1 I1 F2 I2 W0 F3 I3 W1 W2 W3",
     ]
 
 
@@ -132,7 +133,7 @@ def test_recomputed_micro_batches_wait_for_w_one_at_a_time() -> None:
     for s in range(2):
         waiting = 0
         for action in built.compute(s):
-            if action.kind is Kind.B:
+            if action.kind is Kind.I:
                 assert waiting == 0
                 waiting += 1
             elif action.kind is Kind.W:
@@ -143,8 +144,8 @@ def test_stash_walk_rules() -> None:
     order = compute_order("gpipe", 0, 1, 2, 2)  # F0 F1 B0 B1
     assert stash_walk(order, frozenset(), 10.0) == (20.0, 2)
     assert stash_walk(order, frozenset({0, 1}), 10.0, input_bytes=1.0) == (12.0, 2)  # 1 + (1 + 10)
-    ooo = build_ooo_schedule("gpipe", 1, 2).compute(0)  # F0 F1 B0 B1 W0 W1
-    assert [a.label for a in ooo] == ["F0", "F1", "B0", "B1", "W0", "W1"]
+    ooo = build_ooo_schedule("gpipe", 1, 2).compute(0)  # F0 F1 I0 I1 W0 W1
+    assert [a.label for a in ooo] == ["F0", "F1", "I0", "I1", "W0", "W1"]
     assert stash_walk(ooo, frozenset(), 10.0, wgrad_bytes=3.0) == (26.0, 2)
 
 

@@ -205,10 +205,9 @@ class StageRunner:
     def _build_stage(
         self, schedule: Schedule, loss_reduction: str, forward_context: Callable[[], ContextManager[Any]] | None
     ) -> Stage:
-        """The rank's Stage: split backward (out-of-order backprop) or not, and how many W
-        actions each micro-batch gets."""
-        any_w = any(a.kind is Kind.W for acts in schedule.actions for a in acts)
-        split = any(a.kind is Kind.W for a in self._actions) or (schedule.split_backward and not any_w)
+        """The rank's Stage: split backward (out-of-order backprop: the stage lists I actions)
+        or not, and how many W actions each micro-batch gets."""
+        split = self.stage < schedule.num_stages and schedule.splits(self.stage)
         self._w_count: dict[int, int] = {}
         for action in self._actions:
             if action.kind is Kind.W and action.microbatch is not None:
@@ -257,8 +256,8 @@ class StageRunner:
         every = set(range(len(self.layers)))
         for position, action in enumerate(self._actions):
             mb = action.microbatch
-            if action.kind is Kind.B and mb is not None and self._w_count.get(mb, 0) == 0:
-                for layer in every:  # no W scheduled: the weight work runs right after B
+            if action.kind is Kind.B and mb is not None:
+                for layer in every:  # a full backward: the weight work runs with it
                     last[layer] = position
             elif action.kind is Kind.W and mb is not None:
                 span = spans[position]
@@ -279,7 +278,7 @@ class StageRunner:
         settle_at = settle_points(self.schedule.actions)[self.stage] if settle_sends and actions else {}
         spans, last_w = self._weight_spans()
         final_after = self._final_positions(spans) if self.sync is not None else {}
-        last_b = max((i for i, a in enumerate(actions) if a.kind is Kind.B), default=-1)
+        last_b = max((i for i, a in enumerate(actions) if a.kind.is_backward), default=-1)
         receives = [i for i, a in enumerate(actions) if a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD)]
         program: list[_Op] = []
         upcoming = 0  # index into receives of the first receive after the current position
@@ -302,10 +301,9 @@ class StageRunner:
         kind, mb = action.kind, action.microbatch
         if kind is Kind.F:
             return _Op(self._forward_keeping_input if mb in self.recomputed else self._forward, mb)
-        if kind is Kind.B:
+        if kind.is_backward:
             return _Op(
-                self._backward, mb, replay=mb in self.recomputed, final=self.sync is not None and last_b,
-                pending_w=self.split and self._w_count.get(mb, 0) > 0,
+                self._backward, mb, replay=mb in self.recomputed, final=self.sync is not None and last_b, pending_w=kind is Kind.I
             )
         if kind is Kind.W:
             return _Op(self._weight, mb, span=span, pending_w=not last_w)

@@ -1,9 +1,12 @@
 """Schedules as per-stage action lists, shared by the simulator and the executor.
 
 Like ``torch.distributed.pipelining``'s schedules, a schedule is data: for every stage an
-ordered list of actions. Compute actions are F (forward of one micro-batch), B (backward;
-with out-of-order backprop only the input-gradient half, ooo-backprop sec. 3) and W (the
-deferred weight-gradient half). Communication actions move a micro-batch boundary between
+ordered list of actions. Compute actions are F (forward of one micro-batch), B (its full
+backward: input and weight gradients), I (the input-gradient half only, ooo-backprop sec. 3:
+the gradient the previous stage waits for) and W (the deferred weight-gradient half of a
+micro-batch whose backward was an I). As in ``torch.distributed.pipelining``
+(``FULL_BACKWARD``, ``BACKWARD_INPUT``, ``BACKWARD_WEIGHT``) the kind says which: the
+schedule builder decides it once, and the simulator and the executor only read it. Communication actions move a micro-batch boundary between
 adjacent stages (DAPPLE 5.2.2 split-concat when their widths differ). ALLREDUCE syncs the
 stage's gradients among its replicas once its last backward is done (DAPPLE 5.2.3).
 
@@ -20,7 +23,7 @@ micro-batch.
 
 Text form. ``Action.text`` writes an action the way ``torch.distributed.pipelining``
 prints its schedules -- stage, kind token, micro-batch -- so a schedule can be read,
-diffed and typed by hand: ``1F0`` (stage 1, forward of micro-batch 0), ``1B0``, ``1W0``,
+diffed and typed by hand: ``1F0`` (stage 1, forward of micro-batch 0), ``1B0``, ``1I0``, ``1W0``,
 ``0SEND_F0`` / ``1RECV_F0`` (the activation of micro-batch 0 crossing boundary 0),
 ``1SEND_B0`` / ``0RECV_B0`` (its gradient coming back), ``0ALLREDUCE``, and a ``[lo:hi]``
 suffix for ``layers`` (``0W3[2:4]``, ``0ALLREDUCE[0:2]``). The grammar is
@@ -41,7 +44,8 @@ from typing import Sequence
 
 class Kind(str, Enum):
     F = "F"
-    B = "B"
+    B = "B"  # full backward: input and weight gradients
+    I = "I"  # noqa: E741 -- input-gradient backward only; the micro-batch's W actions follow
     W = "W"
     RECV_ACT = "recv_act"
     SEND_ACT = "send_act"
@@ -51,7 +55,17 @@ class Kind(str, Enum):
 
     @property
     def is_compute(self) -> bool:
-        return self in (Kind.F, Kind.B, Kind.W)
+        return self in (Kind.F, Kind.B, Kind.I, Kind.W)
+
+    @property
+    def is_backward(self) -> bool:
+        """B or I: the action that consumes the output gradient and sends the input gradient."""
+        return self in (Kind.B, Kind.I)
+
+    @property
+    def block(self) -> str:
+        """The timeline block a compute action draws: both backwards are a ``B`` block."""
+        return "B" if self.is_backward else self.value
 
 
 @dataclass(frozen=True)
@@ -99,6 +113,7 @@ class Action:
 TOKENS: dict[Kind, str] = {
     Kind.F: "F",
     Kind.B: "B",
+    Kind.I: "I",
     Kind.W: "W",
     Kind.RECV_ACT: "RECV_F",
     Kind.SEND_ACT: "SEND_F",
@@ -146,7 +161,6 @@ class Schedule:
     micro_batches: int
     warmups: tuple[int, ...]
     actions: tuple[tuple[Action, ...], ...]
-    split_backward: bool = False
     # per stage: "never", "always" or "except_last" (empty: never everywhere)
     recompute: tuple[str, ...] = ()
     # out-of-order backprop: max micro-batches a stage holds (F done, W not done), and
@@ -159,6 +173,10 @@ class Schedule:
 
     def describe(self, stage: int) -> str:
         return " ".join(a.label for a in self.compute(stage))
+
+    def splits(self, stage: int) -> bool:
+        """Whether the stage defers weight gradients of some micro-batch (lists an I)."""
+        return any(action.kind is Kind.I for action in self.actions[stage])
 
     def recompute_mode(self, stage: int) -> str:
         return self.recompute[stage] if stage < len(self.recompute) else "never"
@@ -182,7 +200,7 @@ class Schedule:
         for action in self.compute(stage):
             if action.kind is Kind.F:
                 last_forward = action.microbatch
-            elif action.kind is Kind.B and action.microbatch == last_forward:
+            elif action.kind.is_backward and action.microbatch == last_forward:
                 kept.add(action.microbatch)
         return frozenset(mb for mb in every if mb not in kept)
 
@@ -200,10 +218,10 @@ def stash_walk(
 
     * F of a micro-batch keeps ``stash`` bytes, or only its stage input (``input_bytes``)
       when the micro-batch is recomputed;
-    * B of a recomputed micro-batch rebuilds the stash (input + stash held from then on);
-    * when a W follows later, B also keeps the gradients of the layer outputs that W
-      needs (``wgrad_bytes``) and the micro-batch is released by its (last) W, otherwise
-      by its B.
+    * a backward (B or I) of a recomputed micro-batch rebuilds the stash (input + stash
+      held from then on);
+    * B releases the micro-batch; I also keeps the gradients of the layer outputs that its
+      W actions need (``wgrad_bytes``) and the micro-batch is released by its last W.
 
     Peaks are taken after every step, so the result bounds the stash at any time.
     """
@@ -221,11 +239,11 @@ def stash_walk(
         if action.kind is Kind.F:
             held[mb] = input_bytes if mb in recomputed else stash
             peak_count = max(peak_count, len(held))
-        elif action.kind is Kind.B:
+        elif action.kind.is_backward:
             if mb in recomputed:
                 held[mb] = held.get(mb, 0.0) + stash
                 peak = max(peak, sum(held.values()))
-            if mb in last_w:
+            if action.kind is Kind.I:
                 held[mb] = held.get(mb, 0.0) + wgrad_bytes
             else:
                 peak = max(peak, sum(held.values()))

@@ -52,7 +52,7 @@ def with_communication(order: Sequence[Action], stage: int, num_stages: int) -> 
             actions.append(action)
             if not last:
                 actions.append(Action(Kind.SEND_ACT, stage, action.microbatch))
-        elif action.kind is Kind.B:
+        elif action.kind.is_backward:
             if not last:
                 actions.append(Action(Kind.RECV_GRAD, stage, action.microbatch))
             actions.append(action)

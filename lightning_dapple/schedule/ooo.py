@@ -1,13 +1,16 @@
 """Out-of-order backprop schedules: where the deferred weight-gradient work (W) goes.
 
-ooo-backprop (sec. 3) splits a layer's backward into the output-gradient work dO (our B:
+ooo-backprop (sec. 3) splits a layer's backward into the output-gradient work dO (our I:
 the gradient with respect to the stage input, which the previous stage waits for) and
 the weight-gradient work dW (our W, needed only by the optimizer). *Gradient
-fast-forwarding* (sec. 5.2) runs every B first and sends its result upstream at once, so
-the previous stage starts its own backward while this stage still owes W.
+fast-forwarding* (sec. 5.2) runs every I first and sends its result upstream at once, so
+the previous stage starts its own backward while this stage still owes W. The builder
+decides per stage which backward it runs: I (followed by W) where the stage's cap is 0 or
+more, the full B where it is -1; nothing downstream decides it again.
 
 Placement (``ooo_compute_orders``). The F/B order of the base schedule (DAPPLE early
-backward or GPipe) is kept exactly; W actions are inserted by a list scheduler that plays
+backward or GPipe) is kept exactly (its B becoming I on a splitting stage); W actions are
+inserted by a list scheduler that plays
 the pipeline with unit costs (F = B = W = 1, free transfers):
 
 * when the stage's next F or B can start (its input or gradient has arrived) it runs;
@@ -104,7 +107,8 @@ class _WPlacement:
     a B for its gradient from the stage after. A stage with deferred W work runs one W
     whenever its next F/B would have to wait (the bubble it fills, ooo-backprop sec. 3) or
     when it already holds its cap of micro-batches; cap 0 runs each W right after its B,
-    cap -1 does not split the backward. Stages decide in clock order, so the placement is
+    cap -1 does not split the backward (the stage keeps full B actions; every other stage's
+    B is emitted as I). Stages decide in clock order, so the placement is
     the one the simulator's timing of unit costs would produce.
     """
 
@@ -147,7 +151,8 @@ class _WPlacement:
     def _run(self, s: int, action: Action, start: float) -> None:
         mb = action.microbatch
         assert mb is not None
-        self.out[s].append(action)
+        split = action.kind is Kind.B and not self.whole[s]  # its weight gradients go to W actions
+        self.out[s].append(Action(Kind.I, s, mb) if split else action)
         self.pc[s] += 1
         self.clock[s] = start + 1.0
         if action.kind is Kind.F:
@@ -311,7 +316,6 @@ def build_ooo_schedule(
         micro_batches,
         tuple(warmups),
         tuple(lists),
-        split_backward=True,
         recompute=tuple(recompute) if recompute is not None else (),
         in_flight_caps=tuple(caps),
         first_k=first_k,
