@@ -38,7 +38,8 @@ import torch
 from torch import nn
 
 from lightning_dapple.errors import DappleConfigError
-from lightning_dapple.execute.failure import FailureChannel
+from lightning_dapple.execute.action_errors import name_action
+from lightning_dapple.execute.failure import FailureChannel, PeerFailedError
 from lightning_dapple.execute.grad_sync import GradientSync
 from lightning_dapple.execute.groups import PlanGroups, build_groups
 from lightning_dapple.execute.keys import TransferKey, transfer_key
@@ -94,6 +95,7 @@ class _Op(NamedTuple):
     final: bool = False  # B: the stage's last (autograd reports finished gradients)
     pending_w: bool = False  # B/W: W work of this micro-batch follows
     params: Sequence[nn.Parameter] = ()  # ready: parameters whose gradient is now final
+    position: int = -1  # the action it does (posts ahead for, follows) in the stage's list: errors name it
 
 
 class _Route(NamedTuple):
@@ -288,12 +290,13 @@ class StageRunner:
             if self.post_ahead and action.kind.is_compute and upcoming < len(receives):
                 ahead = actions[receives[upcoming]]
                 run = self._post_activation if ahead.kind is Kind.RECV_ACT else self._post_gradient
-                program.append(_Op(run, ahead.microbatch, transfer_key(ahead.kind, self.stage, ahead.microbatch)))
+                key = transfer_key(ahead.kind, self.stage, ahead.microbatch)
+                program.append(_Op(run, ahead.microbatch, key, position=receives[upcoming]))
             op = self._op(action, settle_at.get(position, ()), spans.get(position), position == last_b, position in last_w)
             if op is not None:
-                program.append(op)
+                program.append(op._replace(position=position))
             if position in final_after:
-                program.append(_Op(self._ready, params=final_after[position]))
+                program.append(_Op(self._ready, params=final_after[position], position=position))
         return program
 
     def _op(self, action: Action, settle: Any, span: tuple[int, int] | None, last_b: bool, last_w: bool) -> _Op | None:
@@ -388,8 +391,7 @@ class StageRunner:
         seed = (torch.initial_seed(), self.steps_done)
         self.pipeline_stage.begin_step(batch, batch_rows, [route.rows for route in routes], callbacks, 1.0, seed)
         try:
-            for op in self._program:
-                op.run(op)
+            self._run_program()
             self.transport.flush()
             if self.sync is not None:
                 self.sync.finish()
@@ -406,6 +408,20 @@ class StageRunner:
         loss, shared = self.results.share(loss_sum, extras() if (extras is not None and self.is_last) else None)
         assert loss is not None
         return loss, shared
+
+    def _run_program(self) -> None:
+        """Run the step's ops; an error is renamed after the action it happened in
+        (``execute/action_errors.py``), except a peer's failure, which names its own."""
+        op: _Op | None = None
+        try:
+            for op in self._program:
+                op.run(op)
+        except PeerFailedError:
+            raise
+        except Exception as exc:
+            if op is not None and op.position >= 0:
+                name_action(exc, self._actions[op.position], self._actions, op.position)
+            raise
 
     # -- op handlers: compute ---------------------------------------------------------
     def _forward(self, op: _Op) -> None:

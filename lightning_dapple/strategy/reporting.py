@@ -15,7 +15,6 @@ ranks, four tracebacks, three of them only saying that a peer failed. Here:
 """
 from __future__ import annotations
 
-import os
 import signal
 import sys
 from types import TracebackType
@@ -25,10 +24,9 @@ from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcess
 from torch.multiprocessing import ProcessRaisedException
 from typing_extensions import override
 
-from lightning_dapple.errors import DappleConfigError
+from lightning_dapple.errors import DEBUG_ENV, DappleConfigError, debugging
 from lightning_dapple.execute.failure import PeerFailedError
 
-DEBUG_ENV = "DAPPLE_DEBUG"
 PREFIX = "lightning_dapple: error:"
 HINT = f"(set {DEBUG_ENV}=1 for tracebacks)"
 
@@ -37,10 +35,6 @@ __all__ = ["DEBUG_ENV", "DappleRunError", "OneLineLauncher", "install_excepthook
 
 class DappleRunError(RuntimeError):
     """A rank of a pipelined run failed; the message is that rank's error on one line."""
-
-
-def debugging() -> bool:
-    return os.environ.get(DEBUG_ENV, "").strip() not in ("", "0", "false", "False")
 
 
 def one_line(exc: BaseException) -> str:
