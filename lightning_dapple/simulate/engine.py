@@ -261,7 +261,9 @@ def _schedule_problems(s: int, actions: Sequence[Action], micro_batches: int, nu
             yield action, "has no neighbouring stage to talk to", "drop it from the first/last stage's list"
 
 
-def _backward_problems(action: Action, weight: set, input_only: set, backward: set) -> Iterator[tuple[Action, str, str]]:
+def _backward_problems(
+    action: Action, weight: set[int | None], input_only: set[int | None], backward: set[int | None]
+) -> Iterator[tuple[Action, str, str]]:
     """An I needs W actions for its weight gradients, a W an I before it; one backward per
     micro-batch (``backward`` collects the micro-batches seen so far)."""
     mb = action.microbatch
