@@ -275,7 +275,7 @@ def stage_memory_bytes(cost: StageCost, in_flight: int, cluster: Cluster) -> flo
 
 def stage_memory_from_stash(cost: StageCost, peak_stash_bytes: float, cluster: Cluster) -> float:
     """``stage_memory_bytes`` with the activation term given as bytes: the peak of a
-    schedule's stash walk (``schedule.ooo.stash_walk``), which accounts for recomputed
+    schedule's stash walk (``schedule.actions.stash_walk``), which accounts for recomputed
     micro-batches (input only) and deferred W work (stash plus output gradients)."""
     return cost.param_bytes * (2.0 + cluster.optimizer_state_factor) + peak_stash_bytes
 
