@@ -57,7 +57,8 @@ class _Rotary(nn.Module):
 def _profile() -> ModelProfile:
     torch.manual_seed(0)
     layers = nn.Sequential(_Embed(), _Rotary()).double()
-    sample = (torch.randn(B, T, N, dtype=torch.float64), torch.randn(1, T, N, dtype=torch.float64))
+    cache = torch.randn(1, 2 * T, N, dtype=torch.float64)  # a rotary cache longer than the sequence
+    sample = (torch.randn(B, T, N, dtype=torch.float64), cache[:, :T])
     return profile_layers(layers, sample, repeats=1, warmup=0)
 
 
@@ -69,7 +70,7 @@ def test_profiler_splits_the_stash_into_per_sample_and_whole_bytes() -> None:
     # Linear saves its input h: per-sample; the table passes through unsaved
     assert (embed.stash_bytes, embed.stash_whole_bytes) == (per_row, 0)
     # per-sample: Linear's input, proj(h), tanh's result; whole: the table (once, through
-    # its squeezed view) and the scale made inside
+    # its squeezed view, its own bytes and not its cache's) and the scale made inside
     assert (rotary.stash_bytes, rotary.stash_whole_bytes) == (3 * per_row, 2 * table)
     assert (profile.input_bytes, profile.input_whole_bytes) == (per_row, table)
     assert rotary.stash_for(2.0) == 6 * per_row + 2 * table

@@ -62,7 +62,7 @@ from torch import nn
 from lightning_dapple.errors import DappleConfigError, require
 from lightning_dapple.profile.model_profile import LayerProfile, ModelProfile, profile_from_dict
 from lightning_dapple.profile.sample_rows import batch_rows, is_whole, split_bytes
-from lightning_dapple.profile.stash import StashMeter, parameter_storages
+from lightning_dapple.profile.stash import StashMeter, parameter_storages, whole_input_storages
 from lightning_dapple.profile.ties import first_use_param_bytes, tied_params_records, tied_parameters
 
 __all__ = ["profile_layers", "tensor_bytes", "iter_tensors", "map_tensors"]
@@ -251,8 +251,8 @@ def _measure_layer(
 
     # Stash: tensors saved for backward during one forward, the layer's parameters
     # excluded, by the rule the executor uses too (profile/stash.py).
-    whole_inputs = parameter_storages([t for t in iter_tensors(x) if is_whole(t.shape, rows)])
-    meter = StashMeter(param_storages_ptrs, rows=rows, whole_storages=whole_inputs - param_storages_ptrs)
+    whole_inputs = whole_input_storages([t for t in iter_tensors(x) if is_whole(t.shape, rows)], param_storages_ptrs)
+    meter = StashMeter(param_storages_ptrs, rows=rows, whole_inputs=whole_inputs)
     xg, _ = grad_input()
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
         out = _call(layer, index, xg, autocast)
