@@ -225,6 +225,7 @@ class DappleVariant(Variant):
             failure,
             post_ahead=post_ahead,
             settle_sends=settle_sends,
+            ties=(),
         )
         self.params = self.runner.parameters
         self.optimizer = torch.optim.SGD(self.params, lr=LR)

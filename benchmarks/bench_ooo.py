@@ -129,7 +129,7 @@ def worker(rank: int, world: int, cfg: dict) -> dict:
         stage = plan.stages[plan.stage_of_rank(rank)]
         layers = make_layers(cfg["width"], cfg["layers"])
         local = layers[stage.start : stage.end]
-        runners[name] = StageRunner.for_plan(plan, rank, local, torch.device("cpu"), failure)
+        runners[name] = StageRunner.for_plan(plan, rank, local, torch.device("cpu"), failure, ties=())
         optimizers[name] = torch.optim.Adam(runners[name].parameters, lr=1e-3)
     timed = [name for name in ("plain", "ooo") if name in runners]
     times: dict[str, list[float]] = {name: [] for name in timed}

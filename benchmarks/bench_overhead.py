@@ -155,6 +155,7 @@ def _dapple_step(module: Any, rank: int, world: int, cfg: dict, micro_batches: i
     runner = StageRunner.for_plan(
         plan, rank, list(module.layers), torch.device(cfg["device"]), failure,
         forward_context=_autocast(cfg),
+        ties=(),
     )
     optimizer = torch.optim.AdamW(runner.parameters, lr=1e-4)
     callbacks = _Callbacks(module)

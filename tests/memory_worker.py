@@ -23,7 +23,7 @@ def _runner(
     stage = plan.stages[plan.stage_of_rank(rank)]
     local = [model[i] for i in range(stage.start, stage.end)]
     extra = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
-    runner = StageRunner.for_plan(plan, rank, local, torch.device("cpu"), failure, groups=groups, **extra)
+    runner = StageRunner.for_plan(plan, rank, local, torch.device("cpu"), failure, groups=groups, **extra, ties=())
     return runner, local
 
 

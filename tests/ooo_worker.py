@@ -103,7 +103,7 @@ def run_cases(rank: int, world: int, cases: list[tuple[str, dict]]) -> list[dict
         stage = plan.stages[plan.stage_of_rank(rank)]
         local = [model[i] for i in range(stage.start, stage.end)]
         # both receive paths: posted one transfer ahead (every other case) and posted when due
-        runner = StageRunner.for_plan(plan, rank, local, torch.device("cpu"), failure, groups=groups, post_ahead=index % 2 == 0)
+        runner = StageRunner.for_plan(plan, rank, local, torch.device("cpu"), failure, groups=groups, post_ahead=index % 2 == 0, ties=())
         opt = torch.optim.Adam(runner.parameters, lr=LR)
         losses, peaks, stash, recomputed = [], [], [], []
         for step in range(STEPS):

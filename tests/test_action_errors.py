@@ -57,7 +57,7 @@ def _failing_step(rank: int, world: int, ooo: bool) -> dict[str, str]:
     if rank == 1:
         local[0] = FailsOnCall(local[0], call=3, in_backward=True)
     failure = FailureChannel(rank, timeout_s=60)
-    runner = StageRunner.for_plan(plan, rank, local, torch.device("cpu"), failure)
+    runner = StageRunner.for_plan(plan, rank, local, torch.device("cpu"), failure, ties=())
     try:
         runner.train_step(ew.make_batch("mlp", 0), ew.Callbacks("mlp"))
     except Exception as exc:  # noqa: BLE001 -- the test reads what each rank raised
@@ -93,7 +93,7 @@ def test_under_dapple_debug_the_message_carries_the_stage_actions_with_the_faili
         monkeypatch.setenv("DAPPLE_DEBUG", debug)
         layers = list(ew.make_model("mlp"))
         layers[1] = FailsOnCall(layers[1], call=2, in_backward=False)
-        runner = StageRunner.for_plan(plan, 0, layers, torch.device("cpu"), failure)
+        runner = StageRunner.for_plan(plan, 0, layers, torch.device("cpu"), failure, ties=())
         with pytest.raises(RuntimeError) as raised:
             runner.train_step(batch, callbacks)
         messages.append(str(raised.value))

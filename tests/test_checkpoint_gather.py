@@ -160,7 +160,7 @@ class PipelineRun:
             if not self.stage.start <= index < self.stage.end:
                 self.net.layers[index] = FreedLayer(index, -1)
         local = [self.net.layers[i].to(self.device) for i in range(self.stage.start, self.stage.end)]
-        self.runner = StageRunner.for_plan(plan, rank, local, self.device, failure, groups=groups, wire=wire)
+        self.runner = StageRunner.for_plan(plan, rank, local, self.device, failure, groups=groups, wire=wire, ties=())
         self.optimizer = torch.optim.Adam(self.runner.parameters, lr=LR)
 
     def train(self, steps: range) -> None:

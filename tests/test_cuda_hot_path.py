@@ -130,7 +130,7 @@ def _staged_worker(rank: int, world: int) -> dict[str, Any]:
     stage = plan.stages[plan.stage_of_rank(rank)]
     model = ew.make_model("mlp")
     local = [model[i].to(device) for i in range(stage.start, stage.end)]
-    runner = StageRunner.for_plan(plan, rank, local, device, failure)
+    runner = StageRunner.for_plan(plan, rank, local, device, failure, ties=())
     opt = torch.optim.Adam(runner.parameters, lr=ew.LR)
     watch = SyncWatch()
     for step in range(ew.STEPS):
@@ -222,7 +222,7 @@ def test_timeline_on_a_gpu_shows_a_long_kernels_real_duration() -> None:
     failure = FailureChannel(0, timeout_s=60)
     plan = plan_from_dict({"global_batch_size": 12, "micro_batches": 2, "schedule": "dapple", "stages": [{"layers": [0, 6], "devices": [0]}]})
     layers = [Sleep(cycles)] + [layer.to(device) for layer in ew.make_model("mlp")]
-    runner = StageRunner.for_plan(plan, 0, layers, device, failure)
+    runner = StageRunner.for_plan(plan, 0, layers, device, failure, ties=())
     before = time.perf_counter()
     runner.train_step(tuple(t.to(device) for t in ew.make_batch("mlp", 0)), ew.Callbacks("mlp"))
     timeline = runner.stats.timeline

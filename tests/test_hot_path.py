@@ -382,7 +382,7 @@ def test_host_timeline_spans_every_compute_action(tmp_path: Path) -> None:
     dist.init_process_group("gloo", rank=0, world_size=1)
     failure = FailureChannel(0, timeout_s=30)
     plan = plan_from_dict({**_plan(3), "schedule": "dapple"})
-    runner = StageRunner.for_plan(plan, 0, list(ew.make_model("mlp")), torch.device("cpu"), failure)
+    runner = StageRunner.for_plan(plan, 0, list(ew.make_model("mlp")), torch.device("cpu"), failure, ties=())
     before = time.perf_counter()
     runner.train_step(ew.make_batch("mlp", 0), ew.Callbacks("mlp"))
     after = time.perf_counter()

@@ -121,7 +121,7 @@ def train_cases(rank: int, world: int, cases: list[tuple[str, str, str, bool]]) 
         stage = plan.stages[plan.stage_of_rank(rank)]
         model = norm_layers()
         local = [model[i] for i in range(stage.start, stage.end)]
-        runner = StageRunner.for_plan(plan, rank, local, torch.device("cpu"), failure, groups=groups[plan_name])
+        runner = StageRunner.for_plan(plan, rank, local, torch.device("cpu"), failure, groups=groups[plan_name], ties=())
         for layer in local:
             layer.to(DTYPES[dtype_name])
         opt = torch.optim.Adam(runner.parameters, lr=LR)

@@ -356,7 +356,7 @@ def train_worker(rank: int, world: int) -> dict[str, Any]:
         for wire in WIRES:
             model = make_model()
             local = [model[i] for i in range(stage.start, stage.end)]
-            runner = StageRunner.for_plan(plan, rank, local, torch.device("cpu"), failure, groups=groups, post_ahead=True, wire=wire)
+            runner = StageRunner.for_plan(plan, rank, local, torch.device("cpu"), failure, groups=groups, post_ahead=True, wire=wire, ties=())
             opt = torch.optim.Adam(runner.parameters, lr=LR)
             losses = []
             for step in range(STEPS):

@@ -57,7 +57,7 @@ def run_traced_cases(rank: int, world: int, cases: list[tuple[str, dict]]) -> li
         layers = traced_layers(module, [(batch[0][:1],), (batch[0][:2],)])
         stage = plan.stages[plan.stage_of_rank(rank)]
         local = [layers[i] for i in range(stage.start, stage.end)]
-        runner = StageRunner.for_plan(plan, rank, local, torch.device("cpu"), failure, groups=groups)
+        runner = StageRunner.for_plan(plan, rank, local, torch.device("cpu"), failure, groups=groups, ties=())
         optimizer = torch.optim.Adam(runner.parameters, lr=LR)
         for _, batch in zip(range(STEPS), make_loader()):
             batch = [t.double() if t.is_floating_point() else t for t in batch]

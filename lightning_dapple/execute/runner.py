@@ -183,8 +183,8 @@ class StageRunner:
         device: torch.device,
         failure: FailureChannel,
         *,
+        ties: Sequence[TiedParameter],
         groups: PlanGroups | None = None,
-        ties: Sequence[TiedParameter] = (),
         tie_groups: dict[tuple[int, ...], Any] | None = None,
         schedule: Schedule | None = None,
         **options: Any,
@@ -194,7 +194,10 @@ class StageRunner:
         Process groups are collectives of the whole default group, so every rank calls this
         for every plan, in the same order: the replica and plan groups (``build_groups``)
         first, then one group per set of ranks sharing tied parameters (``ties``, the
-        model's; ``tied_groups``). A caller running several plans of one device layout
+        model's; ``tied_groups``). ``ties`` has no default: a rank sees only its own layers
+        and cannot tell that one of them shares a parameter with another stage, so a
+        forgotten tie would train silently wrong; callers say ``tied_parameters(layers)``
+        of the whole layer list, or ``()`` for a model known to have none. A caller running several plans of one device layout
         passes the groups it made once (``groups``, ``tie_groups``). The schedule is the one
         the simulator times for the plan (``schedule_for_plan``) unless ``schedule`` is given.
         ``failure`` stays the caller's: it outlives the runner (its watchdog is closed by
