@@ -29,10 +29,8 @@ from torch import nn
 
 import lightning_dapple.execute.runner as runner_module
 from lightning_dapple.execute.failure import FailureChannel
-from lightning_dapple.execute.groups import build_groups
 from lightning_dapple.execute.runner import StageRunner
 from lightning_dapple.plan.plan import plan_from_dict
-from lightning_dapple.simulate.plans import schedule_for_plan
 
 LR = 1e-3
 SEED = 1234
@@ -219,16 +217,15 @@ class DappleVariant(Variant):
         )
         blocks = make_blocks(cfg["width"], cfg["layers"])
         local = blocks[:half] if rank == 0 else blocks[half:]
-        self.runner = StageRunner(
+        self.runner = StageRunner.for_plan(
             plan,
-            schedule_for_plan(plan),
             rank,
             local,
             torch.device("cpu"),
             failure,
-            build_groups(plan),
             post_ahead=post_ahead,
             settle_sends=settle_sends,
+            ties=(),
         )
         self.params = self.runner.parameters
         self.optimizer = torch.optim.SGD(self.params, lr=LR)

@@ -111,10 +111,8 @@ def worker(rank: int, world: int, cfg: dict) -> dict:
     import torch.nn.functional as F
 
     from lightning_dapple.execute.failure import FailureChannel
-    from lightning_dapple.execute.groups import build_groups
     from lightning_dapple.execute.runner import StageRunner
     from lightning_dapple.plan.plan import plan_from_dict
-    from lightning_dapple.simulate.plans import schedule_for_plan
 
     class Callbacks:
         def make_input(self, batch: Any) -> Any:
@@ -128,11 +126,10 @@ def worker(rank: int, world: int, cfg: dict) -> dict:
     optimizers: dict[str, Any] = {}
     for name, data in cfg["plans"].items():
         plan = plan_from_dict(data)
-        groups = build_groups(plan)
         stage = plan.stages[plan.stage_of_rank(rank)]
         layers = make_layers(cfg["width"], cfg["layers"])
         local = layers[stage.start : stage.end]
-        runners[name] = StageRunner(plan, schedule_for_plan(plan), rank, local, torch.device("cpu"), failure, groups)
+        runners[name] = StageRunner.for_plan(plan, rank, local, torch.device("cpu"), failure, ties=())
         optimizers[name] = torch.optim.Adam(runners[name].parameters, lr=1e-3)
     timed = [name for name in ("plain", "ooo") if name in runners]
     times: dict[str, list[float]] = {name: [] for name in timed}
@@ -252,11 +249,11 @@ def simulated() -> dict[str, Any]:
             "planner": planner_name, "planning_s": planned_s, "plan": plan.to_dict(),
             "latency_ms": {"plain": plain.latency_ms, "ooo": ooo.latency_ms, "recompute_always": rc_sim.latency_ms},
             "bubble": {"plain": plain.bubble_fraction, "ooo": ooo.bubble_fraction},
-            "first_k": chosen.first_k, "ooo_in_flight": chosen.extra.get("ooo_in_flight"),
+            "first_k": chosen.first_k, "ooo_in_flight": chosen.ooo_in_flight,
             "memory_bytes": memory,
         }
         print(f"{name} ({plan.kind()}, M={plan.micro_batches}, {planner_name}): {plain.latency_ms:.1f} ms -> {ooo.latency_ms:.1f} ms with ooo "
-              f"(bubble {plain.bubble_fraction:.3f} -> {ooo.bubble_fraction:.3f}, k={chosen.first_k}, caps {chosen.extra.get('ooo_in_flight')}); "
+              f"(bubble {plain.bubble_fraction:.3f} -> {ooo.bubble_fraction:.3f}, k={chosen.first_k}, caps {chosen.ooo_in_flight}); "
               f"recompute always: {rc_sim.latency_ms:.1f} ms, peak memory {max(memory['recompute_always']) / 2**30:.2f} GiB "
               f"vs {max(memory['plain']) / 2**30:.2f} GiB")
     return out

@@ -143,10 +143,8 @@ def _dapple_step(module: Any, rank: int, world: int, cfg: dict, micro_batches: i
     import torch
 
     from lightning_dapple.execute.failure import FailureChannel
-    from lightning_dapple.execute.groups import build_groups
     from lightning_dapple.execute.runner import StageRunner
     from lightning_dapple.plan.plan import plan_from_dict
-    from lightning_dapple.simulate.plans import schedule_for_plan
 
     layers = len(module.layers)
     plan = plan_from_dict({
@@ -154,9 +152,10 @@ def _dapple_step(module: Any, rank: int, world: int, cfg: dict, micro_batches: i
         "stages": [{"layers": [0, layers], "devices": list(range(world)), "recompute": recompute}],
     })
     failure = FailureChannel(rank, timeout_s=300)
-    runner = StageRunner(
-        plan, schedule_for_plan(plan), rank, list(module.layers), torch.device(cfg["device"]), failure, build_groups(plan),
+    runner = StageRunner.for_plan(
+        plan, rank, list(module.layers), torch.device(cfg["device"]), failure,
         forward_context=_autocast(cfg),
+        ties=(),
     )
     optimizer = torch.optim.AdamW(runner.parameters, lr=1e-4)
     callbacks = _Callbacks(module)

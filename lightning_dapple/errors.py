@@ -6,6 +6,17 @@ and the Lightning strategy all phrase it the same way.
 """
 from __future__ import annotations
 
+import os
+
+# ``DAPPLE_DEBUG=1`` asks for every diagnostic: full tracebacks on every rank, and with an
+# executor error the step's action list of the failing stage.
+DEBUG_ENV = "DAPPLE_DEBUG"
+
+
+def debugging() -> bool:
+    """Whether ``DAPPLE_DEBUG`` is set to something other than empty, 0 or false."""
+    return os.environ.get(DEBUG_ENV, "").strip() not in ("", "0", "false", "False")
+
 
 class DappleConfigError(ValueError):
     """Bad user input: `field` names what is wrong, `fix` says what to do about it."""

@@ -146,10 +146,9 @@ def _staged_worker(rank: int, world: int, device_name: str) -> dict[str, Any]:
     import torch
 
     from lightning_dapple.execute.failure import FailureChannel
-    from lightning_dapple.execute.groups import build_groups
     from lightning_dapple.execute.runner import StageRunner
     from lightning_dapple.plan.plan import plan_from_dict
-    from lightning_dapple.simulate.plans import schedule_for_plan
+    from lightning_dapple.profile.ties import tied_parameters
 
     torch.set_num_threads(1)
     device = torch.device(device_name)
@@ -158,7 +157,7 @@ def _staged_worker(rank: int, world: int, device_name: str) -> dict[str, Any]:
     model = _staged_model()
     layers = [model.layers[index].to(device) for index in range(stage.start, stage.end)]
     failure = FailureChannel(rank, timeout_s=60)
-    runner = StageRunner(plan, schedule_for_plan(plan), rank, layers, device, failure, build_groups(plan), wire="staged")
+    runner = StageRunner.for_plan(plan, rank, layers, device, failure, ties=tied_parameters(model.layers), wire="staged")
     optimizer = torch.optim.Adam(runner.parameters, lr=1e-3)
     for batch in _staged_batches(device):
         runner.train_step(batch, _Loss(model))

@@ -23,7 +23,6 @@ from lightning_dapple.execute.groups import build_groups
 from lightning_dapple.execute.runner import StageRunner
 from lightning_dapple.execute.slicing import microbatch_rows, slice_rows
 from lightning_dapple.plan.plan import plan_from_dict
-from lightning_dapple.simulate.plans import schedule_for_plan
 
 STEPS = 3
 LR = 1e-2
@@ -103,7 +102,7 @@ def run_cases(rank: int, world: int, cases: list[tuple[str, dict]]) -> list[dict
         scope = [model[i] for i in range(stage.start, stage.end)]
         convert_batchnorm(model, scope, groups.replicas.get(index), replica, stage.replicas, sync, deferred)
         local = [model[i] for i in range(stage.start, stage.end)]
-        runner = StageRunner(plan, schedule_for_plan(plan), rank, local, torch.device("cpu"), failure, groups)
+        runner = StageRunner.for_plan(plan, rank, local, torch.device("cpu"), failure, groups=groups, ties=())
         _replace_buffers(local)  # as a move to the device does, after the runner was built
         opt = torch.optim.Adam(runner.parameters, lr=LR)
         for step in range(STEPS):

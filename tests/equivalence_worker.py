@@ -12,7 +12,6 @@ from lightning_dapple.execute.failure import FailureChannel
 from lightning_dapple.execute.groups import build_groups
 from lightning_dapple.execute.runner import StageRunner
 from lightning_dapple.plan.plan import plan_from_dict
-from lightning_dapple.simulate.plans import schedule_for_plan
 
 import toy_models
 
@@ -83,7 +82,7 @@ def run_cases(rank: int, world: int, cases: list[tuple[str, dict, str]]) -> list
         # both receive paths: posted one transfer ahead (alternate pairs of cases, so each
         # schedule meets both) and posted when due
         post_ahead = (index // 2) % 2 == 0
-        runner = StageRunner(plan, schedule_for_plan(plan), rank, local, torch.device("cpu"), failure, groups, post_ahead=post_ahead)
+        runner = StageRunner.for_plan(plan, rank, local, torch.device("cpu"), failure, groups=groups, post_ahead=post_ahead, ties=())
         opt = torch.optim.Adam(runner.parameters, lr=LR)
         losses, peaks, stash = [], [], []
         for step in range(STEPS):

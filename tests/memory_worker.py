@@ -13,7 +13,6 @@ from lightning_dapple.execute.failure import FailureChannel
 from lightning_dapple.execute.groups import build_groups
 from lightning_dapple.execute.runner import StageRunner
 from lightning_dapple.plan.plan import plan_from_dict
-from lightning_dapple.simulate.plans import schedule_for_plan
 
 
 def _runner(
@@ -24,7 +23,7 @@ def _runner(
     stage = plan.stages[plan.stage_of_rank(rank)]
     local = [model[i] for i in range(stage.start, stage.end)]
     extra = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
-    runner = StageRunner(plan, schedule_for_plan(plan), rank, local, torch.device("cpu"), failure, groups or build_groups(plan), **extra)
+    runner = StageRunner.for_plan(plan, rank, local, torch.device("cpu"), failure, groups=groups, **extra, ties=())
     return runner, local
 
 

@@ -20,7 +20,6 @@ from lightning_dapple.execute.failure import FailureChannel
 from lightning_dapple.execute.groups import build_groups
 from lightning_dapple.execute.runner import StageRunner
 from lightning_dapple.plan.plan import plan_from_dict
-from lightning_dapple.simulate.plans import schedule_for_plan
 
 
 class DropBlock(nn.Module):
@@ -104,9 +103,7 @@ def run_cases(rank: int, world: int, cases: list[tuple[str, dict]]) -> list[dict
         stage = plan.stages[plan.stage_of_rank(rank)]
         local = [model[i] for i in range(stage.start, stage.end)]
         # both receive paths: posted one transfer ahead (every other case) and posted when due
-        runner = StageRunner(
-            plan, schedule_for_plan(plan), rank, local, torch.device("cpu"), failure, groups, post_ahead=index % 2 == 0
-        )
+        runner = StageRunner.for_plan(plan, rank, local, torch.device("cpu"), failure, groups=groups, post_ahead=index % 2 == 0, ties=())
         opt = torch.optim.Adam(runner.parameters, lr=LR)
         losses, peaks, stash, recomputed = [], [], [], []
         for step in range(STEPS):

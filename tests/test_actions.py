@@ -21,6 +21,7 @@ from lightning_dapple.simulate.plans import schedule_for_plan
 HAND_MADE = [
     (Action(Kind.F, 1, 0), "1F0"),
     (Action(Kind.B, 1, 0), "1B0"),
+    (Action(Kind.I, 1, 3), "1I3"),
     (Action(Kind.W, 1, 0), "1W0"),
     (Action(Kind.W, 0, 3, (2, 4)), "0W3[2:4]"),
     (Action(Kind.SEND_ACT, 0, 0), "0SEND_F0"),
@@ -119,7 +120,7 @@ def test_format_actions_of_the_ooo_ending_phase() -> None:
         "dapple", 2, 3, layer_counts=[3, 2], replicated=[True, False], first_k=2, param_bytes=[[10, 10, 10], [1, 1]], bucket_bytes=10
     )
     first = format_actions(built.actions).splitlines()[0]
-    assert first.endswith("0RECV_B2 0B2 0W2[2:3] 0ALLREDUCE[2:3] 0W2[0:1] 0W2[1:2] 0ALLREDUCE[1:2] 0ALLREDUCE[0:1]")
+    assert first.endswith("0RECV_B2 0I2 0W2[2:3] 0ALLREDUCE[2:3] 0W2[0:1] 0W2[1:2] 0ALLREDUCE[1:2] 0ALLREDUCE[0:1]")
 
 
 def test_parse_actions_skips_blank_lines() -> None:

@@ -144,7 +144,6 @@ class PipelineRun:
 
     def __init__(self, plan: Any, rank: int, device: str, wire: str, failure: Any, groups: Any) -> None:
         from lightning_dapple.execute.runner import StageRunner
-        from lightning_dapple.simulate.plans import schedule_for_plan
         from lightning_dapple.strategy.checkpoint import CheckpointLayout
         from lightning_dapple.strategy.module_adapter import FreedLayer, key_owners
 
@@ -161,7 +160,7 @@ class PipelineRun:
             if not self.stage.start <= index < self.stage.end:
                 self.net.layers[index] = FreedLayer(index, -1)
         local = [self.net.layers[i].to(self.device) for i in range(self.stage.start, self.stage.end)]
-        self.runner = StageRunner(plan, schedule_for_plan(plan), rank, local, self.device, failure, groups, wire=wire)
+        self.runner = StageRunner.for_plan(plan, rank, local, self.device, failure, groups=groups, wire=wire, ties=())
         self.optimizer = torch.optim.Adam(self.runner.parameters, lr=LR)
 
     def train(self, steps: range) -> None:

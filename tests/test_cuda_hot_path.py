@@ -119,10 +119,8 @@ def _staged_worker(rank: int, world: int) -> dict[str, Any]:
     import equivalence_worker as ew
 
     from lightning_dapple.execute.failure import FailureChannel
-    from lightning_dapple.execute.groups import build_groups
     from lightning_dapple.execute.runner import StageRunner
     from lightning_dapple.plan.plan import plan_from_dict
-    from lightning_dapple.simulate.plans import schedule_for_plan
 
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
@@ -132,7 +130,7 @@ def _staged_worker(rank: int, world: int) -> dict[str, Any]:
     stage = plan.stages[plan.stage_of_rank(rank)]
     model = ew.make_model("mlp")
     local = [model[i].to(device) for i in range(stage.start, stage.end)]
-    runner = StageRunner(plan, schedule_for_plan(plan), rank, local, device, failure, build_groups(plan))
+    runner = StageRunner.for_plan(plan, rank, local, device, failure, ties=())
     opt = torch.optim.Adam(runner.parameters, lr=ew.LR)
     watch = SyncWatch()
     for step in range(ew.STEPS):
@@ -212,10 +210,8 @@ def test_timeline_on_a_gpu_shows_a_long_kernels_real_duration() -> None:
 
     import equivalence_worker as ew
     from lightning_dapple.execute.failure import FailureChannel
-    from lightning_dapple.execute.groups import build_groups
     from lightning_dapple.execute.runner import StageRunner
     from lightning_dapple.plan.plan import plan_from_dict
-    from lightning_dapple.simulate.plans import schedule_for_plan
 
     device = torch.device("cuda", 0)
     cycles = 10_000_000
@@ -226,7 +222,7 @@ def test_timeline_on_a_gpu_shows_a_long_kernels_real_duration() -> None:
     failure = FailureChannel(0, timeout_s=60)
     plan = plan_from_dict({"global_batch_size": 12, "micro_batches": 2, "schedule": "dapple", "stages": [{"layers": [0, 6], "devices": [0]}]})
     layers = [Sleep(cycles)] + [layer.to(device) for layer in ew.make_model("mlp")]
-    runner = StageRunner(plan, schedule_for_plan(plan), 0, layers, device, failure, build_groups(plan))
+    runner = StageRunner.for_plan(plan, 0, layers, device, failure, ties=())
     before = time.perf_counter()
     runner.train_step(tuple(t.to(device) for t in ew.make_batch("mlp", 0)), ew.Callbacks("mlp"))
     timeline = runner.stats.timeline

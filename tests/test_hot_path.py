@@ -375,16 +375,14 @@ def test_host_timeline_spans_every_compute_action(tmp_path: Path) -> None:
     import time
 
     from lightning_dapple.execute.failure import FailureChannel
-    from lightning_dapple.execute.groups import build_groups
     from lightning_dapple.execute.runner import StageRunner
     from lightning_dapple.plan.plan import plan_from_dict
-    from lightning_dapple.simulate.plans import schedule_for_plan
     import equivalence_worker as ew
 
     dist.init_process_group("gloo", rank=0, world_size=1)
     failure = FailureChannel(0, timeout_s=30)
     plan = plan_from_dict({**_plan(3), "schedule": "dapple"})
-    runner = StageRunner(plan, schedule_for_plan(plan), 0, list(ew.make_model("mlp")), torch.device("cpu"), failure, build_groups(plan))
+    runner = StageRunner.for_plan(plan, 0, list(ew.make_model("mlp")), torch.device("cpu"), failure, ties=())
     before = time.perf_counter()
     runner.train_step(ew.make_batch("mlp", 0), ew.Callbacks("mlp"))
     after = time.perf_counter()

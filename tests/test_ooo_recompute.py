@@ -20,6 +20,7 @@ from conftest import shared_profiles
 from dist_harness import run_ranks
 from lightning_dapple.cli.simulate import main as simulate_main
 from lightning_dapple.cluster import Cluster, load_cluster
+from lightning_dapple.errors import DappleConfigError
 from lightning_dapple.plan.costs import StageCost, dapple_latency, stage_costs
 from lightning_dapple.plan.plan import Plan, StagePlan, plan_from_dict, straight_plan
 from lightning_dapple.simulate.memory_fit import apply_ooo_recompute
@@ -28,7 +29,8 @@ from lightning_dapple.plan.options import with_weight_split
 from lightning_dapple.profile.model_profile import LayerProfile, ModelProfile
 from lightning_dapple.schedule import Kind, build_schedule, compute_order
 from lightning_dapple.simulate.plans import schedule_for_plan
-from lightning_dapple.schedule.ooo import build_ooo_schedule, ending_order, stash_walk
+from lightning_dapple.schedule.actions import stash_walk
+from lightning_dapple.schedule.ooo import build_ooo_schedule, ending_order
 from lightning_dapple.simulate import simulate, simulate_plan
 from test_executor_equivalence import PLANS
 
@@ -55,21 +57,22 @@ def uniform_profile(num_layers: int, param_bytes: float = 1e6, stash: float = 1e
 
 @pytest.mark.parametrize("name", ["dapple", "gpipe"])
 @pytest.mark.parametrize(("stages", "micro_batches"), [(1, 3), (2, 4), (3, 4), (4, 8), (5, 3)])
-def test_ooo_lists_keep_base_order_and_place_each_w_after_its_b(name: str, stages: int, micro_batches: int) -> None:
+def test_ooo_lists_keep_base_order_and_place_each_w_after_its_i(name: str, stages: int, micro_batches: int) -> None:
     built = build_ooo_schedule(name, stages, micro_batches)
     plain = build_schedule(name, stages, micro_batches)
-    assert built.split_backward
     for s in range(stages):
+        assert built.splits(s) and not plain.splits(s)
         compute = built.compute(s)
-        fb = [(a.kind, a.microbatch) for a in compute if a.kind is not Kind.W]
+        assert not any(a.kind is Kind.B for a in compute)  # every backward is input-only, its W follows
+        fb = [(Kind.B if a.kind is Kind.I else a.kind, a.microbatch) for a in compute if a.kind is not Kind.W]
         assert fb == [(a.kind, a.microbatch) for a in plain.compute(s)]
         position = {(a.kind, a.microbatch): i for i, a in enumerate(compute)}
         for mb in range(micro_batches):
-            assert position[(Kind.B, mb)] < position[(Kind.W, mb)]
-        # the gradient leaves right after B (fast-forwarding), before any W
+            assert position[(Kind.I, mb)] < position[(Kind.W, mb)]
+        # the gradient leaves right after I (fast-forwarding), before any W
         actions = built.actions[s]
         for index, action in enumerate(actions):
-            if action.kind is Kind.B and s > 0:
+            if action.kind is Kind.I and s > 0:
                 assert actions[index + 1].kind is Kind.SEND_GRAD
         assert actions[-1].kind is Kind.ALLREDUCE
     result = simulate(built, [unit_cost() for _ in range(stages)])
@@ -80,9 +83,9 @@ def test_ooo_lists_keep_base_order_and_place_each_w_after_its_b(name: str, stage
 def test_example_action_lists_s3_m4() -> None:
     built = build_ooo_schedule("dapple", 3, 4)
     assert [built.describe(s) for s in range(3)] == [
-        "F0 F1 F2 B0 W0 F3 B1 W1 B2 W2 B3 W3",
-        "F0 F1 B0 F2 B1 W0 F3 B2 W1 B3 W2 W3",
-        "F0 B0 F1 B1 F2 B2 W0 F3 B3 W1 W2 W3",
+        "F0 F1 F2 I0 W0 F3 I1 W1 I2 W2 I3 W3",
+        "F0 F1 I0 F2 I1 W0 F3 I2 W1 I3 W2 W3",
+        "F0 I0 F1 I1 F2 I2 W0 F3 I3 W1 W2 W3",
     ]
 
 
@@ -130,7 +133,7 @@ def test_recomputed_micro_batches_wait_for_w_one_at_a_time() -> None:
     for s in range(2):
         waiting = 0
         for action in built.compute(s):
-            if action.kind is Kind.B:
+            if action.kind is Kind.I:
                 assert waiting == 0
                 waiting += 1
             elif action.kind is Kind.W:
@@ -141,8 +144,8 @@ def test_stash_walk_rules() -> None:
     order = compute_order("gpipe", 0, 1, 2, 2)  # F0 F1 B0 B1
     assert stash_walk(order, frozenset(), 10.0) == (20.0, 2)
     assert stash_walk(order, frozenset({0, 1}), 10.0, input_bytes=1.0) == (12.0, 2)  # 1 + (1 + 10)
-    ooo = build_ooo_schedule("gpipe", 1, 2).compute(0)  # F0 F1 B0 B1 W0 W1
-    assert [a.label for a in ooo] == ["F0", "F1", "B0", "B1", "W0", "W1"]
+    ooo = build_ooo_schedule("gpipe", 1, 2).compute(0)  # F0 F1 I0 I1 W0 W1
+    assert [a.label for a in ooo] == ["F0", "F1", "I0", "I1", "W0", "W1"]
     assert stash_walk(ooo, frozenset(), 10.0, wgrad_bytes=3.0) == (26.0, 2)
 
 
@@ -214,7 +217,28 @@ def test_auto_recompute_picks_the_cheapest_setting_that_fits() -> None:
     assert "stage 0 recomputes" in data["reason"]
     assert data["extra"]["memory"]["budget_bytes"] == budget
     assert plan_from_dict(data).stages == tight.stages
-    assert schedule_for_plan(plan_from_dict(data)).in_flight_caps == tuple(data["extra"]["ooo_in_flight"])
+    assert schedule_for_plan(plan_from_dict(data)).in_flight_caps == tuple(data["ooo_in_flight"]) == tight.ooo_in_flight
+
+
+
+def test_in_flight_caps_are_a_plan_field_saved_compared_validated_and_read_from_old_files() -> None:
+    base = {**PLANS["3-stage"], "global_batch_size": 12, "micro_batches": 3, "ooo": True}
+    plan = plan_from_dict({**base, "ooo_in_flight": [3, 0, -1]})
+    assert plan.ooo_in_flight == (3, 0, -1)
+    assert json.loads(plan.to_json())["ooo_in_flight"] == [3, 0, -1] and "extra" not in json.loads(plan.to_json())
+    assert plan_from_dict(json.loads(plan.to_json())) == plan
+    # plans that differ only in their caps run different action lists: they are not equal
+    assert plan != replace(plan, ooo_in_flight=(3, 0, 0)) and plan != replace(plan, ooo_in_flight=None)
+    # a file written when the caps lived in extra loads into the field
+    old = plan_from_dict({**base, "extra": {"ooo_in_flight": [3, 0, -1], "memory": {}}})
+    assert old == plan and old.extra == {"memory": {}}
+    assert schedule_for_plan(old).in_flight_caps[1:] == (0, -1)
+    with pytest.raises(DappleConfigError, match=r"plan\.ooo_in_flight: has 2 entries for 3 stages"):
+        plan_from_dict({**base, "ooo_in_flight": [3, 0]})
+    with pytest.raises(DappleConfigError, match=r"plan\.ooo_in_flight\[2\]: is -2"):
+        plan_from_dict({**base, "ooo_in_flight": [3, 0, -2]})
+    with pytest.raises(DappleConfigError, match=r"plan\.ooo_in_flight: is \[3, 'x', 0\]"):
+        plan_from_dict({**base, "ooo_in_flight": [3, "x", 0]})
 
 
 def embedding_profile() -> ModelProfile:
@@ -375,7 +399,7 @@ def _executor_cases() -> list[tuple[str, dict, str]]:
                 for mode in MODES:
                     cases.append((f"{model}-dropout", with_options(base, "dapple", ooo, mode), f"{model}-dropout/{name}/dapple/{ooo}/{mode}"))
             if name == "3-stage":  # per-stage deferral: cap K_0, none (W right after B), no split
-                data = {**with_options(base, "dapple", True, ["always", "never", "except_last"]), "extra": {"ooo_in_flight": [3, 0, -1]}}
+                data = {**with_options(base, "dapple", True, ["always", "never", "except_last"]), "ooo_in_flight": [3, 0, -1]}
                 cases.append((model, data, f"{model}/{name}/dapple/True/mixed/caps"))
             if name in ("2x2", "3:1"):  # reverse first-k ending on replicated stages (Algorithm 2)
                 data = {**with_options(base, "dapple", True, "except_last"), "first_k": 2}
@@ -434,7 +458,7 @@ def test_executor_variants() -> None:
         for rank, res in zip(range(4), ranks):
             assert res["recomputed"] == len(schedule.recomputed(res["stage"])), label
             assert ("W" in res["kinds"]) == bool(schedule.compute(res["stage"]) and any(a.kind is Kind.W for a in schedule.compute(res["stage"]))), label
-            assert ("W" in res["kinds"]) == (plan.ooo and plan.extra.get("ooo_in_flight", [0] * 4)[res["stage"]] >= 0), label
+            assert ("W" in res["kinds"]) == (plan.ooo and (plan.ooo_in_flight or (0,) * 4)[res["stage"]] >= 0), label
     # dropout: every variant gives the parameters of the same plan without ooo/recompute
     for model in ("mlp-dropout", "transformer-dropout"):
         for name in PLANS:

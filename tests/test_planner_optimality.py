@@ -20,40 +20,7 @@ from lightning_dapple.plan.enumerate import enumerate_best
 from lightning_dapple.plan.evaluate import score_stages
 from lightning_dapple.plan.plan import StagePlan
 from lightning_dapple.profile.model_profile import LayerProfile, ModelProfile
-
-SHAPES = [(1, 2), (2, 1), (1, 4), (2, 2), (4, 1), (2, 4), (8, 1), (2, 3), (2, 4), (1, 8)]
-
-
-def random_instance(rng: random.Random) -> tuple[ModelProfile, Cluster, int, int | None]:
-    n = rng.randint(2, 8)
-    machines, per = rng.choice(SHAPES)
-    pbs = rng.choice([1, 2, 4])
-    layers = []
-    for i in range(n):
-        f = rng.uniform(0.5, 10)
-        layers.append(
-            LayerProfile(
-                f"l{i}",
-                f,
-                f * rng.uniform(1, 3),
-                rng.choice([1e5, 1e6, 1e7, 5e7]),
-                rng.choice([0, 1e6, 1e7, 1e8, 5e8]),
-                rng.choice([1e6, 1e7, 1e8]),
-            )
-        )
-    profile = ModelProfile(pbs, tuple(layers))
-    cluster = Cluster(
-        machines,
-        per,
-        intra_bandwidth_gbps=rng.choice([100, 300, 2400]),
-        inter_bandwidth_gbps=rng.choice([1, 10, 25, 100]),
-        device_memory_gib=rng.choice([2, 4, 16, 64]),
-    )
-    gbs = pbs * rng.choice([8, 16, 32, 64])
-    micro_batches = rng.choice([None, None, 2, 4, 8])
-    if micro_batches and gbs % micro_batches:
-        micro_batches = None
-    return profile, cluster, gbs, micro_batches
+from lightning_dapple.simulate.fidelity import random_instance
 
 
 def test_planner_matches_exhaustive_search_on_random_instances() -> None:

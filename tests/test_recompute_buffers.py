@@ -109,7 +109,6 @@ def train_cases(rank: int, world: int, cases: list[tuple[str, str, str, bool]]) 
     from lightning_dapple.execute.groups import build_groups
     from lightning_dapple.execute.runner import StageRunner
     from lightning_dapple.plan.plan import plan_from_dict
-    from lightning_dapple.simulate.plans import schedule_for_plan
 
     failure = FailureChannel(rank, timeout_s=60)
     groups = {name: build_groups(plan_from_dict(data)) for name, data in PLANS.items()}  # collectives: every rank, same order
@@ -122,7 +121,7 @@ def train_cases(rank: int, world: int, cases: list[tuple[str, str, str, bool]]) 
         stage = plan.stages[plan.stage_of_rank(rank)]
         model = norm_layers()
         local = [model[i] for i in range(stage.start, stage.end)]
-        runner = StageRunner(plan, schedule_for_plan(plan), rank, local, torch.device("cpu"), failure, groups[plan_name])
+        runner = StageRunner.for_plan(plan, rank, local, torch.device("cpu"), failure, groups=groups[plan_name], ties=())
         for layer in local:
             layer.to(DTYPES[dtype_name])
         opt = torch.optim.Adam(runner.parameters, lr=LR)

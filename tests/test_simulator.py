@@ -134,18 +134,18 @@ def test_allreduce_starts_after_last_compute_and_extends_the_stage() -> None:
     assert with_ar.bubble_fraction > plain.bubble_fraction
 
 
-def test_split_backward_charges_input_and_weight_halves_and_holds_until_w() -> None:
-    """Out-of-order backprop (ooo-backprop sec. 3): B takes backward_input_ms, W the weight
-    half, the gradient leaves after B, and a micro-batch stays stashed until its W."""
+def test_input_backward_charges_input_and_weight_halves_and_holds_until_w() -> None:
+    """Out-of-order backprop (ooo-backprop sec. 3): I takes backward_input_ms, W the weight
+    half, the gradient leaves after I, and a micro-batch stays stashed until its W."""
     c = cost(1.0, 3.0, bi=1.0, bw=2.0)
     a = Action
     stage0 = (a(Kind.F, 0, 0), a(Kind.SEND_ACT, 0, 0), a(Kind.F, 0, 1), a(Kind.SEND_ACT, 0, 1),
-              a(Kind.RECV_GRAD, 0, 0), a(Kind.B, 0, 0), a(Kind.RECV_GRAD, 0, 1), a(Kind.B, 0, 1),
+              a(Kind.RECV_GRAD, 0, 0), a(Kind.I, 0, 0), a(Kind.RECV_GRAD, 0, 1), a(Kind.I, 0, 1),
               a(Kind.W, 0, 0), a(Kind.W, 0, 1), a(Kind.ALLREDUCE, 0))
     stage1 = (a(Kind.RECV_ACT, 1, 0), a(Kind.F, 1, 0), a(Kind.RECV_ACT, 1, 1), a(Kind.F, 1, 1),
-              a(Kind.B, 1, 0), a(Kind.SEND_GRAD, 1, 0), a(Kind.B, 1, 1), a(Kind.SEND_GRAD, 1, 1),
+              a(Kind.I, 1, 0), a(Kind.SEND_GRAD, 1, 0), a(Kind.I, 1, 1), a(Kind.SEND_GRAD, 1, 1),
               a(Kind.W, 1, 0), a(Kind.W, 1, 1), a(Kind.ALLREDUCE, 1))
-    schedule = Schedule("ooo", 2, 2, (2, 2), (stage0, stage1), split_backward=True)
+    schedule = Schedule("ooo", 2, 2, (2, 2), (stage0, stage1))
     result = simulate(schedule, [c, c])
     spans1 = {(s.kind, s.microbatch): (s.start_ms, s.end_ms) for s in result.timelines[1]}
     spans0 = {(s.kind, s.microbatch): (s.start_ms, s.end_ms) for s in result.timelines[0]}
@@ -155,14 +155,13 @@ def test_split_backward_charges_input_and_weight_halves_and_holds_until_w() -> N
     assert result.latency_ms == pytest.approx(10.0)
     assert [s.busy_ms for s in result.stages] == pytest.approx([8.0, 8.0])
 
-    # one stage, F0 B0 F1 B1 W0 W1: counted until B it would be 1, until W it is 2
+    # one stage, F0 I0 F1 I1 W0 W1: counted until B it would be 1, until W it is 2
     single = Schedule(
         "ooo",
         1,
         2,
         (1,),
-        ((a(Kind.F, 0, 0), a(Kind.B, 0, 0), a(Kind.F, 0, 1), a(Kind.B, 0, 1), a(Kind.W, 0, 0), a(Kind.W, 0, 1)),),
-        split_backward=True,
+        ((a(Kind.F, 0, 0), a(Kind.I, 0, 0), a(Kind.F, 0, 1), a(Kind.I, 0, 1), a(Kind.W, 0, 0), a(Kind.W, 0, 1)),),
     )
     assert simulate(single, [c]).stages[0].peak_in_flight == 2
 
@@ -200,11 +199,11 @@ def test_missing_send_deadlocks_but_compute_only_lists_send_implicitly() -> None
 
 def test_deadlock_names_the_last_reason_a_stage_gave() -> None:
     """Stage 1 first waits for micro-batch 1's activation, gets it, and then stalls on a W
-    whose B it never lists: the deadlock names the second reason, not the first."""
+    whose I it lists only after it: the deadlock names the second reason, not the first."""
     a = Action
     stage0 = (a(Kind.F, 0, 0), a(Kind.SEND_ACT, 0, 0), a(Kind.F, 0, 1), a(Kind.RECV_GRAD, 0, 0), a(Kind.B, 0, 0), a(Kind.SEND_ACT, 0, 1))
-    stage1 = (a(Kind.RECV_ACT, 1, 0), a(Kind.F, 1, 0), a(Kind.B, 1, 0), a(Kind.SEND_GRAD, 1, 0), a(Kind.RECV_ACT, 1, 1), a(Kind.F, 1, 1), a(Kind.W, 1, 1))
-    with pytest.raises(ScheduleDeadlock, match="stage 1 is stuck at 1W1 waiting for its own B1") as caught:
+    stage1 = (a(Kind.RECV_ACT, 1, 0), a(Kind.F, 1, 0), a(Kind.B, 1, 0), a(Kind.SEND_GRAD, 1, 0), a(Kind.RECV_ACT, 1, 1), a(Kind.F, 1, 1), a(Kind.W, 1, 1), a(Kind.I, 1, 1))
+    with pytest.raises(ScheduleDeadlock, match="stage 1 is stuck at 1W1 waiting for its own I1") as caught:
         simulate(Schedule("stalls", 2, 2, (2, 1), (stage0, stage1)), [cost(1, 2), cost(1, 2)])
     assert "activation" not in str(caught.value)
 
@@ -220,6 +219,10 @@ def test_malformed_schedules_are_rejected() -> None:
         r"schedule.actions\[0\] \(1F0\).*belongs to stage 1": ((a(Kind.F, 1, 0), a(Kind.B, 0, 0)),),
         r"schedule.actions\[0\] \(0F3\).*names micro-batch 3 but M = 1": ((a(Kind.F, 0, 3), a(Kind.B, 0, 0)),),
         r"schedule.actions\[0\] \(0RECV_F0\).*no neighbouring stage": ((a(Kind.RECV_ACT, 0, 0), a(Kind.F, 0, 0), a(Kind.B, 0, 0)),),
+        # the kind of a backward decides who computes the weight gradients: I leaves them to W
+        r"\(0I0\).*leaves the weight gradients of micro-batch 0 to W actions.*list W0 after it": ((a(Kind.F, 0, 0), a(Kind.I, 0, 0)),),
+        r"\(0W0\).*already computed.*make that backward I0": ((a(Kind.F, 0, 0), a(Kind.B, 0, 0), a(Kind.W, 0, 0)),),
+        r"\(0I0\).*second backward of micro-batch 0": ((a(Kind.F, 0, 0), a(Kind.B, 0, 0), a(Kind.I, 0, 0), a(Kind.W, 0, 0)),),
     }
     for message, actions in wrong.items():
         with pytest.raises(DappleConfigError, match=message):

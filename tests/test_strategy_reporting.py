@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).parent / "scripts" / "fail_with_dapple.py"
-LINE = "lightning_dapple: error: rank 1: RuntimeError: deliberate failure at step 1"
+# the failing rank names the schedule action it failed in (execute/action_errors.py)
+LINE = "lightning_dapple: error: rank 1: RuntimeError: in action 1F0: deliberate failure at step 1"
 
 
 def _run(tmp_path: Path, start_method: str, debug: bool) -> subprocess.CompletedProcess:
@@ -38,4 +39,5 @@ def test_debug_flag_shows_the_traceback(tmp_path: Path) -> None:
     result = _run(tmp_path, "popen", debug=True)
     assert result.returncode != 0
     assert "Traceback" in result.stderr and "deliberate failure at step 1" in result.stderr
+    assert "the step's actions on stage 1: " in result.stderr and ">>1F0<<" in result.stderr
     assert "lightning_dapple: error:" not in result.stderr

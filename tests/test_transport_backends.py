@@ -230,7 +230,6 @@ def train_worker(rank: int, world: int, device: str = "cpu", wires: tuple[str, .
     from lightning_dapple.execute.runner import StageRunner
     from lightning_dapple.execute.transport import Transport
     from lightning_dapple.plan.plan import plan_from_dict
-    from lightning_dapple.simulate.plans import schedule_for_plan
 
     failure = FailureChannel(rank, timeout_s=60)
     plan = plan_from_dict({**PLAN, "schedule": "dapple"})
@@ -241,7 +240,7 @@ def train_worker(rank: int, world: int, device: str = "cpu", wires: tuple[str, .
     for wire in wires:
         model = ew.make_model("transformer")
         local = [model[i].to(device) for i in range(stage.start, stage.end)]
-        runner = StageRunner(plan, schedule_for_plan(plan), rank, local, torch.device(device), failure, groups, post_ahead=True)
+        runner = StageRunner.for_plan(plan, rank, local, torch.device(device), failure, groups=groups, post_ahead=True, ties=())
         if wire != "auto":
             runner.transport = Transport(failure, torch.device(device), wire=wire)
         opt = torch.optim.Adam(runner.parameters, lr=ew.LR)

@@ -340,7 +340,6 @@ def train_worker(rank: int, world: int) -> dict[str, Any]:
     from lightning_dapple.execute.groups import build_groups
     from lightning_dapple.execute.runner import StageRunner
     from lightning_dapple.plan.plan import plan_from_dict
-    from lightning_dapple.simulate.plans import schedule_for_plan
 
     torch.set_num_threads(1)
     failure = FailureChannel(rank, timeout_s=120)
@@ -357,7 +356,7 @@ def train_worker(rank: int, world: int) -> dict[str, Any]:
         for wire in WIRES:
             model = make_model()
             local = [model[i] for i in range(stage.start, stage.end)]
-            runner = StageRunner(plan, schedule_for_plan(plan), rank, local, torch.device("cpu"), failure, groups, post_ahead=True, wire=wire)
+            runner = StageRunner.for_plan(plan, rank, local, torch.device("cpu"), failure, groups=groups, post_ahead=True, wire=wire, ties=())
             opt = torch.optim.Adam(runner.parameters, lr=LR)
             losses = []
             for step in range(STEPS):

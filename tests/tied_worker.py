@@ -16,10 +16,9 @@ from lightning_dapple.execute.clipping import clip_grad_norm_global
 from lightning_dapple.execute.failure import FailureChannel
 from lightning_dapple.execute.groups import build_groups
 from lightning_dapple.execute.runner import StageRunner
-from lightning_dapple.execute.tied import build_tied_sync, tied_groups
+from lightning_dapple.execute.tied import tied_groups
 from lightning_dapple.plan.plan import plan_from_dict
 from lightning_dapple.profile.ties import tied_parameters
-from lightning_dapple.simulate.plans import schedule_for_plan
 from lightning_dapple.strategy.tied_layers import KeptTensors, free_layer
 from tied_models import gpt_batch, gpt_loss, tied_gpt_layers
 
@@ -89,10 +88,10 @@ def run_cases(rank: int, world: int, cases: list[dict], device: str = "cpu") -> 
         for other in [i for i in range(len(model)) if not stage.start <= i < stage.end]:
             free_layer(model[other], kept)
         local = [model[i] for i in range(stage.start, stage.end)]
-        tied = build_tied_sync(plan, ties, rank, local, tie_groups, failure)
-        runner = StageRunner(
-            plan, schedule_for_plan(plan), rank, local, dev, failure, groups, post_ahead=index % 2 == 0, tied=tied
+        runner = StageRunner.for_plan(
+            plan, rank, local, dev, failure, groups=groups, ties=ties, tie_groups=tie_groups, post_ahead=index % 2 == 0
         )
+        tied = runner.tied
         opt = torch.optim.Adam(runner.parameters, lr=LR)
         losses, norms = [], []
         for step in range(STEPS):

@@ -12,7 +12,6 @@ from lightning_dapple.execute.groups import build_groups
 from lightning_dapple.execute.runner import StageRunner
 from lightning_dapple.plan.plan import plan_from_dict
 from lightning_dapple.profile.traced_layers import traced_layers
-from lightning_dapple.simulate.plans import schedule_for_plan
 from lightning_dapple.strategy.module_adapter import key_owners
 
 from traced_toys import LR, NanoGPT, SkipMasked, SmallResNet, image_loader, plain_run, relative_difference, token_loader
@@ -58,7 +57,7 @@ def run_traced_cases(rank: int, world: int, cases: list[tuple[str, dict]]) -> li
         layers = traced_layers(module, [(batch[0][:1],), (batch[0][:2],)])
         stage = plan.stages[plan.stage_of_rank(rank)]
         local = [layers[i] for i in range(stage.start, stage.end)]
-        runner = StageRunner(plan, schedule_for_plan(plan), rank, local, torch.device("cpu"), failure, groups)
+        runner = StageRunner.for_plan(plan, rank, local, torch.device("cpu"), failure, groups=groups, ties=())
         optimizer = torch.optim.Adam(runner.parameters, lr=LR)
         for _, batch in zip(range(STEPS), make_loader()):
             batch = [t.double() if t.is_floating_point() else t for t in batch]

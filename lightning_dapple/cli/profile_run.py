@@ -156,7 +156,7 @@ def print_profile(profile: ModelProfile) -> None:
             f"{layer.weight_grad_ms:.3f}",
             _human_bytes(layer.output_bytes),
             _human_bytes(layer.param_bytes),
-            _human_bytes(layer.stash_bytes),
+            _human_bytes(layer.stash_for(1.0)),
         )
     make_console().print(table)
 

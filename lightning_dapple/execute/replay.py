@@ -4,7 +4,7 @@ Why not ``torch.utils.checkpoint``: its non-reentrant form recomputes once per a
 *graph task* and keeps what it recomputed for a task until the saved-tensor holders die.
 The executor wants one explicit replay right before a micro-batch's B, under the same
 dropout masks, with BatchNorm statistics updated once, and its memory charged at a known
-point of the schedule (the planner's memory model, ``schedule.ooo.stash_walk``).
+point of the schedule (the planner's memory model, ``schedule.actions.stash_walk``).
 
 Pieces used by the executor's ``Stage`` (``execute/stage.py``), its runner (the RNG) and its
 stash sizes (``tensor_bytes``):

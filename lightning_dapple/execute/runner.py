@@ -20,7 +20,7 @@ simulator times) and hands each action to the collaborator that does it:
   parameters this stage shares with others stay out of the buckets and are summed over
   every stage holding them after that (``execute/tied.py``);
 * stashed bytes to the ``StashLedger`` and their sizes to ``StashSizes``
-  (``execute/stash_ledger.py``: ``schedule.ooo.stash_walk``'s rule with measured sizes).
+  (``execute/stash_ledger.py``: ``schedule.actions.stash_walk``'s rule with measured sizes).
 * where the step ends, the stage's buffers to ``StageBuffers`` (``execute/batchnorm.py``):
   deferred BatchNorm statistics applied, replicas' buffers made the first replica's.
 
@@ -40,10 +40,11 @@ import torch
 from torch import nn
 
 from lightning_dapple.errors import DappleConfigError
+from lightning_dapple.execute.action_errors import name_action
 from lightning_dapple.execute.batchnorm import StageBuffers
-from lightning_dapple.execute.failure import FailureChannel
+from lightning_dapple.execute.failure import FailureChannel, PeerFailedError
 from lightning_dapple.execute.grad_sync import GradientSync
-from lightning_dapple.execute.groups import PlanGroups
+from lightning_dapple.execute.groups import PlanGroups, build_groups
 from lightning_dapple.execute.keys import TransferKey, transfer_key
 from lightning_dapple.execute.links import plan_links
 from lightning_dapple.execute.replay import restore_rng, save_rng
@@ -52,14 +53,15 @@ from lightning_dapple.execute.slicing import batch_size_of, slice_rows, take_row
 from lightning_dapple.execute.spans import CudaSpans, HostSpans, Span, span_clock
 from lightning_dapple.execute.stage import EvalCallbacks, Stage, StageCallbacks
 from lightning_dapple.execute.stash_ledger import KnownSizes, StashLedger, StashSizes, StepSizes
-from lightning_dapple.execute.tied import TiedSync
+from lightning_dapple.execute.tied import TiedSync, build_tied_sync, tied_groups
 from lightning_dapple.execute.transport import Peer, Transport, receives_ahead_pay
 from lightning_dapple.plan.buckets import BUCKET_BYTES, bucket_layers
 from lightning_dapple.plan.plan import Plan
 from lightning_dapple.profile.stash import StashMeter
-from lightning_dapple.schedule.actions import Action, Kind
-from lightning_dapple.schedule.builders import Schedule
+from lightning_dapple.profile.ties import TiedParameter
+from lightning_dapple.schedule.actions import Action, Kind, Schedule
 from lightning_dapple.schedule.settle import settle_points
+from lightning_dapple.simulate.plans import schedule_for_plan
 
 __all__ = ["StageRunner", "StageStats", "StageCallbacks", "EvalCallbacks"]
 
@@ -96,6 +98,7 @@ class _Op(NamedTuple):
     final: bool = False  # B: the stage's last (autograd reports finished gradients)
     pending_w: bool = False  # B/W: W work of this micro-batch follows
     params: Sequence[nn.Parameter] = ()  # ready: parameters whose gradient is now final
+    position: int = -1  # the action it does (posts ahead for, follows) in the stage's list: errors name it
 
 
 class _Route(NamedTuple):
@@ -171,14 +174,51 @@ class StageRunner:
         self._step_routes: list[_Route] = []
         self._step_sizes: StepSizes = KnownSizes({}, {})
 
+    @classmethod
+    def for_plan(
+        cls,
+        plan: Plan,
+        rank: int,
+        layers: Sequence[nn.Module],
+        device: torch.device,
+        failure: FailureChannel,
+        *,
+        ties: Sequence[TiedParameter],
+        groups: PlanGroups | None = None,
+        tie_groups: dict[tuple[int, ...], Any] | None = None,
+        schedule: Schedule | None = None,
+        **options: Any,
+    ) -> "StageRunner":
+        """This rank's runner of ``plan``: the one way every caller builds one.
+
+        Process groups are collectives of the whole default group, so every rank calls this
+        for every plan, in the same order: the replica and plan groups (``build_groups``)
+        first, then one group per set of ranks sharing tied parameters (``ties``, the
+        model's; ``tied_groups``). ``ties`` has no default: a rank sees only its own layers
+        and cannot tell that one of them shares a parameter with another stage, so a
+        forgotten tie would train silently wrong; callers say ``tied_parameters(layers)``
+        of the whole layer list, or ``()`` for a model known to have none. A caller running several plans of one device layout
+        passes the groups it made once (``groups``, ``tie_groups``). The schedule is the one
+        the simulator times for the plan (``schedule_for_plan``) unless ``schedule`` is given.
+        ``failure`` stays the caller's: it outlives the runner (its watchdog is closed by
+        whoever opened it). ``options`` are ``StageRunner``'s own keywords (``post_ahead``,
+        ``wire``, ``loss_reduction``, ...).
+        """
+        groups = groups if groups is not None else build_groups(plan)
+        tied = None
+        if ties:
+            tie_groups = tie_groups if tie_groups is not None else tied_groups(plan, ties)
+            tied = build_tied_sync(plan, ties, rank, layers, tie_groups, failure)
+        schedule = schedule if schedule is not None else schedule_for_plan(plan)
+        return cls(plan, schedule, rank, layers, device, failure, groups, tied=tied, **options)
+
     # -- set-up: everything decided once per plan ----------------------------------
     def _build_stage(
         self, schedule: Schedule, loss_reduction: str, forward_context: Callable[[], ContextManager[Any]] | None
     ) -> Stage:
-        """The rank's Stage: split backward (out-of-order backprop) or not, and how many W
-        actions each micro-batch gets."""
-        any_w = any(a.kind is Kind.W for acts in schedule.actions for a in acts)
-        split = any(a.kind is Kind.W for a in self._actions) or (schedule.split_backward and not any_w)
+        """The rank's Stage: split backward (out-of-order backprop: the stage lists I actions)
+        or not, and how many W actions each micro-batch gets."""
+        split = self.stage < schedule.num_stages and schedule.splits(self.stage)
         self._w_count: dict[int, int] = {}
         for action in self._actions:
             if action.kind is Kind.W and action.microbatch is not None:
@@ -227,8 +267,8 @@ class StageRunner:
         every = set(range(len(self.layers)))
         for position, action in enumerate(self._actions):
             mb = action.microbatch
-            if action.kind is Kind.B and mb is not None and self._w_count.get(mb, 0) == 0:
-                for layer in every:  # no W scheduled: the weight work runs right after B
+            if action.kind is Kind.B and mb is not None:
+                for layer in every:  # a full backward: the weight work runs with it
                     last[layer] = position
             elif action.kind is Kind.W and mb is not None:
                 span = spans[position]
@@ -249,7 +289,7 @@ class StageRunner:
         settle_at = settle_points(self.schedule.actions)[self.stage] if settle_sends and actions else {}
         spans, last_w = self._weight_spans()
         final_after = self._final_positions(spans) if self.sync is not None else {}
-        last_b = max((i for i, a in enumerate(actions) if a.kind is Kind.B), default=-1)
+        last_b = max((i for i, a in enumerate(actions) if a.kind.is_backward), default=-1)
         receives = [i for i, a in enumerate(actions) if a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD)]
         program: list[_Op] = []
         upcoming = 0  # index into receives of the first receive after the current position
@@ -259,12 +299,13 @@ class StageRunner:
             if self.post_ahead and action.kind.is_compute and upcoming < len(receives):
                 ahead = actions[receives[upcoming]]
                 run = self._post_activation if ahead.kind is Kind.RECV_ACT else self._post_gradient
-                program.append(_Op(run, ahead.microbatch, transfer_key(ahead.kind, self.stage, ahead.microbatch)))
+                key = transfer_key(ahead.kind, self.stage, ahead.microbatch)
+                program.append(_Op(run, ahead.microbatch, key, position=receives[upcoming]))
             op = self._op(action, settle_at.get(position, ()), spans.get(position), position == last_b, position in last_w)
             if op is not None:
-                program.append(op)
+                program.append(op._replace(position=position))
             if position in final_after:
-                program.append(_Op(self._ready, params=final_after[position]))
+                program.append(_Op(self._ready, params=final_after[position], position=position))
         return program
 
     def _op(self, action: Action, settle: Any, span: tuple[int, int] | None, last_b: bool, last_w: bool) -> _Op | None:
@@ -272,10 +313,9 @@ class StageRunner:
         kind, mb = action.kind, action.microbatch
         if kind is Kind.F:
             return _Op(self._forward_keeping_input if mb in self.recomputed else self._forward, mb)
-        if kind is Kind.B:
+        if kind.is_backward:
             return _Op(
-                self._backward, mb, replay=mb in self.recomputed, final=self.sync is not None and last_b,
-                pending_w=self.split and self._w_count.get(mb, 0) > 0,
+                self._backward, mb, replay=mb in self.recomputed, final=self.sync is not None and last_b, pending_w=kind is Kind.I
             )
         if kind is Kind.W:
             return _Op(self._weight, mb, span=span, pending_w=not last_w)
@@ -360,8 +400,7 @@ class StageRunner:
         seed = (torch.initial_seed(), self.steps_done)
         self.pipeline_stage.begin_step(batch, batch_rows, [route.rows for route in routes], callbacks, 1.0, seed)
         try:
-            for op in self._program:
-                op.run(op)
+            self._run_program()
             self.transport.flush()
             if self.sync is not None:
                 self.sync.finish()
@@ -379,6 +418,20 @@ class StageRunner:
         loss, shared = self.results.share(loss_sum, extras() if (extras is not None and self.is_last) else None)
         assert loss is not None
         return loss, shared
+
+    def _run_program(self) -> None:
+        """Run the step's ops; an error is renamed after the action it happened in
+        (``execute/action_errors.py``), except a peer's failure, which names its own."""
+        op: _Op | None = None
+        try:
+            for op in self._program:
+                op.run(op)
+        except PeerFailedError:
+            raise
+        except Exception as exc:
+            if op is not None and op.position >= 0:
+                name_action(exc, self._actions[op.position], self._actions, op.position)
+            raise
 
     # -- op handlers: compute ---------------------------------------------------------
     def _forward(self, op: _Op) -> None:

@@ -4,7 +4,7 @@ DAPPLE's memory argument (3.2, 5.3) is the activations each in-flight micro-batc
 its forward until its backward; out-of-order backprop (ooo-backprop sec. 3) adds the output
 gradients a pending W keeps, and recomputation (gpipe.txt 2.3) replaces a micro-batch's stash
 by its kept stage input until the replay before its B. The executor follows the planner's rule
-(``schedule.ooo.stash_walk``) with measured sizes, through two collaborators:
+(``schedule.actions.stash_walk``) with measured sizes, through two collaborators:
 
 * ``StashLedger``: the accounting. The runner charges a micro-batch's bytes when its F (or
   the replay before its B, or the B that leaves output gradients to W) stashes them and drops

@@ -174,7 +174,7 @@ def smallest_memory(request: PlanRequest) -> tuple[float, str]:
                 for b in range(a + 1, n + 1):
                     if prev[b] == _INF or (b == n) != (stages == 1):
                         continue
-                    mem = tables.params[a, b] * search.weight_factor + kk * (tables.stash[a, b] * s1)
+                    mem = tables.params[a, b] * search.weight_factor + kk * tables.stash_bytes(a, b, s1)
                     cur[a] = min(cur[a], max(mem, prev[b]))
             prev = cur
             if cur[0] < best[0]:

@@ -28,7 +28,7 @@ from typing import Iterable, Sequence
 from lightning_dapple.cluster import Cluster
 from lightning_dapple.plan.buckets import bucket_layers
 from lightning_dapple.plan.plan import Prediction, StagePlan
-from lightning_dapple.profile.model_profile import LayerProfile, ModelProfile
+from lightning_dapple.profile.model_profile import LayerProfile, ModelProfile, stash_span_bytes
 
 
 @dataclass(frozen=True)
@@ -224,7 +224,7 @@ def stage_costs(
         if stage.start > 0:
             input_bytes = profile.layers[stage.start - 1].cut_bytes(per_device)
         else:
-            input_bytes = profile.input_bytes * per_device
+            input_bytes = profile.input_slice_bytes(per_device)
         layer_ar = tuple(
             cluster.allreduce_ms(size, stage.devices) if stage.replicas > 1 and size > 0 else 0.0 for size in synced[index]
         )
@@ -236,7 +236,7 @@ def stage_costs(
                 backward_input_ms=sum(layer.input_grad_ms for layer in layers) * per_device,
                 backward_weight_ms=sum(layer.weight_grad_ms for layer in layers) * per_device,
                 param_bytes=param_bytes,
-                stash_bytes=sum(layer.stash_bytes for layer in layers) * per_device,
+                stash_bytes=stash_span_bytes(layers, per_device),
                 output_bytes=output_bytes,
                 send_ms=send_ms,
                 allreduce_ms=cluster.allreduce_ms(sync_bytes, stage.devices),
@@ -257,10 +257,10 @@ def stage_costs(
 
 def _wgrad_bytes(weighted: Sequence[LayerProfile], per_device: float) -> float:
     """What one slice keeps between its B and its deferred W: per layer with weight work
-    (``weighted``), its output gradient or its stash, whichever is larger (the gradient of a
-    whole output once)."""
+    (``weighted``), its output gradient or its stash, whichever is larger, taken apart for
+    the per-sample parts (scaled) and the whole parts (once)."""
     per_sample = sum(max(layer.output_bytes, layer.stash_bytes) for layer in weighted) * per_device
-    return per_sample + sum(layer.output_whole_bytes for layer in weighted)
+    return per_sample + sum(max(layer.output_whole_bytes, layer.stash_whole_bytes) for layer in weighted)
 
 
 def stage_memory_bytes(cost: StageCost, in_flight: int, cluster: Cluster) -> float:
@@ -275,7 +275,7 @@ def stage_memory_bytes(cost: StageCost, in_flight: int, cluster: Cluster) -> flo
 
 def stage_memory_from_stash(cost: StageCost, peak_stash_bytes: float, cluster: Cluster) -> float:
     """``stage_memory_bytes`` with the activation term given as bytes: the peak of a
-    schedule's stash walk (``schedule.ooo.stash_walk``), which accounts for recomputed
+    schedule's stash walk (``schedule.actions.stash_walk``), which accounts for recomputed
     micro-batches (input only) and deferred W work (stash plus output gradients)."""
     return cost.param_bytes * (2.0 + cluster.optimizer_state_factor) + peak_stash_bytes
 

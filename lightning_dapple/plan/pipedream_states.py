@@ -192,7 +192,7 @@ def _relabel(edges: list[tuple[int, int]], topo: list[int]) -> list[tuple[int, i
 
 def _summarise(profile: ModelProfile, graph: _Graph, removed: int, states: list[tuple[int, ...]], edges: list[tuple[int, int]]) -> PipeDreamStates:
     layers = profile.layers
-    activation = profile.meta.get("activation_bytes") or [layer.stash_bytes for layer in layers]
+    activation = profile.meta.get("activation_bytes") or [layer.stash_for(1.0) for layer in layers]
     count = len(states)
     compute = np.zeros(count)
     params = np.zeros(count)

@@ -91,6 +91,12 @@ class Plan:
     reason: str = ""
     ooo: bool = False
     first_k: int | None = None
+    # Per stage, the most micro-batches it may hold with W deferred (F done, W not done):
+    # -1 does not split its backward, 0 runs each W right after its B, a positive cap
+    # defers up to that many (at least K_i); None: the default caps of
+    # ``schedule.ooo.default_caps``. Read only when ``ooo`` is on. It changes the action
+    # lists, so it is part of what a plan is (compared, saved), unlike ``extra``.
+    ooo_in_flight: tuple[int, ...] | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -190,6 +196,7 @@ class Plan:
             require(stage.recompute in RECOMPUTE_MODES, f"{where}.recompute", f"is {stage.recompute!r}", f"use one of {list(RECOMPUTE_MODES)}")
             if stage.warmup is not None:
                 require(stage.warmup >= 1, f"{where}.warmup", f"is {stage.warmup}", "use K_i >= 1 or leave it out")
+        _check_in_flight(self.ooo_in_flight, self.num_stages)
         warmups = [stage.warmup for stage in self.stages]
         if self.schedule == "dapple" and all(k is not None for k in warmups):
             capped = [min(int(k), self.micro_batches) for k in warmups]  # type: ignore[arg-type]
@@ -228,6 +235,8 @@ class Plan:
         }
         if self.first_k is not None:
             out["first_k"] = self.first_k
+        if self.ooo_in_flight is not None:
+            out["ooo_in_flight"] = list(self.ooo_in_flight)
         if self.predicted is not None:
             out["predicted"] = self.predicted.to_dict()
         if self.reason:
@@ -244,7 +253,7 @@ class Plan:
         return atomic_write_text(Path(path), self.to_json() + "\n")
 
 
-PLAN_KEYS = ("global_batch_size", "micro_batches", "stages", "schedule", "policy", "predicted", "planner", "reason", "ooo", "first_k", "extra")
+PLAN_KEYS = ("global_batch_size", "micro_batches", "stages", "schedule", "policy", "predicted", "planner", "reason", "ooo", "first_k", "ooo_in_flight", "extra")
 STAGE_KEYS = ("layers", "devices", "warmup", "recompute")
 
 
@@ -329,9 +338,44 @@ def plan_from_dict(data: Any, source: str = "plan") -> Plan:
         reason=str(data.get("reason", "")),
         ooo=bool(data.get("ooo", False)),
         first_k=data.get("first_k"),
-        extra=dict(data.get("extra", {})),
+        ooo_in_flight=_in_flight_from(data, source),
+        extra={key: value for key, value in dict(data.get("extra", {})).items() if key != "ooo_in_flight"},
     )
     return plan.validate()
+
+
+def _in_flight_from(data: dict[str, Any], source: str) -> tuple[int, ...] | None:
+    """The plan's ``ooo_in_flight``: its own key, or ``extra.ooo_in_flight`` where files
+    written before it was a plan field keep it."""
+    extra = data.get("extra") if isinstance(data.get("extra"), dict) else {}
+    caps = data.get("ooo_in_flight", extra.get("ooo_in_flight"))
+    if caps is None:
+        return None
+    require(
+        isinstance(caps, list) and all(isinstance(c, int) and not isinstance(c, bool) for c in caps),
+        f"{source}.ooo_in_flight",
+        f"is {caps!r}",
+        "write one integer per stage (-1: no split, 0: W right after B, n: defer up to n) or leave it out",
+    )
+    return tuple(caps)
+
+
+def _check_in_flight(caps: tuple[int, ...] | None, num_stages: int) -> None:
+    if caps is None:
+        return
+    require(
+        len(caps) == num_stages,
+        "plan.ooo_in_flight",
+        f"has {len(caps)} entries for {num_stages} stages",
+        "give one cap per stage or leave it out for the default caps",
+    )
+    for index, cap in enumerate(caps):
+        require(
+            cap >= -1,
+            f"plan.ooo_in_flight[{index}]",
+            f"is {cap}",
+            "use -1 (no B/W split), 0 (W right after B) or a positive number of micro-batches",
+        )
 
 
 def _read_json(path: Path) -> Any:

@@ -77,7 +77,7 @@ def _quick_latency(tables: RangeTables, cluster: Cluster, stages: Sequence[Stage
                 _exposed_ms(tables, cluster, stage, per_device),
                 send,
                 params,
-                float(tables.stash[a, b]) * per_device,
+                float(tables.stash_bytes(a, b, per_device)),
             )
         )
     memory = memory_per_stage(costs, m, cluster, policy, schedule)  # type: ignore[arg-type]

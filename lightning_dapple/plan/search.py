@@ -210,7 +210,7 @@ class StageSearch:
         ``replicas``, each distinct replica count priced once."""
         distinct, inverse = _distinct(replicas)
         t = self.t
-        table = self.t_max(t.params[j, lo:hi][None, :] * self.weight_factor, t.stash[j, lo:hi][None, :] * self._scale_array[distinct][:, None])
+        table = self.t_max(t.params[j, lo:hi][None, :] * self.weight_factor, t.stash_bytes(j, slice(lo, hi), self._scale_array[distinct][:, None]))
         return table[inverse]
 
     def p2p_unit(self, senders: tuple[int, ...], receivers: tuple[int, ...]) -> tuple[float, float]:
@@ -302,7 +302,7 @@ class StageSearch:
         s = self.scale(g)
         f, b = self.t.forward[0, n] * s, self.t.backward[0, n] * s
         ar = float(self._exposed_row(self.ring_id(ranks), 0)[n])
-        mem = self.t.params[0, n] * self.weight_factor + self.k_of(1) * (self.t.stash[0, n] * s)
+        mem = self.t.params[0, n] * self.weight_factor + self.k_of(1) * self.t.stash_bytes(0, n, s)
         if mem > self.cap:
             return
         latency = f + self.m1 * (f + b) + (ar + b)
@@ -508,7 +508,7 @@ class StageSearch:
         complete_ok = batch.rest <= self.rmax
         if self.settings.straight_only:
             complete_ok &= batch.rest == 1
-        mem = t.params[batch.lo : batch.hi, n][None, :] * self.weight_factor + self.k_of(1) * (t.stash[batch.lo : batch.hi, n][None, :] * batch.s_rest)
+        mem = t.params[batch.lo : batch.hi, n][None, :] * self.weight_factor + self.k_of(1) * t.stash_bytes(slice(batch.lo, batch.hi), n, batch.s_rest)
         batch.valid = batch.inside & complete_ok[:, None] & (batch.tmax >= 2) & (mem <= self.cap)
         batch.latency = np.full(batch.fn.shape, _INF)
         if batch.valid.any():

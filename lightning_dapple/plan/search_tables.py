@@ -1,8 +1,8 @@
 """Range sums of a profile and the fast split-concat transfer time, for the planner's search.
 
 The search prices thousands of stages per second; these tables give any layer range's
-forward, backward, parameter and stash sums in O(1), summed exactly as ``costs.stage_costs``
-sums them, and every cut's bytes (per-sample part scaled, whole part once) (so ties in DAPPLE's Algorithm 1 resolve the same way in the search and in the
+forward, backward, parameter and stash sums in O(1) (the stash's per-sample and whole parts
+apart: ``stash_bytes``), summed exactly as ``costs.stage_costs`` sums them, and every cut's bytes (per-sample part scaled, whole part once) (so ties in DAPPLE's Algorithm 1 resolve the same way in the search and in the
 official formula), plus the exposed AllReduce tails of ``overlap.OverlapTables``.
 """
 from __future__ import annotations
@@ -32,6 +32,7 @@ class RangeTables:
         self.backward = self._range_sums([layer.backward_ms for layer in layers])
         self.params = self._range_sums([layer.param_bytes for layer in layers])
         self.stash = self._range_sums([layer.stash_bytes for layer in layers])
+        self.stash_whole = self._range_sums([layer.stash_whole_bytes for layer in layers])
         self.work = self.forward + self.backward
         self.output = np.array([layer.output_bytes for layer in layers], dtype=float)
         self.output_whole = np.array([layer.output_whole_bytes for layer in layers], dtype=float)
@@ -41,6 +42,13 @@ class RangeTables:
         """Bytes crossing the cut after layer(s) ``last`` (an index or an index array) for
         ``scale`` x the profile's micro-batch (``model_profile.cut_bytes``)."""
         return cut_bytes(self.output[last], self.output_whole[last], scale)
+
+    def stash_bytes(self, rows: Any, cols: Any, scale: Any) -> Any:
+        """Stash of one slice of stage(s) [``rows``, ``cols``) (indices, slices or index
+        arrays into the range tables) at ``scale`` x the profile's micro-batch, as
+        ``model_profile.stash_span_bytes`` prices it: the per-sample sum scaled, the whole
+        sum once (``scale`` may be an array that broadcasts against the cells)."""
+        return self.stash[rows, cols] * scale + self.stash_whole[rows, cols]
 
     @staticmethod
     def _range_sums(values: Sequence[float]) -> np.ndarray:

@@ -14,8 +14,10 @@ The DAPPLE authors' planner takes this number as an input beside the profile, th
 activation memory per sample* (``peak_activation_per_batch`` in their planner, HPGO;
 ``examples/vs_pipedream.rs`` and ``planner/tests/speedup_test.rs`` of the published
 planner). ``with_activation_memory`` applies such a measurement: every layer's
-``stash_bytes`` is scaled by one factor so that the stash of the whole model for one
-sample equals it; the profile's layer-to-layer shape is kept. ``PUBLISHED`` holds the
+per-sample ``stash_bytes`` is scaled by one factor so that the per-sample stash of the
+whole model for one sample equals it; the profile's layer-to-layer shape is kept. The whole
+part (``stash_whole_bytes``: a saved rotary table or mask, one copy per slice whatever its
+rows) is not a per-sample quantity and stays as measured. ``PUBLISHED`` holds the
 values the authors planned the shared profiles with, applied by ``load_profile`` unless
 the caller gives one (``dapple-plan --activation-bytes-per-sample``).
 """
@@ -53,8 +55,9 @@ def published_activation_bytes(file_name: str) -> tuple[float, str] | None:
 
 
 def with_activation_memory(profile: ModelProfile, bytes_per_sample: float, source: str) -> ModelProfile:
-    """``profile`` with every layer's stash scaled so that one sample stashes
-    ``bytes_per_sample`` through the whole model (recorded in ``meta``)."""
+    """``profile`` with every layer's per-sample stash scaled so that one sample stashes
+    ``bytes_per_sample`` through the whole model (recorded in ``meta``); the whole part of
+    the stash is left as it is (module docstring)."""
     require(
         isinstance(bytes_per_sample, (int, float)) and not isinstance(bytes_per_sample, bool)
         and math.isfinite(bytes_per_sample) and bytes_per_sample > 0,
@@ -66,8 +69,8 @@ def with_activation_memory(profile: ModelProfile, bytes_per_sample: float, sourc
     require(
         stashed > 0,
         "activation_bytes_per_sample",
-        f"cannot be spread over {profile.name}: its layers stash nothing",
-        "give the profile's layers stash_bytes, or leave the activation memory out",
+        f"cannot be spread over {profile.name}: its layers stash nothing per sample",
+        "give the profile's layers stash_bytes (the per-sample part), or leave the activation memory out",
     )
     factor = bytes_per_sample * profile.micro_batch_size / stashed
     layers = tuple(replace(layer, stash_bytes=layer.stash_bytes * factor) for layer in profile.layers)

@@ -9,6 +9,9 @@ model multiplies it by the number of micro-batches in flight (DAPPLE 5.3, K_i).
 ``output_whole_bytes`` is the part of a cut that is the same for every sample (a rotary
 table, a broadcast mask: ``sample_rows``), sent whole once per micro-batch and receiver;
 ``cut_bytes`` is the one place that adds it to the per-sample part.
+``stash_whole_bytes`` is the part of the stash that is whole in the same sense (a saved
+rotary table or mask: one copy per micro-batch slice, whatever its rows); ``stash_span_bytes``
+is the one place that prices a span of layers' stash for a slice.
 ``tied`` lists parameters several layers use (tied weights): a layer's ``param_bytes``
 counts a parameter only in the first layer using it, and the cost model adds the copy
 every other stage holding one of its layers keeps (``plan/costs.py``).
@@ -21,7 +24,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from lightning_dapple.errors import DappleConfigError, require
 
@@ -33,6 +36,14 @@ def cut_bytes(per_sample: Any, whole: Any, scale: Any) -> Any:
     return per_sample * scale + whole
 
 
+def stash_span_bytes(layers: "Sequence[LayerProfile]", scale: float) -> float:
+    """What ``layers`` stash for one slice of ``scale`` x the profile's micro-batch (DAPPLE
+    5.3: the bytes one micro-batch in flight keeps): the per-sample stash scaled, the whole
+    stash once. The one formula every consumer of a stage's stash uses (the search tables
+    sum the same two parts in the same order)."""
+    return sum(layer.stash_bytes for layer in layers) * scale + sum(layer.stash_whole_bytes for layer in layers)
+
+
 @dataclass(frozen=True)
 class LayerProfile:
     """Costs of one layer for one micro-batch of the profile's size.
@@ -41,7 +52,8 @@ class LayerProfile:
     branching graph, every activation produced at or before this position and consumed
     after it), the per-sample part: it scales with the rows. ``output_whole_bytes`` is
     the part that does not (values with no batch dimension or a first dimension of 1);
-    profiles without it have none.
+    profiles without it have none. ``stash_bytes`` / ``stash_whole_bytes`` split what the
+    layer saves for backward the same way.
     """
 
     name: str
@@ -53,6 +65,11 @@ class LayerProfile:
     backward_input_ms: float | None = None
     backward_weight_ms: float | None = None
     output_whole_bytes: float = 0.0
+    stash_whole_bytes: float = 0.0
+
+    def stash_for(self, scale: float) -> float:
+        """Bytes this layer stashes for one slice of ``scale`` x the profile's micro-batch."""
+        return stash_span_bytes((self,), scale)
 
     def cut_bytes(self, scale: float) -> float:
         """Bytes crossing a cut after this layer for ``scale`` x the profile's micro-batch."""
@@ -98,6 +115,8 @@ class ModelProfile:
 
     ``input_bytes`` is the size of the model input for one micro-batch (what the first
     stage receives from the data loader); it is not communicated between devices.
+    ``input_whole_bytes`` is its part that is not per-sample (``sample_rows``): every slice
+    of the first stage holds it once.
     """
 
     micro_batch_size: int
@@ -105,6 +124,7 @@ class ModelProfile:
     device: str = "unknown"
     name: str = "model"
     input_bytes: float = 0.0
+    input_whole_bytes: float = 0.0
     estimated: bool = False
     meta: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
     tied: tuple[TiedParams, ...] = ()
@@ -120,6 +140,10 @@ class ModelProfile:
         """Factor that turns a profile-size quantity into one for ``samples`` samples."""
         return samples / self.micro_batch_size
 
+    def input_slice_bytes(self, scale: float) -> float:
+        """Bytes of the model input for one slice of ``scale`` x the micro-batch."""
+        return cut_bytes(self.input_bytes, self.input_whole_bytes, scale)
+
     def span(self, start: int, end: int) -> tuple[LayerProfile, ...]:
         """Layers ``[start, end)``."""
         return self.layers[start:end]
@@ -131,8 +155,9 @@ class ModelProfile:
             for optional in ("backward_input_ms", "backward_weight_ms"):
                 if entry[optional] is None:
                     del entry[optional]
-            if not entry["output_whole_bytes"]:
-                del entry["output_whole_bytes"]
+            for optional in ("output_whole_bytes", "stash_whole_bytes"):
+                if not entry[optional]:
+                    del entry[optional]
             layers.append(entry)
         out: dict[str, Any] = {
             "name": self.name,
@@ -141,6 +166,8 @@ class ModelProfile:
             "input_bytes": self.input_bytes,
             "layers": layers,
         }
+        if self.input_whole_bytes:
+            out["input_whole_bytes"] = self.input_whole_bytes
         if self.estimated:
             out["estimated"] = True
         if self.tied:
@@ -171,9 +198,12 @@ def validate_profile(profile: ModelProfile) -> None:
         "set it to the number of samples the layer times were measured with",
     )
     require(len(profile.layers) > 0, "profile.layers", "is empty", "list at least one layer")
+    for name in ("input_bytes", "input_whole_bytes"):
+        value = _number(getattr(profile, name), f"profile.{name}", "write a number >= 0")
+        require(value >= 0, f"profile.{name}", f"is negative ({value})", "sizes must be >= 0")
     for index, layer in enumerate(profile.layers):
         where = f"profile.layers[{index}] ({layer.name})"
-        for name in ("forward_ms", "backward_ms", "output_bytes", "param_bytes", "stash_bytes", "output_whole_bytes"):
+        for name in ("forward_ms", "backward_ms", "output_bytes", "param_bytes", "stash_bytes", "output_whole_bytes", "stash_whole_bytes"):
             value = _number(getattr(layer, name), f"{where}.{name}", "write a number >= 0")
             require(value >= 0, f"{where}.{name}", f"is negative ({value})", "times and sizes must be >= 0")
         for name in ("backward_input_ms", "backward_weight_ms"):
@@ -223,8 +253,11 @@ def profile_from_dict(data: Any, source: str = "profile") -> ModelProfile:
             name: (None if entry.get(name) is None else _number(entry[name], f"{where}.{name}", "write a number >= 0"))
             for name in ("backward_input_ms", "backward_weight_ms")
         }
-        whole = _number(entry.get("output_whole_bytes", 0.0), f"{where}.output_whole_bytes", "write a number >= 0 or leave it out")
-        layers.append(LayerProfile(name=str(entry["name"]), **numbers, **optional, output_whole_bytes=whole))
+        whole = {
+            name: _number(entry.get(name, 0.0), f"{where}.{name}", "write a number >= 0 or leave it out")
+            for name in ("output_whole_bytes", "stash_whole_bytes")
+        }
+        layers.append(LayerProfile(name=str(entry["name"]), **numbers, **optional, **whole))
     mbs = data["micro_batch_size"]
     require(
         isinstance(mbs, int) and not isinstance(mbs, bool) and mbs > 0,
@@ -238,6 +271,7 @@ def profile_from_dict(data: Any, source: str = "profile") -> ModelProfile:
         device=str(data.get("device", "unknown")),
         name=str(data.get("name", "model")),
         input_bytes=_number(data.get("input_bytes", 0.0), f"{source}.input_bytes", "write a number >= 0"),
+        input_whole_bytes=_number(data.get("input_whole_bytes", 0.0), f"{source}.input_whole_bytes", "write a number >= 0 or leave it out"),
         estimated=bool(data.get("estimated", False)),
         meta=dict(data.get("meta", {})),
         tied=_ties_from_list(data.get("tied", []), f"{source}.tied"),

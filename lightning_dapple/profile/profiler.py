@@ -33,10 +33,13 @@ Measured quantities, per layer:
 * ``param_bytes``: the layer's parameters; a parameter several layers use (tied
   weights) counts in the first of them only, and the profile's ``tied`` says which
   layers share it (``profile/ties.py``);
-* ``stash_bytes``: distinct storages saved for backward during the forward (observed with
-  ``torch.autograd.graph.saved_tensors_hooks``), the layer's own parameters excluded. A
-  tensor saved by two consecutive layers (one's output is the next one's input) is counted
-  in both, so the sum over layers is an upper bound.
+* ``stash_bytes`` / ``stash_whole_bytes``: distinct storages saved for backward during the
+  forward (observed with ``torch.autograd.graph.saved_tensors_hooks``), the layer's own
+  parameters excluded, split like the output into the per-sample part and the whole part (a
+  saved tensor whole by ``sample_rows``, or a view of a whole input: ``profile/stash.py``).
+  A tensor saved by two consecutive layers (one's output is the next one's input) is
+  counted in both, so the sum over layers is an upper bound;
+* the model's ``input_bytes`` / ``input_whole_bytes``: the sample input split the same way.
 
 The cotangent fed to the backward is a fixed random tensor of the output's shape, so runs
 are comparable. Layers are profiled in their current train/eval mode; buffers (e.g.
@@ -58,13 +61,13 @@ from torch import nn
 
 from lightning_dapple.errors import DappleConfigError, require
 from lightning_dapple.profile.model_profile import LayerProfile, ModelProfile, profile_from_dict
-from lightning_dapple.profile.sample_rows import batch_rows, split_bytes
-from lightning_dapple.profile.stash import StashMeter, parameter_storages
+from lightning_dapple.profile.sample_rows import batch_rows, is_whole, split_bytes
+from lightning_dapple.profile.stash import StashMeter, parameter_storages, whole_input_storages
 from lightning_dapple.profile.ties import first_use_param_bytes, tied_params_records, tied_parameters
 
 __all__ = ["profile_layers", "tensor_bytes", "iter_tensors", "map_tensors"]
 
-_CACHE_VERSION = 2
+_CACHE_VERSION = 3  # 3: stash and input split into per-sample and whole parts
 _CONVENTION_FIX = (
     "each layer is called as layer(x) with x exactly what the previous layer returned "
     "(one positional argument: a tensor, tuple or dict, never unpacked); make the layers accept that"
@@ -248,11 +251,11 @@ def _measure_layer(
 
     # Stash: tensors saved for backward during one forward, the layer's parameters
     # excluded, by the rule the executor uses too (profile/stash.py).
-    meter = StashMeter(param_storages_ptrs)
+    whole_inputs = whole_input_storages([t for t in iter_tensors(x) if is_whole(t.shape, rows)], param_storages_ptrs)
+    meter = StashMeter(param_storages_ptrs, rows=rows, whole_inputs=whole_inputs)
     xg, _ = grad_input()
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
         out = _call(layer, index, xg, autocast)
-    stash_bytes = meter.bytes
     output_bytes, output_whole_bytes = split_bytes(iter_tensors(out), rows)
     differentiable = [t for t in iter_tensors(out) if t.requires_grad]
     generator = torch.Generator(device="cpu").manual_seed(1234 + index)
@@ -297,10 +300,11 @@ def _measure_layer(
         backward_ms=statistics.median(backward),
         output_bytes=float(output_bytes),
         param_bytes=float(param_bytes),
-        stash_bytes=float(stash_bytes),
+        stash_bytes=float(meter.per_sample_bytes),
         backward_input_ms=statistics.median(backward_in),
         backward_weight_ms=statistics.median(backward_w),
         output_whole_bytes=float(output_whole_bytes),
+        stash_whole_bytes=float(meter.whole_bytes),
     )
     return profile, next_input
 
@@ -345,19 +349,21 @@ def profile_layers(
             return cached
     results = _measure_layers(layer_list, labels, sample_input, dev, repeats, warmup, autocast_dtype, batch)
     owned = first_use_param_bytes(layer_list)  # a tied parameter counts in its first layer
+    input_bytes, input_whole_bytes = split_bytes(iter_tensors(sample_input), batch)
     result = ModelProfile(
         micro_batch_size=batch,
         layers=tuple(replace(layer, param_bytes=size) for layer, size in zip(results, owned)),
         tied=tied_params_records(tied_parameters(layer_list)),
         device=str(dev),
         name=name,
-        input_bytes=float(tensor_bytes(sample_input)),
+        input_bytes=float(input_bytes),
+        input_whole_bytes=float(input_whole_bytes),
         meta={
             "source": "lightning_dapple.profile.profiler",
             "repeats": repeats,
             "warmup": warmup,
             "calling_convention": "layer(x), x = previous layer's output as one argument",
-            "stash_bytes": "storages saved for backward (saved_tensors_hooks), parameters excluded",
+            "stash_bytes": "storages saved for backward (saved_tensors_hooks), parameters excluded; the whole part in stash_whole_bytes",
             **({"autocast": str(autocast_dtype)} if autocast_dtype is not None else {}),
         },
     )
@@ -396,15 +402,7 @@ def _cached_profile(cache_file: Path, name: str) -> ModelProfile | None:
         cached = profile_from_dict(json.loads(cache_file.read_text()), source=f"cache {cache_file.name}")
     except (DappleConfigError, json.JSONDecodeError, OSError):
         return None
-    return ModelProfile(
-        micro_batch_size=cached.micro_batch_size,
-        layers=cached.layers,
-        device=cached.device,
-        name=name,
-        input_bytes=cached.input_bytes,
-        meta={**cached.meta, "cache": "hit"},
-        tied=cached.tied,
-    )
+    return replace(cached, name=name, meta={**cached.meta, "cache": "hit"})
 
 
 def _measure_layers(

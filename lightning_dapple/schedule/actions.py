@@ -1,9 +1,12 @@
 """Schedules as per-stage action lists, shared by the simulator and the executor.
 
 Like ``torch.distributed.pipelining``'s schedules, a schedule is data: for every stage an
-ordered list of actions. Compute actions are F (forward of one micro-batch), B (backward;
-with out-of-order backprop only the input-gradient half, ooo-backprop sec. 3) and W (the
-deferred weight-gradient half). Communication actions move a micro-batch boundary between
+ordered list of actions. Compute actions are F (forward of one micro-batch), B (its full
+backward: input and weight gradients), I (the input-gradient half only, ooo-backprop sec. 3:
+the gradient the previous stage waits for) and W (the deferred weight-gradient half of a
+micro-batch whose backward was an I). As in ``torch.distributed.pipelining``
+(``FULL_BACKWARD``, ``BACKWARD_INPUT``, ``BACKWARD_WEIGHT``) the kind says which: the
+schedule builder decides it once, and the simulator and the executor only read it. Communication actions move a micro-batch boundary between
 adjacent stages (DAPPLE 5.2.2 split-concat when their widths differ). ALLREDUCE syncs the
 stage's gradients among its replicas once its last backward is done (DAPPLE 5.2.3).
 
@@ -20,12 +23,16 @@ micro-batch.
 
 Text form. ``Action.text`` writes an action the way ``torch.distributed.pipelining``
 prints its schedules -- stage, kind token, micro-batch -- so a schedule can be read,
-diffed and typed by hand: ``1F0`` (stage 1, forward of micro-batch 0), ``1B0``, ``1W0``,
+diffed and typed by hand: ``1F0`` (stage 1, forward of micro-batch 0), ``1B0``, ``1I0``, ``1W0``,
 ``0SEND_F0`` / ``1RECV_F0`` (the activation of micro-batch 0 crossing boundary 0),
 ``1SEND_B0`` / ``0RECV_B0`` (its gradient coming back), ``0ALLREDUCE``, and a ``[lo:hi]``
 suffix for ``layers`` (``0W3[2:4]``, ``0ALLREDUCE[0:2]``). The grammar is
 ``<stage><KIND>[<microbatch>][[<lo>:<hi>]]``; ``Action.parse`` inverts it exactly and
 ``format_actions`` / ``parse_actions`` do the same for whole schedules, one line per stage.
+
+``Schedule`` bundles the per-stage lists with what every consumer reads beside them (K_i,
+recomputation modes, in-flight caps), and ``stash_walk`` is the memory rule of any such list;
+both serve every builder (``builders.py``, ``ooo.py``) and therefore live here.
 """
 from __future__ import annotations
 
@@ -37,7 +44,8 @@ from typing import Sequence
 
 class Kind(str, Enum):
     F = "F"
-    B = "B"
+    B = "B"  # full backward: input and weight gradients
+    I = "I"  # noqa: E741 -- input-gradient backward only; the micro-batch's W actions follow
     W = "W"
     RECV_ACT = "recv_act"
     SEND_ACT = "send_act"
@@ -47,7 +55,17 @@ class Kind(str, Enum):
 
     @property
     def is_compute(self) -> bool:
-        return self in (Kind.F, Kind.B, Kind.W)
+        return self in (Kind.F, Kind.B, Kind.I, Kind.W)
+
+    @property
+    def is_backward(self) -> bool:
+        """B or I: the action that consumes the output gradient and sends the input gradient."""
+        return self in (Kind.B, Kind.I)
+
+    @property
+    def block(self) -> str:
+        """The timeline block a compute action draws: both backwards are a ``B`` block."""
+        return "B" if self.is_backward else self.value
 
 
 @dataclass(frozen=True)
@@ -95,6 +113,7 @@ class Action:
 TOKENS: dict[Kind, str] = {
     Kind.F: "F",
     Kind.B: "B",
+    Kind.I: "I",
     Kind.W: "W",
     Kind.RECV_ACT: "RECV_F",
     Kind.SEND_ACT: "SEND_F",
@@ -131,3 +150,107 @@ def format_actions(actions_by_stage: Sequence[Sequence[Action]], compute_only: b
 def parse_actions(text: str) -> tuple[tuple[Action, ...], ...]:
     """The per-stage lists ``format_actions`` wrote as ``text`` (blank lines are skipped)."""
     return tuple(tuple(Action.parse(token) for token in line.split()) for line in text.splitlines() if line.strip())
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """An action list per stage; ``warmups`` are the K_i the lists were built with."""
+
+    name: str
+    num_stages: int
+    micro_batches: int
+    warmups: tuple[int, ...]
+    actions: tuple[tuple[Action, ...], ...]
+    # per stage: "never", "always" or "except_last" (empty: never everywhere)
+    recompute: tuple[str, ...] = ()
+    # out-of-order backprop: max micro-batches a stage holds (F done, W not done), and
+    # Algorithm 2's k used for the per-layer ending phase of replicated stages
+    in_flight_caps: tuple[int, ...] = ()
+    first_k: int | None = None
+
+    def compute(self, stage: int) -> list[Action]:
+        return [action for action in self.actions[stage] if action.kind.is_compute]
+
+    def describe(self, stage: int) -> str:
+        return " ".join(a.label for a in self.compute(stage))
+
+    def splits(self, stage: int) -> bool:
+        """Whether the stage defers weight gradients of some micro-batch (lists an I)."""
+        return any(action.kind is Kind.I for action in self.actions[stage])
+
+    def recompute_mode(self, stage: int) -> str:
+        return self.recompute[stage] if stage < len(self.recompute) else "never"
+
+    def recomputed(self, stage: int) -> frozenset[int]:
+        """Micro-batches whose stage forward is recomputed before their backward.
+
+        ``always``: all. ``except_last``: all but those whose backward comes before any
+        other forward on the stage -- the micro-batch last in flight (torchgpipe's
+        'except_last'; under GPipe only micro-batch M-1, under early backward also every
+        micro-batch of a stage with K_i = 1), whose recomputation would save no memory.
+        """
+        mode = self.recompute_mode(stage)
+        if mode == "never":
+            return frozenset()
+        every = range(self.micro_batches)
+        if mode == "always":
+            return frozenset(every)
+        kept: set[int] = set()
+        last_forward: int | None = None
+        for action in self.compute(stage):
+            if action.kind is Kind.F:
+                last_forward = action.microbatch
+            elif action.kind.is_backward and action.microbatch == last_forward:
+                kept.add(action.microbatch)
+        return frozenset(mb for mb in every if mb not in kept)
+
+
+def stash_walk(
+    compute: Sequence[Action],
+    recomputed: frozenset[int] | set[int],
+    stash: float,
+    input_bytes: float = 0.0,
+    wgrad_bytes: float = 0.0,
+) -> tuple[float, int]:
+    """(peak stashed bytes, peak micro-batches in flight) of one stage's compute list.
+
+    The rule the executor measures by (``execute/runner.py``) and the planner estimates by:
+
+    * F of a micro-batch keeps ``stash`` bytes, or only its stage input (``input_bytes``)
+      when the micro-batch is recomputed;
+    * a backward (B or I) of a recomputed micro-batch rebuilds the stash (input + stash
+      held from then on);
+    * B releases the micro-batch; I also keeps the gradients of the layer outputs that its
+      W actions need (``wgrad_bytes``) and the micro-batch is released by its last W.
+
+    Peaks are taken after every step, so the result bounds the stash at any time.
+    """
+    last_w: dict[int, int] = {}
+    for index, action in enumerate(compute):
+        if action.kind is Kind.W and action.microbatch is not None:
+            last_w[action.microbatch] = index
+    held: dict[int, float] = {}
+    peak = 0.0
+    peak_count = 0
+    for index, action in enumerate(compute):
+        mb = action.microbatch
+        if mb is None:
+            continue
+        if action.kind is Kind.F:
+            held[mb] = input_bytes if mb in recomputed else stash
+            peak_count = max(peak_count, len(held))
+        elif action.kind.is_backward:
+            if mb in recomputed:
+                held[mb] = held.get(mb, 0.0) + stash
+                peak = max(peak, sum(held.values()))
+            if action.kind is Kind.I:
+                held[mb] = held.get(mb, 0.0) + wgrad_bytes
+            else:
+                peak = max(peak, sum(held.values()))
+                held.pop(mb, None)
+                continue
+        elif action.kind is Kind.W and last_w.get(mb) == index:
+            held.pop(mb, None)
+            continue
+        peak = max(peak, sum(held.values()))
+    return peak, peak_count

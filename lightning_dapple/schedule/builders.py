@@ -16,62 +16,11 @@ the simulator (extra forward before a recomputed backward) and the executor read
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Sequence
 
 from lightning_dapple.errors import require
 from lightning_dapple.plan.warmup import warmup_counts
-from lightning_dapple.schedule.actions import Action, Kind
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """An action list per stage; ``warmups`` are the K_i the lists were built with."""
-
-    name: str
-    num_stages: int
-    micro_batches: int
-    warmups: tuple[int, ...]
-    actions: tuple[tuple[Action, ...], ...]
-    split_backward: bool = False
-    # per stage: "never", "always" or "except_last" (empty: never everywhere)
-    recompute: tuple[str, ...] = ()
-    # out-of-order backprop: max micro-batches a stage holds (F done, W not done), and
-    # Algorithm 2's k used for the per-layer ending phase of replicated stages
-    in_flight_caps: tuple[int, ...] = ()
-    first_k: int | None = None
-
-    def compute(self, stage: int) -> list[Action]:
-        return [action for action in self.actions[stage] if action.kind.is_compute]
-
-    def describe(self, stage: int) -> str:
-        return " ".join(a.label for a in self.compute(stage))
-
-    def recompute_mode(self, stage: int) -> str:
-        return self.recompute[stage] if stage < len(self.recompute) else "never"
-
-    def recomputed(self, stage: int) -> frozenset[int]:
-        """Micro-batches whose stage forward is recomputed before their backward.
-
-        ``always``: all. ``except_last``: all but those whose backward comes before any
-        other forward on the stage -- the micro-batch last in flight (torchgpipe's
-        'except_last'; under GPipe only micro-batch M-1, under early backward also every
-        micro-batch of a stage with K_i = 1), whose recomputation would save no memory.
-        """
-        mode = self.recompute_mode(stage)
-        if mode == "never":
-            return frozenset()
-        every = range(self.micro_batches)
-        if mode == "always":
-            return frozenset(every)
-        kept: set[int] = set()
-        last_forward: int | None = None
-        for action in self.compute(stage):
-            if action.kind is Kind.F:
-                last_forward = action.microbatch
-            elif action.kind is Kind.B and action.microbatch == last_forward:
-                kept.add(action.microbatch)
-        return frozenset(mb for mb in every if mb not in kept)
+from lightning_dapple.schedule.actions import Action, Kind, Schedule
 
 
 def compute_order(name: str, stage: int, num_stages: int, micro_batches: int, warmup: int) -> list[Action]:
@@ -103,7 +52,7 @@ def with_communication(order: Sequence[Action], stage: int, num_stages: int) -> 
             actions.append(action)
             if not last:
                 actions.append(Action(Kind.SEND_ACT, stage, action.microbatch))
-        elif action.kind is Kind.B:
+        elif action.kind.is_backward:
             if not last:
                 actions.append(Action(Kind.RECV_GRAD, stage, action.microbatch))
             actions.append(action)

@@ -1,13 +1,16 @@
 """Out-of-order backprop schedules: where the deferred weight-gradient work (W) goes.
 
-ooo-backprop (sec. 3) splits a layer's backward into the output-gradient work dO (our B:
+ooo-backprop (sec. 3) splits a layer's backward into the output-gradient work dO (our I:
 the gradient with respect to the stage input, which the previous stage waits for) and
 the weight-gradient work dW (our W, needed only by the optimizer). *Gradient
-fast-forwarding* (sec. 5.2) runs every B first and sends its result upstream at once, so
-the previous stage starts its own backward while this stage still owes W.
+fast-forwarding* (sec. 5.2) runs every I first and sends its result upstream at once, so
+the previous stage starts its own backward while this stage still owes W. The builder
+decides per stage which backward it runs: I (followed by W) where the stage's cap is 0 or
+more, the full B where it is -1; nothing downstream decides it again.
 
 Placement (``ooo_compute_orders``). The F/B order of the base schedule (DAPPLE early
-backward or GPipe) is kept exactly; W actions are inserted by a list scheduler that plays
+backward or GPipe) is kept exactly (its B becoming I on a splitting stage); W actions are
+inserted by a list scheduler that plays
 the pipeline with unit costs (F = B = W = 1, free transfers):
 
 * when the stage's next F or B can start (its input or gradient has arrived) it runs;
@@ -19,7 +22,7 @@ the pipeline with unit costs (F = B = W = 1, free transfers):
   (K_0): every stage may hold as many micro-batches as the most loaded stage already
   does, so for balanced stages the peak over devices is that of DAPPLE without ooo (the
   same argument as the zero-bubble "H1" schedule). A planner that knows the memory of
-  each device lowers caps (``plan.extra["ooo_in_flight"]``, down to K_i); a cap of 0
+  each device lowers caps (``plan.ooo_in_flight``, down to K_i); a cap of 0
   defers nothing on that stage: each W runs right after its B (the gradient still leaves
   first), which keeps no layer-output gradients across other work; a cap of -1 does not
   split that stage's backward at all (plain B, no W, nothing extra kept);
@@ -54,8 +57,8 @@ from typing import Sequence
 from lightning_dapple.errors import require
 from lightning_dapple.plan.buckets import BUCKET_BYTES, bucket_layers
 from lightning_dapple.plan.warmup import warmup_counts
-from lightning_dapple.schedule.actions import Action, Kind
-from lightning_dapple.schedule.builders import Schedule, compute_order, with_communication
+from lightning_dapple.schedule.actions import Action, Kind, Schedule
+from lightning_dapple.schedule.builders import compute_order, with_communication
 
 __all__ = [
     "build_ooo_schedule",
@@ -63,7 +66,6 @@ __all__ = [
     "ending_buckets",
     "ending_order",
     "ooo_compute_orders",
-    "stash_walk",
 ]
 
 
@@ -105,7 +107,8 @@ class _WPlacement:
     a B for its gradient from the stage after. A stage with deferred W work runs one W
     whenever its next F/B would have to wait (the bubble it fills, ooo-backprop sec. 3) or
     when it already holds its cap of micro-batches; cap 0 runs each W right after its B,
-    cap -1 does not split the backward. Stages decide in clock order, so the placement is
+    cap -1 does not split the backward (the stage keeps full B actions; every other stage's
+    B is emitted as I). Stages decide in clock order, so the placement is
     the one the simulator's timing of unit costs would produce.
     """
 
@@ -148,7 +151,8 @@ class _WPlacement:
     def _run(self, s: int, action: Action, start: float) -> None:
         mb = action.microbatch
         assert mb is not None
-        self.out[s].append(action)
+        split = action.kind is Kind.B and not self.whole[s]  # its weight gradients go to W actions
+        self.out[s].append(Action(Kind.I, s, mb) if split else action)
         self.pc[s] += 1
         self.clock[s] = start + 1.0
         if action.kind is Kind.F:
@@ -312,59 +316,7 @@ def build_ooo_schedule(
         micro_batches,
         tuple(warmups),
         tuple(lists),
-        split_backward=True,
         recompute=tuple(recompute) if recompute is not None else (),
         in_flight_caps=tuple(caps),
         first_k=first_k,
     )
-
-
-def stash_walk(
-    compute: Sequence[Action],
-    recomputed: frozenset[int] | set[int],
-    stash: float,
-    input_bytes: float = 0.0,
-    wgrad_bytes: float = 0.0,
-) -> tuple[float, int]:
-    """(peak stashed bytes, peak micro-batches in flight) of one stage's compute list.
-
-    The rule the executor measures by (``execute/runner.py``) and the planner estimates by:
-
-    * F of a micro-batch keeps ``stash`` bytes, or only its stage input (``input_bytes``)
-      when the micro-batch is recomputed;
-    * B of a recomputed micro-batch rebuilds the stash (input + stash held from then on);
-    * when a W follows later, B also keeps the gradients of the layer outputs that W
-      needs (``wgrad_bytes``) and the micro-batch is released by its (last) W, otherwise
-      by its B.
-
-    Peaks are taken after every step, so the result bounds the stash at any time.
-    """
-    last_w: dict[int, int] = {}
-    for index, action in enumerate(compute):
-        if action.kind is Kind.W and action.microbatch is not None:
-            last_w[action.microbatch] = index
-    held: dict[int, float] = {}
-    peak = 0.0
-    peak_count = 0
-    for index, action in enumerate(compute):
-        mb = action.microbatch
-        if mb is None:
-            continue
-        if action.kind is Kind.F:
-            held[mb] = input_bytes if mb in recomputed else stash
-            peak_count = max(peak_count, len(held))
-        elif action.kind is Kind.B:
-            if mb in recomputed:
-                held[mb] = held.get(mb, 0.0) + stash
-                peak = max(peak, sum(held.values()))
-            if mb in last_w:
-                held[mb] = held.get(mb, 0.0) + wgrad_bytes
-            else:
-                peak = max(peak, sum(held.values()))
-                held.pop(mb, None)
-                continue
-        elif action.kind is Kind.W and last_w.get(mb) == index:
-            held.pop(mb, None)
-            continue
-        peak = max(peak, sum(held.values()))
-    return peak, peak_count

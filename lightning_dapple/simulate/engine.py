@@ -14,17 +14,18 @@ DAPPLE 5.2.2, so a stage is simulated once and its timeline copied to each of it
 
 * a stage executes its action list strictly in order; compute actions (F, B, W) and
   ALLREDUCE occupy the stage, nothing else does;
-* F(mb) on stage s > 0 cannot start before the activation of mb has arrived; B(mb) on a
-  stage s < S-1 cannot start before the gradient of mb has arrived from stage s+1.
+* F(mb) on stage s > 0 cannot start before the activation of mb has arrived; a backward
+  B(mb) or I(mb) on a stage s < S-1 cannot start before the gradient of mb has arrived
+  from stage s+1.
   RECV_ACT / RECV_GRAD block the stage until that arrival, and so does the compute itself;
 * SEND_ACT / SEND_GRAD are asynchronous: they issue a transfer at the stage's current time
   and never block the sender. Each boundary has one link per direction that carries one
   transfer at a time, first come first served in issue order; a boundary-s transfer takes
   ``costs[s].send_ms`` in either direction. Transfers therefore overlap compute but not
   each other on the same link;
-* B takes ``backward_ms``; on a stage that splits backward (it has W actions: out-of-order
-  backprop, ooo-backprop sec. 3; or ``split_backward`` on a schedule without any W) B takes
-  ``backward_input_ms`` and W ``backward_weight_ms``;
+* B (the full backward) takes ``backward_ms``; I (its input-gradient half, out-of-order
+  backprop, ooo-backprop sec. 3) takes ``backward_input_ms`` and W ``backward_weight_ms``.
+  The kind is the schedule builder's decision; it is drawn as a "B" block either way;
 * ALLREDUCE syncs the stage's gradients in buckets (``StageCost.allreduce_buckets``, the
   buckets of ``plan.buckets``): each starts when the stage's last compute action (the last
   micro-batch's backward) has passed the bucket's layers and the previous bucket is done,
@@ -63,8 +64,7 @@ from typing import Any, Iterator, NamedTuple, Sequence
 from lightning_dapple.errors import DappleConfigError, require
 from lightning_dapple.plan.costs import StageCost
 from lightning_dapple.schedule.actions import Action, Kind
-from lightning_dapple.schedule.builders import Schedule
-from lightning_dapple.schedule.ooo import stash_walk
+from lightning_dapple.schedule.actions import Schedule, stash_walk
 
 __all__ = [
     "ScheduleDeadlock",
@@ -108,7 +108,7 @@ class StageResult:
     ``peak_stash_bytes`` is that count times the stash of one micro-batch slice (the
     activation term of DAPPLE 5.3's memory bound: K_i slices under early backward, M under
     GPipe); when the stage recomputes or defers W it is the peak of
-    ``schedule.ooo.stash_walk`` (stage input only for recomputed micro-batches, stash plus
+    ``schedule.actions.stash_walk`` (stage input only for recomputed micro-batches, stash plus
     kept gradients while a W is pending), the rule the executor measures by.
     """
 
@@ -237,6 +237,9 @@ def _schedule_problems(s: int, actions: Sequence[Action], micro_batches: int, nu
     (the messages are built only for those: a long schedule has tens of thousands of actions)."""
     seen_buckets: set[tuple[int, int] | None] = set()
     seen: set[tuple[Kind, int | None, tuple[int, int] | None]] = set()
+    weight = {a.microbatch for a in actions if a.kind is Kind.W}
+    input_only = {a.microbatch for a in actions if a.kind is Kind.I}
+    backward: set[int | None] = set()
     for action in actions:
         if action.stage != s:
             yield action, f"belongs to stage {action.stage}", "put each action in its own stage's list"
@@ -251,10 +254,27 @@ def _schedule_problems(s: int, actions: Sequence[Action], micro_batches: int, nu
         if key in seen:
             yield action, "appears twice", "list each action once per stage"
         seen.add(key)
+        yield from _backward_problems(action, weight, input_only, backward)
         no_prev = s == 0 and action.kind in (Kind.RECV_ACT, Kind.SEND_GRAD)
         no_next = s == num_stages - 1 and action.kind in (Kind.SEND_ACT, Kind.RECV_GRAD)
         if no_prev or no_next:
             yield action, "has no neighbouring stage to talk to", "drop it from the first/last stage's list"
+
+
+def _backward_problems(
+    action: Action, weight: set[int | None], input_only: set[int | None], backward: set[int | None]
+) -> Iterator[tuple[Action, str, str]]:
+    """An I needs W actions for its weight gradients, a W an I before it; one backward per
+    micro-batch (``backward`` collects the micro-batches seen so far)."""
+    mb = action.microbatch
+    if action.kind.is_backward:
+        if mb in backward:
+            yield action, f"is a second backward of micro-batch {mb}", "give each micro-batch one B or one I"
+        backward.add(mb)
+    if action.kind is Kind.I and mb not in weight:
+        yield action, f"leaves the weight gradients of micro-batch {mb} to W actions the stage does not list", f"list W{mb} after it, or make it a full backward B"
+    if action.kind is Kind.W and mb not in input_only:
+        yield action, f"computes weight gradients that the backward of micro-batch {mb} already computed", f"make that backward I{mb} (input gradients only) or drop the W"
 
 
 def simulate(
@@ -286,7 +306,13 @@ def _device_groups(num_stages: int, devices: Sequence[Sequence[int]] | None) -> 
 
 
 # the stage's own action an action needs to have run first
-_NEEDS = {Kind.B: Kind.F, Kind.W: Kind.B, Kind.SEND_ACT: Kind.F, Kind.SEND_GRAD: Kind.B}
+_NEEDS = {
+    Kind.B: (Kind.F,),
+    Kind.I: (Kind.F,),
+    Kind.W: (Kind.I,),
+    Kind.SEND_ACT: (Kind.F,),
+    Kind.SEND_GRAD: (Kind.B, Kind.I),
+}
 
 
 class _Run:
@@ -296,11 +322,7 @@ class _Run:
         self.schedule = schedule
         self.costs = costs
         n = self.num_stages = schedule.num_stages
-        # a stage splits its backward when it has W actions (a schedule without any W splits
-        # everywhere when it says so: hand-made lists that charge B its input half only)
         kinds = [{a.kind for a in acts} for acts in schedule.actions]  # the kinds each stage lists
-        any_w = any(Kind.W in listed for listed in kinds)
-        self.splits = [Kind.W in listed or (schedule.split_backward and not any_w) for listed in kinds]
         self.implicit = not any(kind in listed for listed in kinds for kind in _COMM_KINDS)
         self.stages = [_Stage(s, schedule.actions[s]) for s in range(n)]
         self.act_links = [_Link(f"{s}->{s + 1}", costs[s].send_ms) for s in range(n - 1)]
@@ -325,7 +347,7 @@ class _Run:
         start = max(st.clock, ready)
         st.clock = start + duration
         st.done[(kind, mb)] = st.clock
-        st.spans.append(Span(start, st.clock, kind.value, mb))
+        st.spans.append(Span(start, st.clock, kind.block, mb))
 
     @staticmethod
     def part_ms(per_layer: tuple[float, ...], whole: float, layers: tuple[int, int], parts: int) -> float:
@@ -361,7 +383,7 @@ class _Run:
                 st.blocked_on = f"the activation of micro-batch {mb} from stage {s - 1}"
                 return None
             return self.act_arrival[s][mb]
-        if kind in (Kind.RECV_GRAD, Kind.B) and s < self.num_stages - 1:
+        if (kind is Kind.RECV_GRAD or kind.is_backward) and s < self.num_stages - 1:
             if mb not in self.grad_arrival[s]:
                 st.blocked_on = f"the gradient of micro-batch {mb} from stage {s + 1}"
                 return None
@@ -379,8 +401,8 @@ class _Run:
         if arrival is None:
             return False
         needs = _NEEDS.get(kind)
-        if needs is not None and (needs, mb) not in st.done:
-            st.blocked_on = f"its own {needs.value}{mb}, which is not before it in stage {s}'s list"
+        if needs is not None and not any((need, mb) in st.done for need in needs):
+            st.blocked_on = f"its own {' or '.join(f'{need.value}{mb}' for need in needs)}, which is not before it in stage {s}'s list"
             return False
         self.execute(st, action, mb, arrival)
         return True
@@ -394,9 +416,9 @@ class _Run:
             self.compute(st, kind, mb, cost.forward_ms, arrival)
             if self.implicit and s < self.num_stages - 1:
                 self.send_act(s, mb, st.clock)
-        elif kind is Kind.B:
+        elif kind.is_backward:
             extra = cost.recompute_ms if mb in self.recomputed[s] else 0.0
-            self.compute(st, kind, mb, (cost.backward_input_ms if self.splits[s] else cost.backward_ms) + extra, arrival)
+            self.compute(st, kind, mb, (cost.backward_input_ms if kind is Kind.I else cost.backward_ms) + extra, arrival)
             if self.implicit and s > 0:
                 self.send_grad(s, mb, st.clock)
         elif kind is Kind.W and action.layers is not None:

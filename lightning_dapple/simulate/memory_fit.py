@@ -5,7 +5,7 @@ what the memory/time trade-offs of this issue add, by pricing the *exact action 
 executor will run (``schedule_for_plan``) with the shared cost model:
 
 * memory per device = weights + gradients + optimizer state (``stage_memory_bytes``'s
-  first term) + the peak of the schedule's stash walk (``schedule.ooo.stash_walk``: full
+  first term) + the peak of the schedule's stash walk (``schedule.actions.stash_walk``: full
   stash for held micro-batches, only the stage input for recomputed ones, stash plus the
   layer-output gradients for micro-batches whose W is deferred);
 * ``recompute="auto"``: every stage starts at ``never`` with the default deferral cap; a
@@ -24,7 +24,7 @@ executor will run (``schedule_for_plan``) with the shared cost model:
   bucket earliest, so no other k can shorten the step and none is searched for.
 
 The result records each stage's choice in ``stages[i].recompute``, the caps in
-``extra["ooo_in_flight"]`` and the explanation in ``extra["memory"]`` and ``reason``.
+``ooo_in_flight`` and the explanation in ``extra["memory"]`` and ``reason``.
 """
 from __future__ import annotations
 
@@ -48,12 +48,8 @@ GIB = 1024.0**3
 
 def _with(plan: Plan, modes: Sequence[str], caps: Sequence[int] | None) -> Plan:
     stages = tuple(replace(stage, recompute=mode) for stage, mode in zip(plan.stages, modes))
-    extra = dict(plan.extra)
-    if caps is not None:
-        extra["ooo_in_flight"] = [int(c) for c in caps]
-    else:
-        extra.pop("ooo_in_flight", None)
-    return replace(plan, stages=stages, extra=extra)
+    in_flight = tuple(int(c) for c in caps) if caps is not None else None
+    return replace(plan, stages=stages, ooo_in_flight=in_flight)
 
 
 def apply_ooo_recompute(
@@ -127,7 +123,7 @@ def apply_ooo_recompute(
 
 
 def _explain(plan: Plan, memory: Sequence[float], never: Sequence[float], stashes: Sequence[float], budget: float) -> dict[str, Any]:
-    caps = plan.extra.get("ooo_in_flight")
+    caps = plan.ooo_in_flight
     stages = []
     for index, stage in enumerate(plan.stages):
         entry: dict[str, Any] = {
@@ -147,7 +143,7 @@ def _reason_text(
     plan: Plan, requested: Sequence[str], top: Sequence[int], memory: Sequence[float], never: Sequence[float], budget: float
 ) -> str:
     """Why stages recompute or defer less than the default, in one sentence per stage."""
-    caps = plan.extra.get("ooo_in_flight") if plan.ooo else None
+    caps = plan.ooo_in_flight if plan.ooo else None
     parts = []
     for index, stage in enumerate(plan.stages):
         words = []

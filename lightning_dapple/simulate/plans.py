@@ -25,8 +25,9 @@ from lightning_dapple.plan.options import with_weight_split
 from lightning_dapple.plan.pipedream_planner import plan_pipedream
 from lightning_dapple.plan.plan import Plan
 from lightning_dapple.profile.model_profile import ModelProfile
-from lightning_dapple.schedule.builders import Schedule, build_schedule
-from lightning_dapple.schedule.ooo import build_ooo_schedule, stash_walk
+from lightning_dapple.schedule.actions import Schedule, stash_walk
+from lightning_dapple.schedule.builders import build_schedule
+from lightning_dapple.schedule.ooo import build_ooo_schedule
 from lightning_dapple.simulate.engine import SimulationResult, simulate
 
 __all__ = ["PLANNERS", "check_plan_fits", "make_plan", "schedule_for_plan", "simulate_plan", "stage_memory"]
@@ -38,7 +39,7 @@ def schedule_for_plan(plan: Plan, profile: ModelProfile | None = None, bucket_by
     """The schedule a plan asks for, with its K_i filled by its policy when missing.
 
     ``plan.ooo`` adds deferred W actions (``schedule.ooo.build_ooo_schedule``: caps from
-    ``plan.extra["ooo_in_flight"]`` when the planner set them, k from ``plan.first_k``);
+    ``plan.ooo_in_flight`` when the planner set them, k from ``plan.first_k``);
     each stage's ``recompute`` mode is carried along either way. With the model's
     ``profile`` a replicated stage's ALLREDUCE actions are the gradient buckets of
     ``plan.buckets.bucket_layers`` (of ``bucket_bytes``, default ``BUCKET_BYTES``), the
@@ -49,14 +50,13 @@ def schedule_for_plan(plan: Plan, profile: ModelProfile | None = None, bucket_by
     plan = plan.with_warmups()
     modes = tuple(stage.recompute for stage in plan.stages)
     if plan.ooo:
-        caps = plan.extra.get("ooo_in_flight") if isinstance(plan.extra, dict) else None
         sizes = synced_layer_bytes(profile, plan.stages) if profile is not None else None
         return build_ooo_schedule(
             plan.schedule,
             plan.num_stages,
             plan.micro_batches,
             plan.warmups,
-            caps=caps,
+            caps=plan.ooo_in_flight,
             layer_counts=[stage.end - stage.start for stage in plan.stages],
             replicated=[stage.replicas > 1 for stage in plan.stages],
             first_k=plan.first_k,

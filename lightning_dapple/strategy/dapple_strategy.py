@@ -63,7 +63,6 @@ from lightning_dapple.execute.groups import PlanGroups, build_groups
 from lightning_dapple.execute.runner import StageRunner
 from lightning_dapple.execute.shutdown import destroy_groups_at_exit
 from lightning_dapple.execute.slicing import batch_size_of, take_rows
-from lightning_dapple.execute.tied import build_tied_sync, tied_groups
 from lightning_dapple.execute.topology import report_placement
 from lightning_dapple.execute.wires import WIRES, choose_wire
 from lightning_dapple.plan.console import make_console, render_text
@@ -71,7 +70,6 @@ from lightning_dapple.plan.explain import plan_summary, plan_table
 from lightning_dapple.plan.plan import Plan, PlanShape, StagePlan, atomic_write_text, load_plan_or_shape, plan_or_shape_from_dict
 from lightning_dapple.profile.ties import TiedParameter, tied_parameters
 from lightning_dapple.profile.traced_layers import TracedLayers
-from lightning_dapple.simulate.plans import schedule_for_plan
 from lightning_dapple.strategy import checkpoint as ckpt
 from lightning_dapple.strategy.auto_plan import PlanningContext, PlanningInputs, auto_plan
 from lightning_dapple.strategy.batch_guard import check_training_batch, check_training_loss
@@ -530,22 +528,20 @@ class DappleStrategy(DDPStrategy):
         self._layer_container = container
         self._close_runner()
         self.failure = FailureChannel(self.global_rank, timeout_s=self.timeout_s)
-        self.groups = build_groups(plan)
-        tie_groups = tied_groups(plan, self._ties)  # a collective: every rank makes every group
+        self.groups = build_groups(plan)  # a collective; BatchNorm's statistics use the replica groups
         self._convert_batchnorm(module, container, stage)
         local = [container[i] for i in range(stage.start, stage.end)]
-        self.runner = StageRunner(
+        self.runner = StageRunner.for_plan(  # collectives: every rank makes every group
             plan,
-            schedule_for_plan(plan),
             self.global_rank,
             local,
             self.root_device,
             self.failure,
-            self.groups,
-            self.loss_reduction,
+            groups=self.groups,
+            ties=self._ties,
+            loss_reduction=self.loss_reduction,
             forward_context=self._forward_context(),
             wire=self.wire,
-            tied=build_tied_sync(plan, self._ties, self.global_rank, local, tie_groups, self.failure),
         )
 
     def _convert_batchnorm(self, module: LightningModule, container: nn.Module, stage: StagePlan) -> None:

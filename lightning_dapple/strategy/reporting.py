@@ -39,10 +39,9 @@ from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcess
 from torch.multiprocessing import ProcessRaisedException
 from typing_extensions import override
 
-from lightning_dapple.errors import DappleConfigError
+from lightning_dapple.errors import DEBUG_ENV, DappleConfigError, debugging
 from lightning_dapple.execute.failure import FAILURE_KEY, TICKET_KEY, PeerFailedError
 
-DEBUG_ENV = "DAPPLE_DEBUG"
 PREFIX = "lightning_dapple: error:"
 HINT = f"(set {DEBUG_ENV}=1 for tracebacks)"
 SEEN_KEY = "lightning_dapple/failure_seen"  # how many peers have seen the published failure
@@ -53,10 +52,6 @@ __all__ = ["DEBUG_ENV", "DappleRunError", "OneLineLauncher", "failure_known", "i
 
 class DappleRunError(RuntimeError):
     """A rank of a pipelined run failed; the message is that rank's error on one line."""
-
-
-def debugging() -> bool:
-    return os.environ.get(DEBUG_ENV, "").strip() not in ("", "0", "false", "False")
 
 
 def one_line(exc: BaseException) -> str:
