@@ -18,8 +18,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dapple.execute.batchnorm import convert_batchnorm
+from dist_harness import GroupsPerLayout
 from lightning_dapple.execute.failure import FailureChannel
-from lightning_dapple.execute.groups import build_groups
 from lightning_dapple.execute.runner import StageRunner
 from lightning_dapple.execute.slicing import microbatch_rows, slice_rows
 from lightning_dapple.plan.plan import plan_from_dict
@@ -83,14 +83,11 @@ class EvalCallbacks:
 def run_cases(rank: int, world: int, cases: list[tuple[str, dict]]) -> list[dict | None]:
     """Per case: this rank's stage, replica, layer states after training and evaluation output."""
     failure = FailureChannel(rank, timeout_s=60)
-    made: dict[Any, Any] = {}  # process groups per device layout (every rank builds them in the same order)
+    groups_for = GroupsPerLayout()
     out: list[dict | None] = []
     for mode, plan_data in cases:
         plan = plan_from_dict(plan_data)
-        layout = tuple(stage.devices for stage in plan.stages)
-        if layout not in made:
-            made[layout] = build_groups(plan)
-        groups = made[layout]
+        groups = groups_for(plan)
         if rank >= plan.world_size:
             out.append(None)
             continue

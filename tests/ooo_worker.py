@@ -16,8 +16,8 @@ from torch import nn
 import toy_models
 from equivalence_worker import CLIP, LR, STEPS, Callbacks, make_batch, reference_run
 from lightning_dapple.execute.clipping import clip_grad_norm_global
+from dist_harness import GroupsPerLayout
 from lightning_dapple.execute.failure import FailureChannel
-from lightning_dapple.execute.groups import build_groups
 from lightning_dapple.execute.runner import StageRunner
 from lightning_dapple.plan.plan import plan_from_dict
 
@@ -88,14 +88,11 @@ def run_cases(rank: int, world: int, cases: list[tuple[str, dict]]) -> list[dict
     """``cases``: (model name, full plan dict). Returns per case this rank's result."""
     failure = FailureChannel(rank, timeout_s=60)
     references: dict[str, Any] = {}
-    made: dict[Any, Any] = {}  # process groups per device layout (every rank builds them in the same order)
+    groups_for = GroupsPerLayout()
     out: list[dict | None] = []
     for index, (name, plan_data) in enumerate(cases):
         plan = plan_from_dict(plan_data)
-        layout = tuple(stage.devices for stage in plan.stages)
-        if layout not in made:
-            made[layout] = build_groups(plan)
-        groups = made[layout]
+        groups = groups_for(plan)
         if rank >= plan.world_size:
             out.append(None)
             continue
