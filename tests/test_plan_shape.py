@@ -28,7 +28,7 @@ def test_stages_without_layers_are_a_shape_and_half_given_layers_are_refused() -
     assert isinstance(plan_or_shape_from_dict({**TWO, "stages": [{"layers": [0, 1], "devices": [0]}, {"layers": [1, 3], "devices": [1]}]}), Plan)
     with pytest.raises(DappleConfigError, match=r"stages\[1\].layers: is missing while other stages give theirs"):
         plan_or_shape_from_dict({**TWO, "stages": [{"layers": [0, 1], "devices": [0]}, {"devices": [1]}]})
-    with pytest.raises(DappleConfigError, match="reuses ranks"):
+    with pytest.raises(DappleConfigError, match="runs one stage per device group"):
         plan_or_shape_from_dict({**TWO, "stages": [{"devices": [0]}, {"devices": [0]}]})
     with pytest.raises(DappleConfigError, match="micro_bat"):
         plan_or_shape_from_dict({**TWO, "micro_batch": 2})  # a misspelled key is named, as in plans

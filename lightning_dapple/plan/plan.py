@@ -21,7 +21,9 @@ from typing import Any, Sequence
 from lightning_dapple.errors import DappleConfigError, require
 from lightning_dapple.plan.warmup import warmup_counts
 
-SCHEDULES = ("dapple", "gpipe")
+SCHEDULES = ("dapple", "gpipe", "interleaved", "zbv")
+# schedules that run several stages (chunks) on each device group
+CHUNKED_SCHEDULES = ("interleaved", "zbv")
 POLICIES = ("PA", "PB")
 RECOMPUTE_MODES = ("never", "always", "except_last")
 
@@ -109,7 +111,39 @@ class Plan:
 
     @property
     def world_size(self) -> int:
-        return sum(stage.replicas for stage in self.stages)
+        return sum(len(devices) for devices in self.device_groups)
+
+    @property
+    def device_groups(self) -> tuple[tuple[int, ...], ...]:
+        """The distinct device lists of the stages, in order of first use.
+
+        With one stage per device group (DAPPLE's plans) group g is stage g. Interleaved and
+        V-shaped plans place several stages (chunks, Megatron's virtual stages) on one group:
+        stage k of an interleaved plan on P groups is on group k mod P, and ZB-V's stages
+        0..P-1 then P-1..0 go down and back up the same P groups.
+        """
+        groups: list[tuple[int, ...]] = []
+        for stage in self.stages:
+            if stage.devices not in groups:
+                groups.append(stage.devices)
+        return tuple(groups)
+
+    @property
+    def placement(self) -> tuple[int, ...]:
+        """The device group of each stage (index into ``device_groups``)."""
+        groups = self.device_groups
+        return tuple(groups.index(stage.devices) for stage in self.stages)
+
+    @property
+    def chunks(self) -> int:
+        """Stages per device group (``validate`` makes every group hold the same number)."""
+        return self.num_stages // len(self.device_groups)
+
+    def stages_of_rank(self, rank: int) -> tuple[int, ...]:
+        """The stages ``rank`` runs, in pipeline order (one unless the plan has chunks)."""
+        held = tuple(index for index, stage in enumerate(self.stages) if rank in stage.devices)
+        require(bool(held), "plan.stages[].devices", f"no stage runs on rank {rank}", "list every rank in a stage")
+        return held
 
     @property
     def num_layers(self) -> int:
@@ -126,15 +160,23 @@ class Plan:
         return tuple(int(stage.warmup) for stage in self.stages)  # type: ignore[arg-type]
 
     def stage_of_rank(self, rank: int) -> int:
-        for index, stage in enumerate(self.stages):
-            if rank in stage.devices:
-                return index
-        raise DappleConfigError("plan.stages[].devices", f"no stage runs on rank {rank}", "list every rank in exactly one stage")
+        """The one stage ``rank`` runs; plans with several stages per rank use ``stages_of_rank``."""
+        held = self.stages_of_rank(rank)
+        if len(held) > 1:
+            raise DappleConfigError(
+                "plan.stages[].devices",
+                f"rank {rank} runs stages {list(held)} (a {self.schedule!r} plan with {self.chunks} chunks per device group)",
+                "ask for stages_of_rank(rank) where several stages per rank are supported",
+            )
+        return held[0]
 
     def kind(self) -> str:
         """'DP', 'straight' or 'hybrid': the words of DAPPLE Table 4."""
         if self.num_stages == 1:
             return "DP" if self.stages[0].replicas > 1 else "single"
+        if self.chunks > 1:
+            shape = ":".join(str(len(group)) for group in self.device_groups)
+            return f"{shape} x{self.chunks} chunks"
         if all(stage.replicas == 1 for stage in self.stages):
             return "straight"
         return ":".join(str(stage.replicas) for stage in self.stages)
@@ -172,30 +214,11 @@ class Plan:
             f"global batch {self.global_batch_size} cannot be split into {self.micro_batches} equal micro-batches",
             "choose micro_batches that divides the global batch size",
         )
-        expected_start = 0
         seen: set[int] = set()
         for index, stage in enumerate(self.stages):
-            where = f"plan.stages[{index}]"
-            require(
-                stage.start == expected_start and stage.end > stage.start,
-                f"{where}.layers",
-                f"is [{stage.start}, {stage.end}) but must start at {expected_start} and be non-empty",
-                "make stage layer ranges consecutive, half-open and covering the model",
-            )
-            expected_start = stage.end
-            require(stage.replicas > 0, f"{where}.devices", "is empty", "give each stage at least one rank")
-            duplicate = seen.intersection(stage.devices)
-            require(not duplicate, f"{where}.devices", f"reuses ranks {sorted(duplicate)}", "give each rank to one stage only")
+            self._check_stage(index, seen)
             seen.update(stage.devices)
-            require(
-                self.micro_batch_size >= stage.replicas,
-                f"{where}.devices",
-                f"micro-batch of {self.micro_batch_size} samples cannot be sliced over {stage.replicas} replicas",
-                "use fewer micro-batches or fewer replicas for this stage",
-            )
-            require(stage.recompute in RECOMPUTE_MODES, f"{where}.recompute", f"is {stage.recompute!r}", f"use one of {list(RECOMPUTE_MODES)}")
-            if stage.warmup is not None:
-                require(stage.warmup >= 1, f"{where}.warmup", f"is {stage.warmup}", "use K_i >= 1 or leave it out")
+        self._check_chunks()
         _check_in_flight(self.ooo_in_flight, self.num_stages)
         warmups = [stage.warmup for stage in self.stages]
         if self.schedule == "dapple" and all(k is not None for k in warmups):
@@ -222,6 +245,62 @@ class Plan:
                 f"assign exactly the ranks 0..{world_size - 1} to stages",
             )
         return self
+
+    def _check_stage(self, index: int, seen: set[int]) -> None:
+        """Stage ``index``: consecutive non-empty layers, ranks of its own group, sliceable micro-batch."""
+        stage = self.stages[index]
+        where = f"plan.stages[{index}]"
+        expected_start = self.stages[index - 1].end if index else 0
+        require(
+            stage.start == expected_start and stage.end > stage.start,
+            f"{where}.layers",
+            f"is [{stage.start}, {stage.end}) but must start at {expected_start} and be non-empty",
+            "make stage layer ranges consecutive, half-open and covering the model",
+        )
+        require(stage.replicas > 0, f"{where}.devices", "is empty", "give each stage at least one rank")
+        require(len(set(stage.devices)) == stage.replicas, f"{where}.devices", f"lists a rank twice: {list(stage.devices)}", "list each rank once")
+        same_group = any(earlier.devices == stage.devices for earlier in self.stages[:index])
+        duplicate = set() if same_group else seen.intersection(stage.devices)
+        require(
+            not duplicate,
+            f"{where}.devices",
+            f"reuses ranks {sorted(duplicate)} of another stage with other devices",
+            "give each rank to one device group: stages on the same ranks list exactly the same devices",
+        )
+        require(
+            self.micro_batch_size >= stage.replicas,
+            f"{where}.devices",
+            f"micro-batch of {self.micro_batch_size} samples cannot be sliced over {stage.replicas} replicas",
+            "use fewer micro-batches or fewer replicas for this stage",
+        )
+        require(stage.recompute in RECOMPUTE_MODES, f"{where}.recompute", f"is {stage.recompute!r}", f"use one of {list(RECOMPUTE_MODES)}")
+        if stage.warmup is not None:
+            require(stage.warmup >= 1, f"{where}.warmup", f"is {stage.warmup}", "use K_i >= 1 or leave it out")
+
+    def _check_chunks(self) -> None:
+        """Several stages per device group: equal chunk counts, and only where the schedule runs them."""
+        groups = self.device_groups
+        counts = [self.placement.count(group) for group in range(len(groups))]
+        if len(groups) == self.num_stages:
+            require(
+                self.schedule not in CHUNKED_SCHEDULES or self.num_stages == 1,
+                "plan.schedule",
+                f"is {self.schedule!r}, which runs several stages per device group, but every stage has its own devices",
+                "place 2 or more stages on each device group, or use 'dapple' or 'gpipe'",
+            )
+            return
+        require(
+            len(set(counts)) == 1,
+            "plan.stages[].devices",
+            f"give the device groups {[list(g) for g in groups]} {counts} stages each",
+            "place the same number of stages (chunks) on every device group",
+        )
+        require(
+            self.schedule in CHUNKED_SCHEDULES,
+            "plan.schedule",
+            f"is {self.schedule!r}, which runs one stage per device group, but groups hold {counts[0]} stages each",
+            f"use one of {list(CHUNKED_SCHEDULES)} for several stages per group, or give every stage its own devices",
+        )
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -407,7 +486,7 @@ class PlanShape:
 
     @property
     def world_size(self) -> int:
-        return sum(len(devices) for devices in self.devices)
+        return len({rank for devices in self.devices for rank in devices})
 
     def validate(self, world_size: int | None = None) -> "PlanShape":
         """The checks of ``Plan.validate`` that do not need layers."""

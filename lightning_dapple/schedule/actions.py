@@ -167,6 +167,22 @@ class Schedule:
     # Algorithm 2's k used for the per-layer ending phase of replicated stages
     in_flight_caps: tuple[int, ...] = ()
     first_k: int | None = None
+    # Several stages per device group (interleaved, V): the device group of each stage and,
+    # per group, the one order its ranks run the actions of all its stages in (each stage's
+    # actions keep their order in ``actions``). Empty: stage s alone on group s.
+    placement: tuple[int, ...] = ()
+    orders: tuple[tuple[Action, ...], ...] = ()
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.orders) if self.orders else self.num_stages
+
+    def group_of(self, stage: int) -> int:
+        return self.placement[stage] if self.placement else stage
+
+    def group_actions(self, group: int) -> tuple[Action, ...]:
+        """What the ranks of device ``group`` run, in order: the interleaving of its stages' lists."""
+        return self.orders[group] if self.orders else self.actions[group]
 
     def compute(self, stage: int) -> list[Action]:
         return [action for action in self.actions[stage] if action.kind.is_compute]
