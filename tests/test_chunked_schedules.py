@@ -298,3 +298,21 @@ def test_stage_memory_reports_the_group_of_each_stage() -> None:
     result = simulate_plan(plan, profile, cluster)
     assert sorted(result.timelines) == [0, 1] and [s.devices for s in result.stages] == [(0,), (1,), (0,), (1,)]
     assert result.latency_ms == pytest.approx((4 + 1 / 2) * 6)  # (M + (P-1)/v)(F+B) for two layers per group
+
+
+def test_replicated_groups_share_one_timeline_and_sync_every_chunk() -> None:
+    schedule = build_interleaved_schedule(2, 2, 4)
+    devices = [(0, 1), (2, 3), (0, 1), (2, 3)]
+    result = simulate(schedule, [cost(1, 2, ar=0.5)] * 4, devices)
+    assert sorted(result.timelines) == [0, 1, 2, 3]
+    assert result.timelines[0] == result.timelines[1] and result.timelines[2] == result.timelines[3]
+    # chunk 2's gradients are final after 2B3, while group 0 still runs 0B2 and 0B3: its sync
+    # hides behind them (link AR2); only chunk 0's, after the last backward, adds to the step
+    exposed = [span for span in result.timelines[0] if span.kind == "AR"]
+    assert [span.stage for span in exposed] == [0]
+    last_backward_2 = max(span.end_ms for span in result.timelines[0] if span.stage == 2 and span.kind == "B")
+    assert [(span.start_ms, span.end_ms) for span in result.transfers["AR2"]] == [(last_backward_2, last_backward_2 + 0.5)]
+    assert last_backward_2 + 0.5 <= exposed[0].start_ms
+    assert result.latency_ms == pytest.approx(simulate(schedule, [cost(1, 2)] * 4).latency_ms + 0.5)
+    with pytest.raises(DappleConfigError, match="gives stage 2 devices \\[1, 0\\] but its device group runs on \\[0, 1\\]"):
+        simulate(schedule, [cost(1, 2)] * 4, [(0, 1), (2, 3), (1, 0), (2, 3)])
