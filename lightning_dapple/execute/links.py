@@ -17,17 +17,28 @@ rows only when ``[i / r1, (i + 1) / r1)`` and ``[j / r2, (j + 1) / r2)`` overlap
 communicator, the micro-batches its sender sends and those its receiver receives, each in
 issue order. NCCL needs the two to be equal (``mismatched_links`` lists where they are
 not): the i-th send of a communicator meets its i-th receive, whatever transfer that is.
+
+A rank that holds several stages (chunks of interleaved and V schedules) exchanges more than
+one boundary with the same peer, in both directions: under interleaving rank 0 sends rank 1
+the activations of boundary 0 and the gradients of boundary 1. Every wire then matches a
+pair's messages by issue order -- gloo too, whose messages all carry tag 0 -- so
+``pair_orders`` replays each group's merged order and lists, per ordered pair of ranks, the
+transfers (direction, micro-batch, boundary) its sender issues and its receiver takes;
+``check_pair_orders`` refuses a schedule whose two ends differ (a message would meet the
+receive of another transfer, silently where the sizes agree). Boundaries between two stages
+on the same devices are hand-offs inside the process and carry no message.
 """
 from __future__ import annotations
 
 from typing import Sequence
 
-from lightning_dapple.execute.keys import Direction
+from lightning_dapple.errors import DappleConfigError
+from lightning_dapple.execute.keys import Direction, TransferKey, transfer_key
 from lightning_dapple.execute.slicing import overlap, slice_rows
 from lightning_dapple.plan.plan import Plan
-from lightning_dapple.schedule.actions import Action, Kind
+from lightning_dapple.schedule.actions import Action, Kind, Schedule
 
-__all__ = ["Link", "Channel", "plan_links", "link_orders", "mismatched_links"]
+__all__ = ["Link", "Channel", "plan_links", "link_orders", "mismatched_links", "pair_orders", "check_pair_orders"]
 
 Link = tuple[int, int]  # (upstream rank, downstream rank)
 Channel = tuple[Direction, int, int]  # (direction, sending rank, receiving rank): one communicator
@@ -48,12 +59,13 @@ def _can_share(index: int, count: int, other: int, other_count: int) -> bool:
 
 
 def plan_links(plan: Plan) -> list[Link]:
-    """Every (upstream, downstream) pair of ranks of adjacent stages that may exchange rows."""
-    links = []
+    """Every (upstream, downstream) pair of ranks of adjacent stages that may exchange rows
+    (once each; two stages on the same devices hand over in process and need no link)."""
+    links: list[Link] = []
     for upstream, downstream in zip(plan.stages, plan.stages[1:]):
         for i, sender in enumerate(upstream.devices):
             for j, receiver in enumerate(downstream.devices):
-                if _can_share(i, upstream.replicas, j, downstream.replicas):
+                if sender != receiver and (sender, receiver) not in links and _can_share(i, upstream.replicas, j, downstream.replicas):
                     links.append((sender, receiver))
     return links
 
@@ -84,3 +96,53 @@ def link_orders(plan: Plan, actions: Sequence[Sequence[Action]], batch_rows: int
 def mismatched_links(orders: dict[Channel, tuple[list[int], list[int]]]) -> list[tuple[Channel, list[int], list[int]]]:
     """The communicators whose sender and receiver issue different transfer orders."""
     return [(channel, sent, received) for channel, (sent, received) in sorted(orders.items()) if sent != received]
+
+
+Pair = tuple[int, int]  # (sending rank, receiving rank)
+
+
+def pair_orders(plan: Plan, schedule: Schedule) -> dict[Pair, tuple[list[TransferKey], list[TransferKey]]]:
+    """Per ordered pair of ranks: the transfers its sender issues and those its receiver
+    takes, in the order each rank's group runs them (``Schedule.group_actions``). Every
+    replica pair that may share rows counts (``plan_links``' rule), whatever the batch: equal
+    lists then stay equal for the rows any batch gives them."""
+    orders: dict[Pair, tuple[list[TransferKey], list[TransferKey]]] = {}
+    for group, devices in enumerate(plan.device_groups):
+        for replica, rank in enumerate(devices):
+            for action in schedule.group_actions(group):
+                move = _MOVES.get(action.kind)
+                if move is None or action.microbatch is None:
+                    continue
+                _, offset, sends = move
+                stage, peers = plan.stages[action.stage], plan.stages[action.stage + offset]
+                if peers.devices == stage.devices:
+                    continue  # a hand-off inside the process
+                key = transfer_key(action.kind, action.stage, action.microbatch)
+                for peer_replica, peer in enumerate(peers.devices):
+                    if _can_share(replica, stage.replicas, peer_replica, peers.replicas):
+                        pair = (rank, peer) if sends else (peer, rank)
+                        orders.setdefault(pair, ([], []))[0 if sends else 1].append(key)
+    return orders
+
+
+def check_pair_orders(plan: Plan, schedule: Schedule) -> None:
+    """Refuse a schedule whose ranks would exchange a pair's messages in different orders
+    (see the module docstring), naming the first transfer where they part."""
+    for (sender, receiver), (sent, received) in sorted(pair_orders(plan, schedule).items()):
+        if sent == received:
+            continue
+        at = next((i for i, (a, b) in enumerate(zip(sent, received)) if a != b), min(len(sent), len(received)))
+        mine = sent[at] if at < len(sent) else "nothing"
+        theirs = received[at] if at < len(received) else "nothing"
+        raise DappleConfigError(
+            f"schedule {schedule.name!r}",
+            f"rank {sender} sends rank {receiver} transfer #{at} as {_describe(mine)} but rank {receiver} receives "
+            f"{_describe(theirs)} there; both ends of a rank pair must issue its transfers in the same order",
+            "build the merged orders so that each pair's sends and receives come in one order (schedule builders), or use a schedule with one stage per device group",
+        )
+
+
+def _describe(key: TransferKey | str) -> str:
+    if isinstance(key, str):
+        return key
+    return f"{key.direction._value_} {key.microbatch} of boundary {key.boundary}"
