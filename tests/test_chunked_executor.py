@@ -6,8 +6,8 @@ run inside one spawned group of 4 gloo ranks: interleaved placement (stage k on 
 k mod 2) and the V placement (stages 0, 1 down and 2, 3 back up, stage 1 -> 2 a hand-off
 inside the process), on 2 groups of 1 rank and 2 groups of 2 replicas, with recomputation
 never and always, under a breadth-first schedule written by hand (full backward, and split
-into I and W). The model passes a tuple across a boundary (over the wire under
-interleaving, in process under V).
+into I and W), and under the builders' ``interleaved`` and ``zbv`` schedules. The model
+passes a tuple across a boundary (over the wire under interleaving, in process under V).
 """
 from __future__ import annotations
 
@@ -23,12 +23,13 @@ from dist_harness import run_ranks
 from lightning_dapple.errors import DappleConfigError
 from lightning_dapple.execute.failure import FailureChannel
 from lightning_dapple.execute.groups import PlanGroups
-from lightning_dapple.execute.links import check_pair_orders, pair_orders
+from lightning_dapple.execute.links import check_stream_orders
 from lightning_dapple.execute.runner import StageRunner
 from lightning_dapple.execute.tied import check_ties_on_groups
 from lightning_dapple.plan.plan import plan_from_dict
 from lightning_dapple.profile.ties import TiedParameter
-from lightning_dapple.schedule.actions import Kind
+from lightning_dapple.schedule.actions import Action, Kind
+from lightning_dapple.simulate.plans import schedule_for_plan
 
 CUTS = [[0, 2], [2, 3], [3, 5], [5, 8]]
 PLACEMENTS = {"interleaved": [0, 1, 0, 1], "zbv": [0, 1, 1, 0]}
@@ -65,6 +66,20 @@ def test_hand_written_chunked_schedules_match_single_device() -> None:
                     micro_batches = 2 if kind == "looped" else 4
                     cases.append((plan_data(schedule, layout, recompute, micro_batches), kind))
                     names.append(f"{schedule}/{layout}/{recompute}/{kind}")
+    results = run_ranks(cw.run_cases, 4, cases, timeout_s=500)
+    _check(results, cases, names)
+
+
+@pytest.mark.timeout(600)
+def test_interleaved_and_zbv_schedules_match_single_device() -> None:
+    """The builders' schedules (``schedule_for_plan``) at M = 4: interleaved 1F1B with 2
+    chunks per group, and ZB-V (its turn a hand-off in process, B split into I and W)."""
+    cases, names = [], []
+    for schedule in PLACEMENTS:
+        for layout in GROUPS:
+            for recompute in ("never", "always"):
+                cases.append((plan_data(schedule, layout, recompute, micro_batches=4), "built"))
+                names.append(f"{schedule}/{layout}/{recompute}")
     results = run_ranks(cw.run_cases, 4, cases, timeout_s=500)
     _check(results, cases, names)
 
@@ -124,18 +139,37 @@ def test_a_merged_order_that_breaks_a_stage_list_is_refused() -> None:
         _runner_on_rank_0(plan_data("interleaved", "straight"), schedule=broken)
 
 
-def test_rank_pairs_that_would_match_messages_out_of_order_are_refused() -> None:
-    """Rank 1 takes stage 3's activations (boundary 2) before stage 1's (boundary 0), both
-    from rank 0: a valid interleaving of each stage's list, but gloo (and NCCL) would hand
-    stage 3 the first message rank 0 sent, stage 1's."""
+def test_a_stream_whose_ends_take_micro_batches_in_different_orders_is_refused() -> None:
+    """Stage 1 takes activation 1 of boundary 0 before activation 0, which rank 0 sends
+    first: the receive of micro-batch 0 would get micro-batch 1's rows."""
     plan = plan_from_dict(plan_data("interleaved", "straight"))
     schedule = cw.looped_schedule(plan)
-    assert not [pair for pair, (sent, received) in pair_orders(plan, schedule).items() if sent != received]
-    check_pair_orders(plan, schedule)
-    stage_3_first = tuple(a for a in schedule.orders[1] if a.stage == 3) + tuple(a for a in schedule.orders[1] if a.stage != 3)
-    crossed = replace(schedule, orders=(schedule.orders[0], stage_3_first))
-    with pytest.raises(DappleConfigError, match=r"rank 0 sends rank 1 transfer #0 as activation 0 of boundary 0 but rank 1 receives activation 0 of boundary 2"):
-        check_pair_orders(plan, crossed)
+    check_stream_orders(plan, schedule)
+    first, second = Action(Kind.RECV_ACT, 1, 0), Action(Kind.RECV_ACT, 1, 1)
+    swap = {first: second, second: first}
+    stage_1 = tuple(swap.get(a, a) for a in schedule.actions[1])
+    order_1 = tuple(swap.get(a, a) for a in schedule.orders[1])
+    crossed = replace(schedule, actions=(schedule.actions[0], stage_1, *schedule.actions[2:]), orders=(schedule.orders[0], order_1))
+    with pytest.raises(DappleConfigError, match=r"rank 0 sends rank 1 the activations of boundary 0 in the order \[0, 1\] but rank 1 takes them in the order \[1, 0\]"):
+        check_stream_orders(plan, crossed)
+
+
+def test_the_built_chunked_schedules_keep_every_stream_in_one_order() -> None:
+    """Each boundary and direction between two ranks: sent and taken in one micro-batch order,
+    for the builders' interleaved and V schedules over several shapes (what tagged streams need)."""
+    checked = 0
+    for schedule, placement_of in (("interleaved", lambda g: [k % g for k in range(2 * g)]), ("zbv", lambda g: [k if k < g else 2 * g - 1 - k for k in range(2 * g)])):
+        for groups in (2, 3, 4):
+            for micro_batches in range(groups, 3 * groups + 1):
+                for replicas in (1, 2):
+                    if schedule == "interleaved" and micro_batches % groups:
+                        continue  # interleaving runs micro-batches in rounds of one per group
+                    stages = [{"layers": [k, k + 1], "devices": list(range(g * replicas, (g + 1) * replicas))} for k, g in enumerate(placement_of(groups))]
+                    data = {"global_batch_size": 4 * micro_batches, "micro_batches": micro_batches, "schedule": schedule, "stages": stages}
+                    plan = plan_from_dict(data)
+                    check_stream_orders(plan, schedule_for_plan(plan))
+                    checked += 1
+    assert checked > 40
 
 
 def test_the_nccl_wire_is_refused_for_chunked_plans() -> None:

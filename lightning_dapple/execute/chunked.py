@@ -11,8 +11,9 @@ micro-batch's autograd state, keyed by micro-batch), its gradient buckets, its B
 buffers, its W spans and recomputed micro-batches -- is the same per chunk as for a lone
 stage, and micro-batch numbers repeat across chunks, so each chunk needs exactly that state
 of its own. The ``StageRunner`` of each chunk compiles its own list once, as for any plan;
-what the rank has once is shared (``RankShared``): the one ``Transport`` (one set of
-messages per rank pair, matched in issue order: ``links.check_pair_orders``), the one
+what the rank has once is shared (``RankShared``): the one ``Transport`` (its messages
+tagged per boundary and direction, each such stream in one order at both ends:
+``links.check_stream_orders``), the one
 ``ResultChannel`` (the loss comes from the last stage wherever it is placed: the last
 group under interleaving, group 0 under ZB-V), the one stash ledger (the rank's peak counts
 every chunk's stash, keyed (stage, micro-batch)) and the hand-offs. The ``ChunkedRunner``
@@ -196,9 +197,8 @@ class ChunkedRunner:
 
     # -- forward only (validation, test, predict) -------------------------------
     def forward_step(self, batch: Any, callbacks: Any) -> list[Any]:
-        """Every chunk's forward of every micro-batch, chunks in pipeline order: each rank
-        sends a pair's boundaries in rising order and its peer receives them so, and data
-        only flows downstream, so no rank waits for one that waits for it."""
+        """Every chunk's forward of every micro-batch, chunks in pipeline order: data only
+        flows downstream, so no rank waits for one that waits for it."""
         batch_rows = batch_size_of(batch)
         self.units[0].check_batch(batch_rows)
         self.handoffs.clear()

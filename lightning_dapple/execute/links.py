@@ -20,25 +20,27 @@ not): the i-th send of a communicator meets its i-th receive, whatever transfer 
 
 A rank that holds several stages (chunks of interleaved and V schedules) exchanges more than
 one boundary with the same peer, in both directions: under interleaving rank 0 sends rank 1
-the activations of boundary 0 and the gradients of boundary 1. Every wire then matches a
-pair's messages by issue order -- gloo too, whose messages all carry tag 0 -- so
-``pair_orders`` replays each group's merged order and lists, per ordered pair of ranks, the
-transfers (direction, micro-batch, boundary) its sender issues and its receiver takes;
-``check_pair_orders`` refuses a schedule whose two ends differ (a message would meet the
-receive of another transfer, silently where the sizes agree). Boundaries between two stages
-on the same devices are hand-offs inside the process and carry no message.
+the activations of boundary 0 and the gradients of boundary 1, and a schedule's merged
+orders may send them in another order than the peer takes them. gloo matches a receive
+with the oldest message of its peer and tag, so such a transport tags each boundary and
+direction apart (``Transport(tagged=True)``): a *stream*. Within a stream both ends must
+still go in one order; ``stream_orders`` replays each group's merged order and lists, per
+stream, the micro-batches its sender sends and its receiver takes, and
+``check_stream_orders`` refuses a schedule whose two ends differ (a message would meet the
+receive of another micro-batch, silently where the sizes agree). Boundaries between two
+stages on the same devices are hand-offs inside the process and carry no message.
 """
 from __future__ import annotations
 
 from typing import Sequence
 
 from lightning_dapple.errors import DappleConfigError
-from lightning_dapple.execute.keys import Direction, TransferKey, transfer_key
+from lightning_dapple.execute.keys import Direction, transfer_key
 from lightning_dapple.execute.slicing import overlap, slice_rows
 from lightning_dapple.plan.plan import Plan
 from lightning_dapple.schedule.actions import Action, Kind, Schedule
 
-__all__ = ["Link", "Channel", "plan_links", "link_orders", "mismatched_links", "pair_orders", "check_pair_orders"]
+__all__ = ["Link", "Channel", "Stream", "plan_links", "link_orders", "mismatched_links", "stream_orders", "check_stream_orders"]
 
 Link = tuple[int, int]  # (upstream rank, downstream rank)
 Channel = tuple[Direction, int, int]  # (direction, sending rank, receiving rank): one communicator
@@ -98,15 +100,15 @@ def mismatched_links(orders: dict[Channel, tuple[list[int], list[int]]]) -> list
     return [(channel, sent, received) for channel, (sent, received) in sorted(orders.items()) if sent != received]
 
 
-Pair = tuple[int, int]  # (sending rank, receiving rank)
+Stream = tuple[int, int, Direction, int]  # (sending rank, receiving rank, direction, boundary)
 
 
-def pair_orders(plan: Plan, schedule: Schedule) -> dict[Pair, tuple[list[TransferKey], list[TransferKey]]]:
-    """Per ordered pair of ranks: the transfers its sender issues and those its receiver
-    takes, in the order each rank's group runs them (``Schedule.group_actions``). Every
-    replica pair that may share rows counts (``plan_links``' rule), whatever the batch: equal
-    lists then stay equal for the rows any batch gives them."""
-    orders: dict[Pair, tuple[list[TransferKey], list[TransferKey]]] = {}
+def stream_orders(plan: Plan, schedule: Schedule) -> dict[Stream, tuple[list[int], list[int]]]:
+    """Per stream: the micro-batches its sender sends and those its receiver takes, in the
+    order each rank's group runs them (``Schedule.group_actions``). Every replica pair that
+    may share rows counts (``plan_links``' rule), whatever the batch: equal lists then stay
+    equal for the rows any batch gives them."""
+    orders: dict[Stream, tuple[list[int], list[int]]] = {}
     for group, devices in enumerate(plan.device_groups):
         for replica, rank in enumerate(devices):
             for action in schedule.group_actions(group):
@@ -120,29 +122,23 @@ def pair_orders(plan: Plan, schedule: Schedule) -> dict[Pair, tuple[list[Transfe
                 key = transfer_key(action.kind, action.stage, action.microbatch)
                 for peer_replica, peer in enumerate(peers.devices):
                     if _can_share(replica, stage.replicas, peer_replica, peers.replicas):
-                        pair = (rank, peer) if sends else (peer, rank)
-                        orders.setdefault(pair, ([], []))[0 if sends else 1].append(key)
+                        stream = (rank, peer, key.direction, key.boundary) if sends else (peer, rank, key.direction, key.boundary)
+                        orders.setdefault(stream, ([], []))[0 if sends else 1].append(action.microbatch)
     return orders
 
 
-def check_pair_orders(plan: Plan, schedule: Schedule) -> None:
-    """Refuse a schedule whose ranks would exchange a pair's messages in different orders
-    (see the module docstring), naming the first transfer where they part."""
-    for (sender, receiver), (sent, received) in sorted(pair_orders(plan, schedule).items()):
+def check_stream_orders(plan: Plan, schedule: Schedule) -> None:
+    """Refuse a schedule whose two ends of a stream (see the module docstring) would take
+    its micro-batches in different orders, naming the first where they part."""
+    for (sender, receiver, direction, boundary), (sent, received) in sorted(stream_orders(plan, schedule).items()):
         if sent == received:
             continue
         at = next((i for i, (a, b) in enumerate(zip(sent, received)) if a != b), min(len(sent), len(received)))
-        mine = sent[at] if at < len(sent) else "nothing"
-        theirs = received[at] if at < len(received) else "nothing"
+        mine = f"micro-batch {sent[at]}" if at < len(sent) else "nothing"
+        theirs = f"micro-batch {received[at]}" if at < len(received) else "nothing"
         raise DappleConfigError(
             f"schedule {schedule.name!r}",
-            f"rank {sender} sends rank {receiver} transfer #{at} as {_describe(mine)} but rank {receiver} receives "
-            f"{_describe(theirs)} there; both ends of a rank pair must issue its transfers in the same order",
-            "build the merged orders so that each pair's sends and receives come in one order (schedule builders), or use a schedule with one stage per device group",
+            f"rank {sender} sends rank {receiver} the {direction._value_}s of boundary {boundary} in the order {sent} but rank "
+            f"{receiver} takes them in the order {received} (#{at}: {mine} sent, {theirs} taken)",
+            "list each boundary's sends and receives in one micro-batch order (the schedule builder's stage lists)",
         )
-
-
-def _describe(key: TransferKey | str) -> str:
-    if isinstance(key, str):
-        return key
-    return f"{key.direction._value_} {key.microbatch} of boundary {key.boundary}"

@@ -46,7 +46,7 @@ from lightning_dapple.execute.failure import FailureChannel, PeerFailedError
 from lightning_dapple.execute.grad_sync import GradientSync
 from lightning_dapple.execute.groups import PlanGroups, build_groups
 from lightning_dapple.execute.keys import TransferKey, transfer_key
-from lightning_dapple.execute.links import check_pair_orders, plan_links
+from lightning_dapple.execute.links import check_stream_orders, plan_links
 from lightning_dapple.execute.replay import detached, restore_rng, save_rng
 from lightning_dapple.execute.results import ResultChannel
 from lightning_dapple.execute.slicing import batch_size_of, slice_rows, take_rows
@@ -221,11 +221,12 @@ class StageRunner:
     ) -> "ChunkedRunner":
         """A rank holding several stages: one runner per stage over its share of ``layers``
         (the rank's layers, its stages' ranges in pipeline order), driven in the group's merged
-        order by a ``ChunkedRunner``. Receives are posted when due and sends waited at the end
-        of the step: the one-ahead posting and ``schedule.settle``'s waits are derived from
-        one stage's list, and over a merged order they could reorder a rank pair's messages
-        or wait behind another chunk (``execute/chunked.py``)."""
-        check_pair_orders(plan, schedule)
+        order by a ``ChunkedRunner`` (``execute/chunked.py``), over one transport that tags
+        each boundary and direction apart (``links``). Receives are posted when due and sends
+        waited at the end of the step: ``schedule.settle``'s waits and the one-ahead posting
+        are derived from one stage's list, and in a merged order a wait could stand behind
+        another chunk's work."""
+        check_stream_orders(plan, schedule)
         wire = options.pop("wire", "auto")
         require(
             choose_wire(wire, device) != "nccl",
@@ -237,7 +238,7 @@ class StageRunner:
         options.pop("settle_sends", None)
         # one transport and result channel per rank (collective under NCCL: every rank, once)
         shared = RankShared(
-            Transport(failure, device, wire=wire, links=plan_links(plan)), ResultChannel(plan, rank, device, failure), StashLedger()
+            Transport(failure, device, wire=wire, links=plan_links(plan), tagged=True), ResultChannel(plan, rank, device, failure), StashLedger()
         )
         units, offset = [], 0
         for stage in plan.stages_of_rank(rank):
