@@ -80,6 +80,9 @@ def test_interleaved_and_zbv_schedules_match_single_device() -> None:
             for recompute in ("never", "always"):
                 cases.append((plan_data(schedule, layout, recompute, micro_batches=4), "built"))
                 names.append(f"{schedule}/{layout}/{recompute}")
+        # the staged wire's code path (host buffers; gloo with CUDA tensors) with tagged streams
+        cases.append((plan_data(schedule, "2x2", "never", micro_batches=4), "built", "staged"))
+        names.append(f"{schedule}/2x2/never/staged")
     results = run_ranks(cw.run_cases, 4, cases, timeout_s=500)
     _check(results, cases, names)
 

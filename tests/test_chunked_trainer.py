@@ -95,3 +95,21 @@ def test_a_chunked_plan_trains_checkpoints_and_resumes_like_one_device(tmp_path:
     assert len(chunked) == 3 and chunked[0] == pytest.approx(curve[4], abs=1e-10)  # the weights were restored
     assert chunked == pytest.approx(plain, abs=1e-10)
     assert max(float((chunked_state[k] - plain_state[k]).abs().max()) for k in plain_state) < 1e-10
+
+
+@pytest.mark.timeout(300)
+def test_a_zbv_plan_trains_and_validates_like_one_device(tmp_path: Path) -> None:
+    """ZB-V on 2 ranks: rank 0 holds the first and the last stage (layer 0's input and the
+    loss), rank 1 the two middle ones with the hand-off between them in process."""
+    plan = {**INTERLEAVED, "schedule": "zbv", "stages": [{**stage, "devices": [device]} for stage, device in zip(INTERLEAVED["stages"], (0, 1, 1, 0))]}
+    trainer = _trainer(tmp_path, 3, plan=plan, limit_val_batches=1, val_check_interval=3)
+    model = MLPModule().double()
+    trainer.fit(model, mlp_loader(3), mlp_loader(1))
+    reference, losses = single_device_run(3, clip=0.5)
+    state = model.state_dict()
+    assert max(float((state[k] - reference[k]).abs().max()) for k in reference) < 1e-10
+    assert float(trainer.callback_metrics["train_loss"]) == pytest.approx(losses[-1], abs=1e-10)
+    x, y = next(iter(mlp_loader(1)))
+    with torch.no_grad():
+        expected_val = float(F.mse_loss(model(x), y))
+    assert float(trainer.callback_metrics["val_loss"]) == pytest.approx(expected_val, abs=1e-10)
