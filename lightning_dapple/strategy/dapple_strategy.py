@@ -57,6 +57,7 @@ from typing_extensions import override
 from lightning_dapple.cluster import detect_cluster, load_cluster
 from lightning_dapple.errors import DappleConfigError, require
 from lightning_dapple.execute.batchnorm import convert_batchnorm
+from lightning_dapple.execute.chunked import ChunkedRunner
 from lightning_dapple.execute.clipping import clip_grad_norm_global
 from lightning_dapple.execute.failure import FailureChannel
 from lightning_dapple.execute.groups import PlanGroups, build_groups
@@ -312,7 +313,7 @@ class DappleStrategy(DDPStrategy):
         self.timeout_s = timeout_s
         self.profile_cache = profile_cache
         self.plan: Plan | None = None
-        self.runner: StageRunner | None = None
+        self.runner: StageRunner | ChunkedRunner | None = None
         self.failure: FailureChannel | None = None
         self.groups: PlanGroups | None = None
         self._layer_container: nn.Module | None = None
