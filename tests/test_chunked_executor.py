@@ -87,6 +87,25 @@ def test_interleaved_and_zbv_schedules_match_single_device() -> None:
     _check(results, cases, names)
 
 
+@pytest.mark.timeout(400)
+def test_a_tie_across_device_groups_trains_like_one_process() -> None:
+    """The tied GPT's embedding (stage 0, group 0) and head (stage 3, group 1) under
+    interleaving: one summed gradient over the ranks of both groups, counted once in clipping."""
+    gpt = [[0, 1], [1, 2], [2, 4], [4, 5]]
+    cases = [
+        {"global_batch_size": 12, "micro_batches": 4, "schedule": "interleaved", "stages": [{"layers": cut, "devices": GROUPS[layout][k % 2]} for k, cut in enumerate(gpt)]}
+        for layout in GROUPS
+    ]
+    results = run_ranks(cw.run_tied_cases, 4, cases, timeout_s=300)
+    assert "__errors__" not in results, results.get("__errors__")
+    for index, layout in enumerate(GROUPS):
+        per_rank = [results[rank][index] for rank in results if results[rank][index] is not None]
+        assert len(per_rank) == sum(len(devices) for devices in GROUPS[layout]), layout
+        for res in per_rank:
+            assert res["param_diff"] < 1e-10, (layout, res)
+            assert res["tied_copies"] == 1, (layout, res)  # each rank holds one copy: stage 0's or stage 3's
+
+
 @pytest.mark.timeout(240)
 def test_a_failure_in_one_chunk_ends_every_rank_with_the_action_named(capfd: pytest.CaptureFixture[str]) -> None:
     """Stage 2 (on rank 0 with stage 0) fails in the forward of micro-batch 1. Rank 0 names
