@@ -8,6 +8,10 @@ inside the process), on 2 groups of 1 rank and 2 groups of 2 replicas, with reco
 never and always, under a breadth-first schedule written by hand (full backward, and split
 into I and W), and under the builders' ``interleaved`` and ``zbv`` schedules. The model
 passes a tuple across a boundary (over the wire under interleaving, in process under V).
+Each rank's most chunk micro-batches in flight is the memory model's
+(``group_stash_walk`` over its group's merged order). A tied embedding and head on two
+groups, a failure inside one chunk, and the set-up checks (merged orders, stream orders,
+NCCL, ties within one group) have tests of their own.
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ from lightning_dapple.execute.runner import StageRunner
 from lightning_dapple.execute.tied import check_ties_on_groups
 from lightning_dapple.plan.plan import plan_from_dict
 from lightning_dapple.profile.ties import TiedParameter
-from lightning_dapple.schedule.actions import Action, Kind
+from lightning_dapple.schedule.actions import Action, Kind, group_stash_walk
 from lightning_dapple.simulate.plans import schedule_for_plan
 
 CUTS = [[0, 2], [2, 3], [3, 5], [5, 8]]
@@ -42,12 +46,24 @@ def plan_data(schedule: str, layout: str, recompute: str = "never", micro_batche
     return {"global_batch_size": cw.ROWS, "micro_batches": micro_batches, "schedule": schedule, "stages": stages}
 
 
+def _expected_in_flight(plan_dict: dict, kind: str, stages: tuple[int, ...]) -> int:
+    """The most chunk micro-batches the memory model holds at once on these stages' group
+    (``group_stash_walk`` over the merged order): what the executor's ledger must count."""
+    plan = plan_from_dict(plan_dict)
+    schedule = cw.schedule_of(plan, kind)
+    compute = [a for a in schedule.group_actions(plan.placement[stages[0]]) if a.kind.is_compute]
+    ones = {stage: 1.0 for stage in stages}
+    return group_stash_walk(compute, {stage: schedule.recomputed(stage) for stage in stages}, ones, ones, ones)[1]
+
+
 def _check(results: dict, cases: list, names: list[str]) -> None:
     assert "__errors__" not in results, results.get("__errors__")
     for index, name in enumerate(names):
         per_rank = [results[rank][index] for rank in results if results[rank][index] is not None]
         assert per_rank, name
         for res in per_rank:
+            expected = _expected_in_flight(cases[index][0], cases[index][1], res["stages"])
+            assert res["peak_in_flight"] == expected, (name, res, expected)
             assert res["param_diff"] < 1e-10, (name, res)
             assert res["loss_diff"] < 1e-10, (name, res)
             assert res["eval_diff"] < 1e-10, (name, res)
