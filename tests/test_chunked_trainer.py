@@ -70,7 +70,7 @@ def test_a_chunked_plan_trains_checkpoints_and_resumes_like_one_device(tmp_path:
     assert float(trainer.callback_metrics["val_loss"]) == pytest.approx(expected_val, abs=1e-10)
 
     timeline = json.loads((first / "timeline_measured.json").read_text())
-    assert {rank: entry["stage"] for rank, entry in timeline["ranks"].items()} == {"0": "0+2", "1": "1+3"}
+    assert {rank: entry["stage"] for rank, entry in timeline["ranks"].items()} == {"0": "0,2", "1": "1,3"}
     for entry in timeline["ranks"].values():  # each rank's 2 chunks: a forward and a backward per micro-batch
         kinds = sorted(span[2] for span in entry["spans"])
         assert kinds == ["B"] * 8 + ["F"] * 8, kinds

@@ -29,7 +29,7 @@ class MeasuredTimeline:
 
     schedule: str
     micro_batches: int
-    stage_of_rank: dict[int, int | str]  # a stage, or a rank's chunks joined by '+' ('0+2')
+    stage_of_rank: dict[int, int | str]  # a stage, or a rank's chunks joined by ',' ('0,2'), as the simulated timeline names them
     spans: dict[int, list[MeasuredSpan]] = field(default_factory=dict)
     aligned_hosts: bool = False
 
@@ -86,7 +86,7 @@ class MeasuredTimeline:
 
 
 def _stages_label(stages: Sequence[int]) -> int | str:
-    return stages[0] if len(stages) == 1 else "+".join(str(stage) for stage in stages)
+    return stages[0] if len(stages) == 1 else ",".join(str(stage) for stage in stages)
 
 
 def draw_measured_timeline(timeline: MeasuredTimeline, path: str | Path, title: str | None = None) -> Path:
