@@ -67,9 +67,10 @@ def _check(results: dict, cases: list, names: list[str]) -> None:
             assert res["param_diff"] < 1e-10, (name, res)
             assert res["loss_diff"] < 1e-10, (name, res)
             assert res["eval_diff"] < 1e-10, (name, res)
-            recompute = cases[index][0]["stages"][0]["recompute"]
-            # each of a rank's 2 chunks replays every one of its M micro-batches in the last step
-            assert res["recomputed"] == (2 * cases[index][0]["micro_batches"] if recompute == "always" else 0), (name, res)
+            recompute = cases[index][0]["stages"][0].get("recompute", "never")
+            # each of a rank's chunks replays every one of its M micro-batches in the last step
+            replays = len(res["stages"]) * cases[index][0]["micro_batches"]
+            assert res["recomputed"] == (replays if recompute == "always" else 0), (name, res)
 
 
 @pytest.mark.timeout(600)
@@ -88,8 +89,9 @@ def test_hand_written_chunked_schedules_match_single_device() -> None:
 
 @pytest.mark.timeout(600)
 def test_interleaved_and_zbv_schedules_match_single_device() -> None:
-    """The builders' schedules (``schedule_for_plan``) at M = 4: interleaved 1F1B with 2
-    chunks per group, and ZB-V (its turn a hand-off in process, B split into I and W)."""
+    """The builders' schedules (``schedule_for_plan``): interleaved 1F1B with 2 chunks per
+    group and ZB-V (its turn a hand-off in process, B split into I and W) at M = 4, and on
+    six stages (3 chunks per group interleaved; ZB-V on 3 groups)."""
     cases, names = [], []
     for schedule in PLACEMENTS:
         for layout in GROUPS:
@@ -99,6 +101,12 @@ def test_interleaved_and_zbv_schedules_match_single_device() -> None:
         # the staged wire's code path (host buffers; gloo with CUDA tensors) with tagged streams
         cases.append((plan_data(schedule, "2x2", "never", micro_batches=4), "built", "staged"))
         names.append(f"{schedule}/2x2/never/staged")
+    # six stages: interleaved with 3 chunks on 2 groups, ZB-V on 3 groups
+    six = [[0, 1], [1, 2], [2, 3], [3, 5], [5, 6], [6, 8]]
+    for schedule, placement in (("interleaved", [0, 1, 0, 1, 0, 1]), ("zbv", [0, 1, 2, 2, 1, 0])):
+        stages = [{"layers": cut, "devices": [group]} for cut, group in zip(six, placement)]
+        cases.append(({"global_batch_size": cw.ROWS, "micro_batches": 4, "schedule": schedule, "stages": stages}, "built"))
+        names.append(f"{schedule}/six stages")
     results = run_ranks(cw.run_cases, 4, cases, timeout_s=500)
     _check(results, cases, names)
 
