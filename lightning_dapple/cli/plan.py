@@ -1,13 +1,14 @@
 """``dapple-plan``: plan a model for a cluster and say why (DAPPLE section 4).
 
     dapple-plan --profile FILE --cluster NAME|FILE --global-batch-size N [--micro-batches M]
-                [--planner dapple|pipedream] [--schedule dapple|gpipe] [--policy auto|PA|PB]
+                [--planner dapple|pipedream] [--schedule auto|dapple|gpipe|interleaved|zbv] [--policy auto|PA|PB]
                 [--profile-batch-size N] [--memory-gib X] [--activation-bytes-per-sample B]
                 [--json] [--out plan.json]
     dapple-plan --recipe bert --cluster paper-a
     dapple-plan --model my_pkg.models:make_model --cluster 1x2 --global-batch-size 8
 
-Prints a rich table of stages and the one-line reason; ``--json`` prints only the plan
+Prints a rich table of stages and the reason (with ``--schedule auto``, the default, also
+which schedule won by simulation, what it beat and by how much); ``--json`` prints only the plan
 JSON (docs/formats.md), the file ``DappleStrategy(plan=...)`` executes. Bad input prints one
 line ``error: <field>: <problem>. Fix: <fix>`` and exits 2.
 """
@@ -23,6 +24,8 @@ from lightning_dapple.cluster import load_cluster
 from lightning_dapple.errors import DappleConfigError
 from lightning_dapple.plan.console import make_console
 from lightning_dapple.plan.explain import plan_summary, plan_table
+from lightning_dapple.plan.plan import SCHEDULES
+from lightning_dapple.plan.schedule_choice import AUTO_SCHEDULE
 from lightning_dapple.profile.loader import load_profile
 from lightning_dapple.simulate.plans import make_plan
 
@@ -42,7 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--global-batch-size", type=int, help="samples per optimizer step (default for --recipe: the paper's)")
     parser.add_argument("--micro-batches", type=int, help="M; chosen by the planner when left out")
     parser.add_argument("--planner", choices=("dapple", "pipedream"), default="dapple")
-    parser.add_argument("--schedule", choices=("dapple", "gpipe"), default="dapple")
+    parser.add_argument(
+        "--schedule", choices=(AUTO_SCHEDULE, *SCHEDULES), default=AUTO_SCHEDULE,
+        help="auto: the fastest simulated schedule that fits for the planned devices and M (plan/schedule_choice.py)",
+    )
     parser.add_argument(
         "--policy", choices=("auto", "PA", "PB"), default="auto",
         help="K_i warm-up policy (DAPPLE 5.3); auto: the one each plan simulates faster with",
