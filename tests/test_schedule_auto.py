@@ -1,0 +1,172 @@
+"""``schedule="auto"`` (plan/schedule_choice.py): the planner's devices and M under the
+fastest simulated schedule that fits, the reason that says so, and the entry points that
+ask for it (make_plan, the strategy's arguments, dapple-plan)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lightning_dapple.cluster import Cluster
+from lightning_dapple.errors import DappleConfigError
+from lightning_dapple.plan.costs import stage_costs
+from lightning_dapple.plan.plan import Plan, StagePlan, plan_from_dict
+from lightning_dapple.plan.schedule_choice import RUNNABLE_SCHEDULES, choose_schedule
+from lightning_dapple.profile.model_profile import LayerProfile, ModelProfile
+from lightning_dapple.simulate.plans import make_plan, simulate_plan
+from lightning_dapple.strategy.resolve import PlanArguments, resolve_plan
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def chain(n: int, forward: float = 2.0, params: float = 2e8, stash: float = 1e5) -> ModelProfile:
+    layers = tuple(LayerProfile(f"layer{i}", forward, 2 * forward, 1e5, params, stash) for i in range(n))
+    return ModelProfile(1, layers, name=f"chain{n}")
+
+
+# --------------------------------------------------------------------------- stand-in prices
+
+
+@dataclass(frozen=True)
+class _Step:
+    latency_ms: float
+    bubble_fraction: float = 0.1
+
+
+def _stand_in(times: dict[str, float], memory: dict[str, float] | None = None, seen: list[str] | None = None, groups: int = 4) -> Any:
+    """A pricer with a fixed step time (and per-stage memory) per schedule label; plans on
+    other than ``groups`` device groups are labelled 'straight'."""
+
+    def price(plan: Plan, profile: ModelProfile, cluster: Cluster) -> tuple[_Step, list[float], Any]:
+        plan.validate(num_layers=profile.num_layers, world_size=plan.world_size)
+        label = f"interleaved x{plan.chunks}" if plan.schedule == "interleaved" else plan.schedule
+        label += " straight" if len(plan.device_groups) != groups else ""
+        if seen is not None:
+            seen.append(label)
+        if label not in times:
+            raise DappleConfigError("plan.schedule", f"{label} is not priced here", "price it")
+        per_stage = (memory or {}).get(label, 1.0)
+        return _Step(times[label]), [per_stage] * plan.num_stages, stage_costs(profile, cluster, plan.stages, plan.micro_batch_size)
+
+    return price
+
+
+def _straight(layers: int, groups: int, micro_batches: int) -> Plan:
+    bounds = [layers * g // groups for g in range(groups + 1)]
+    stages = tuple(StagePlan(layers=(bounds[g], bounds[g + 1]), devices=(g,)) for g in range(groups))
+    return Plan(micro_batches, micro_batches, stages, reason="straight pipeline").with_warmups()
+
+
+def test_chunks_grow_while_faster_and_the_why_names_every_candidate() -> None:
+    times = {"dapple": 100.0, "gpipe": 110.0, "interleaved x2": 80.0, "interleaved x3": 70.0, "interleaved x4": 75.0, "zbv": 72.0}
+    seen: list[str] = []
+    plan = choose_schedule(_straight(16, 4, 4), chain(16), Cluster(4, 1), _stand_in(times, seen=seen))
+    assert seen == ["dapple", "gpipe", "interleaved x2", "interleaved x3", "interleaved x4", "zbv"]  # x4 was slower: no x5
+    assert plan.schedule == "interleaved" and plan.chunks == 3 and plan.placement == tuple(k % 4 for k in range(12))
+    assert plan.predicted is not None and plan.predicted.simulated_latency_ms == 70.0
+    choice = plan.extra["schedule_choice"]
+    assert choice["chosen"] == "interleaved x3"
+    assert [c["simulated_ms"] for c in choice["candidates"]] == [100.0, 110.0, 80.0, 70.0, 75.0, 72.0]
+    assert plan.reason.startswith("straight pipeline. Schedule interleaved x3 (1:1:1:1 x3 chunks): 70.00 ms simulated, beat dapple 100.00 ms (+43%)")
+    assert "zbv 72.00 ms (+3%)" in plan.reason
+
+
+def test_a_candidate_over_the_memory_budget_loses_and_is_named() -> None:
+    cluster = Cluster(4, 1, device_memory_gib=1.0)
+    times = {"dapple": 100.0, "gpipe": 90.0, "interleaved x2": 80.0, "interleaved x3": 85.0, "zbv": 60.0}
+    memory = {"zbv": 0.6 * 2**30}  # two stages per device: 1.2 GiB
+    plan = choose_schedule(_straight(16, 4, 4), chain(16), cluster, _stand_in(times, memory))
+    assert plan.schedule == "interleaved" and plan.chunks == 2
+    assert "did not fit: zbv (60.00 ms, needs 1.20 GiB per device, more than 1.00 GiB)" in plan.reason
+    assert plan.extra["schedule_choice"]["candidates"][-1]["fits"] is False
+
+
+def test_hybrid_plans_also_try_the_straight_shape() -> None:
+    stages = (StagePlan((0, 8), (0, 1)), StagePlan((8, 16), (2, 3)))
+    hybrid = Plan(8, 4, stages, reason="2:2 pipeline").with_warmups()
+    times = {"dapple": 100.0, "gpipe": 100.0, "interleaved x2": 95.0, "interleaved x3": 96.0, "zbv": 97.0, "interleaved x2 straight": 90.0}
+    times |= {"interleaved x3 straight": 91.0, "zbv straight": 85.0}
+    plan = choose_schedule(hybrid, chain(16), Cluster(4, 1), _stand_in(times, groups=2))
+    assert plan.schedule == "zbv" and plan.device_groups == ((0,), (1,), (2,), (3,))
+    assert plan.placement == (0, 1, 2, 3, 3, 2, 1, 0)
+    assert "Schedule zbv on the straight shape (1:1:1:1 x2 chunks): 85.00 ms simulated" in plan.reason
+
+
+def test_one_device_group_runs_dapple_only() -> None:
+    plan = make_plan(chain(8, params=1e3), Cluster(1, 4), 8, schedule="auto")
+    assert plan.kind() == "DP" and plan.schedule == "dapple"
+    assert [c["label"] for c in plan.extra["schedule_choice"]["candidates"]] == ["dapple"]
+    assert plan.reason.endswith("Schedule dapple: %.2f ms simulated." % plan.predicted.simulated_latency_ms)
+
+
+def test_a_named_chunked_schedule_that_cannot_run_is_an_error() -> None:
+    with pytest.raises(DappleConfigError, match="none of \\['zbv'\\] can run this plan"):
+        choose_schedule(_straight(16, 4, 4), chain(16), Cluster(4, 1), _stand_in({"dapple": 1.0}), schedules=("zbv",))
+
+
+# --------------------------------------------------------------------------- real prices
+
+
+def test_memory_tight_keeps_the_schedule_that_fits() -> None:
+    """GPipe simulates faster here (all forwards first, M=8) but stashes all 8 micro-batches."""
+    profile = chain(8, params=1e6, stash=5e8)
+    cluster = Cluster(4, 1, inter_bandwidth_gbps=1.0, device_memory_gib=4.0)
+    plan = make_plan(profile, cluster, 8, micro_batches=8, schedule="auto", schedules=("dapple", "gpipe"))
+    assert plan.schedule == "dapple" and plan.kind() == "straight"
+    gpipe = next(c for c in plan.extra["schedule_choice"]["candidates"] if c["schedule"] == "gpipe")
+    assert gpipe["fits"] is False and gpipe["simulated_ms"] < plan.predicted.simulated_latency_ms
+    assert "did not fit: gpipe" in plan.reason and "more than 4.00 GiB" in plan.reason
+    roomy = make_plan(profile, Cluster(4, 1, inter_bandwidth_gbps=1.0, device_memory_gib=16.0), 8, micro_batches=8, policy="PA", schedule="auto", schedules=("dapple", "gpipe"))
+    assert roomy.schedule == "gpipe" and "beat dapple" in roomy.reason
+
+
+def test_named_dapple_keeps_the_planners_plan() -> None:
+    profile, cluster = chain(16), Cluster(4, 1, inter_bandwidth_gbps=1.0)
+    named = make_plan(profile, cluster, 8, schedule="dapple")
+    assert named == make_plan(profile, cluster, 8) and "schedule_choice" not in named.extra
+    auto = make_plan(profile, cluster, 8, schedule="auto", schedules=("dapple",))
+    assert auto.stages == named.stages and auto.micro_batches == named.micro_batches and auto.schedule == "dapple"
+
+
+def test_chosen_plan_validates_and_simulates_as_recorded() -> None:
+    profile, cluster = chain(16), Cluster(4, 1, inter_bandwidth_gbps=1.0)
+    plan = make_plan(profile, cluster, 8, schedule="auto")
+    again = plan_from_dict(json.loads(plan.to_json()))
+    assert again == plan
+    assert simulate_plan(again, profile, cluster).latency_ms == pytest.approx(plan.predicted.simulated_latency_ms)
+    fastest = min(c["simulated_ms"] for c in plan.extra["schedule_choice"]["candidates"] if c["fits"])
+    assert plan.predicted.simulated_latency_ms == fastest
+
+
+def test_strategy_arguments_default_to_auto_and_keep_given_plans() -> None:
+    arguments = PlanArguments()
+    assert arguments.planner_kwargs()["schedule"] == "auto"
+    assert PlanArguments(schedule="gpipe").planner_kwargs()["schedule"] == "gpipe"
+    given = _straight(16, 4, 4)
+    assert resolve_plan(given, PlanArguments(schedule="auto")).schedule == "dapple"
+    assert resolve_plan(given, PlanArguments(schedule="gpipe")).schedule == "gpipe"
+    with pytest.raises(DappleConfigError, match="'auto' or one of"):
+        PlanArguments(schedule="pipedream")
+    assert RUNNABLE_SCHEDULES[:2] == ("dapple", "gpipe")
+
+
+def test_dapple_plan_prints_the_why(tmp_path: Path) -> None:
+    """``dapple-plan ... --schedule auto | cat``: the plan's why names the schedule and what it beat."""
+    profile = tmp_path / "chain.json"
+    profile.write_text(chain(16).to_json())
+    cluster = tmp_path / "cluster.json"
+    cluster.write_text(json.dumps(Cluster(4, 1, inter_bandwidth_gbps=1.0).to_dict()))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "400"}
+    command = [sys.executable, "-m", "lightning_dapple.cli.plan", "--profile", str(profile), "--cluster", str(cluster), "--global-batch-size", "8"]
+    shown = subprocess.run(command + ["--schedule", "auto"], capture_output=True, text=True, env=env, timeout=300, check=True).stdout
+    assert "why: straight pipeline" in shown, shown
+    chosen = next(line for line in shown.splitlines() if "Schedule " in line)
+    assert " ms simulated, beat " in chosen and "dapple" in chosen and "gpipe" in chosen
+    named = subprocess.run(command + ["--schedule", "dapple"], capture_output=True, text=True, env=env, timeout=300, check=True).stdout
+    assert "Schedule " not in named
