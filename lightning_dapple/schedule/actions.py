@@ -204,6 +204,9 @@ class Schedule:
         other forward on the stage -- the micro-batch last in flight (torchgpipe's
         'except_last'; under GPipe only micro-batch M-1, under early backward also every
         micro-batch of a stage with K_i = 1), whose recomputation would save no memory.
+        On a device group that runs several stages (chunks) "other forward" means any
+        forward of the group: the chunks share the device's memory, so a micro-batch
+        whose stash outlives another chunk's forward is recomputed too.
         """
         mode = self.recompute_mode(stage)
         if mode == "never":
@@ -212,12 +215,12 @@ class Schedule:
         if mode == "always":
             return frozenset(every)
         kept: set[int] = set()
-        last_forward: int | None = None
-        for action in self.compute(stage):
+        last_forward: tuple[int, int | None] | None = None
+        for action in self.group_actions(self.group_of(stage)):
             if action.kind is Kind.F:
-                last_forward = action.microbatch
-            elif action.kind.is_backward and action.microbatch == last_forward:
-                kept.add(action.microbatch)
+                last_forward = (action.stage, action.microbatch)
+            elif action.kind.is_backward and action.stage == stage and (stage, action.microbatch) == last_forward:
+                kept.add(action.microbatch)  # type: ignore[arg-type]
         return frozenset(mb for mb in every if mb not in kept)
 
 

@@ -28,7 +28,9 @@ from lightning_dapple.plan.schedule_choice import AUTO_SCHEDULE, RUNNABLE_SCHEDU
 from lightning_dapple.profile.model_profile import ModelProfile
 from lightning_dapple.schedule.actions import Schedule, stash_walk
 from lightning_dapple.schedule.builders import build_schedule
+from lightning_dapple.schedule.interleaved import build_interleaved_schedule
 from lightning_dapple.schedule.ooo import build_ooo_schedule
+from lightning_dapple.schedule.zbv import build_zbv_schedule
 from lightning_dapple.simulate.engine import SimulationResult, simulate
 
 __all__ = ["PLANNERS", "check_plan_fits", "make_plan", "price_plan", "schedule_for_plan", "simulate_plan", "stage_memory"]
@@ -39,7 +41,9 @@ PLANNERS = ("dapple", "pipedream")
 def schedule_for_plan(plan: Plan, profile: ModelProfile | None = None, bucket_bytes: int | None = None) -> Schedule:
     """The schedule a plan asks for, with its K_i filled by its policy when missing.
 
-    ``plan.ooo`` adds deferred W actions (``schedule.ooo.build_ooo_schedule``: caps from
+    Plans with several stages per device group get interleaved 1F1B
+    (``schedule.interleaved``) or ZB-V (``schedule.zbv``), with ``placement`` and each
+    group's merged ``orders`` filled. ``plan.ooo`` adds deferred W actions (``schedule.ooo.build_ooo_schedule``: caps from
     ``plan.ooo_in_flight`` when the planner set them, k from ``plan.first_k``);
     each stage's ``recompute`` mode is carried along either way. With the model's
     ``profile`` a replicated stage's ALLREDUCE actions are the gradient buckets of
@@ -50,6 +54,8 @@ def schedule_for_plan(plan: Plan, profile: ModelProfile | None = None, bucket_by
     """
     plan = plan.with_warmups()
     modes = tuple(stage.recompute for stage in plan.stages)
+    if plan.schedule in CHUNKED_SCHEDULES:
+        return _chunked_schedule(plan, modes if any(mode != "never" for mode in modes) else ())
     if plan.ooo:
         sizes = synced_layer_bytes(profile, plan.stages) if profile is not None else None
         return build_ooo_schedule(
@@ -69,6 +75,17 @@ def schedule_for_plan(plan: Plan, profile: ModelProfile | None = None, bucket_by
     if any(mode != "never" for mode in modes):
         built = replace(built, recompute=modes)
     return built
+
+
+def _chunked_schedule(plan: Plan, modes: tuple[str, ...]) -> Schedule:
+    """Interleaved 1F1B or ZB-V for a plan with several stages per device group (K per
+    group: the K of the group's first stage; ``Plan.validate`` makes them equal)."""
+    plan.validate()
+    placement = plan.placement
+    per_group = [plan.warmups[placement.index(group)] for group in range(len(plan.device_groups))]
+    if plan.schedule == "zbv":
+        return build_zbv_schedule(len(per_group), plan.micro_batches, per_group, recompute=modes)
+    return build_interleaved_schedule(len(per_group), plan.chunks, plan.micro_batches, per_group, recompute=modes)
 
 
 def check_plan_fits(plan: Plan, profile: ModelProfile, cluster: Cluster) -> Plan:
