@@ -170,3 +170,61 @@ def test_dapple_plan_prints_the_why(tmp_path: Path) -> None:
     assert " ms simulated, beat " in chosen and "dapple" in chosen and "gpipe" in chosen
     named = subprocess.run(command + ["--schedule", "dapple"], capture_output=True, text=True, env=env, timeout=300, check=True).stdout
     assert "Schedule " not in named
+
+
+def _split_chain(n: int) -> ModelProfile:
+    """F = B_input = B_weight per layer: the case ZB-V is built for."""
+    layers = tuple(LayerProfile(f"layer{i}", 2.0, 4.0, 1e5, 2e8, 1e5, backward_input_ms=2.0, backward_weight_ms=2.0) for i in range(n))
+    return ModelProfile(1, layers, name=f"split{n}")
+
+
+def _simulated(plan: Plan) -> dict[str, float]:
+    return {c["label"]: c["simulated_ms"] for c in plan.extra["schedule_choice"]["candidates"] if "simulated_ms" in c}
+
+
+SLOW_LINKS = Cluster(4, 1, inter_bandwidth_gbps=1.0, device_memory_gib=64.0)  # DP's AllReduce of 3.2 GB is hopeless: straight pipelines
+
+
+def test_few_micro_batches_on_a_deep_pipeline_interleave() -> None:
+    plan = make_plan(chain(32), SLOW_LINKS, 4, micro_batches=4, schedule="auto", schedules=("dapple", "gpipe", "interleaved"))
+    times = _simulated(plan)
+    assert plan.schedule == "interleaved" and plan.kind() == f"1:1:1:1 x{plan.chunks} chunks" and plan.chunks >= 2
+    assert times[f"interleaved x{plan.chunks}"] == min(times.values()) < times["dapple"]
+    # the chunk count grew while it got faster and stopped at the first slower one
+    counts = [int(label.split("x")[1]) for label in times if label.startswith("interleaved")]
+    assert counts == list(range(2, plan.chunks + 2)) and times[f"interleaved x{plan.chunks + 1}"] >= times[f"interleaved x{plan.chunks}"]
+    assert f"beat dapple {times['dapple']:.2f} ms" in plan.reason
+    # every chunk has layers and the groups share the work evenly (32 equal layers: 8 per device)
+    per_group = [sum(s.end - s.start for s, g in zip(plan.stages, plan.placement) if g == group) for group in range(4)]
+    assert per_group == [8, 8, 8, 8]
+
+
+def test_zero_bubble_v_wins_when_weight_gradients_split_evenly() -> None:
+    plan = make_plan(_split_chain(16), SLOW_LINKS, 8, micro_batches=8, schedule="auto")
+    times = _simulated(plan)
+    assert plan.schedule == "zbv" and plan.placement == (0, 1, 2, 3, 3, 2, 1, 0)
+    assert times["zbv"] < min(time for label, time in times.items() if label != "zbv")
+    assert plan.reason.split(". Schedule ")[1].startswith(f"zbv (1:1:1:1 x2 chunks): {times['zbv']:.2f} ms simulated, beat dapple")
+
+
+def test_many_micro_batches_keep_dapple() -> None:
+    """At M=16 on 8 layers the 1F1B bubble is small and chunks only add hand-offs."""
+    plan = make_plan(chain(8), SLOW_LINKS, 16, micro_batches=16, schedule="auto")
+    times = _simulated(plan)
+    assert plan.schedule == "dapple" and plan.kind() == "straight"
+    assert times["interleaved x2"] > times["dapple"] and times["zbv"] > times["dapple"]
+
+
+def test_the_runs_ooo_choice_is_made_for_every_candidate() -> None:
+    """The strategy's finisher runs on each candidate: dapple with its ooo choice, a chunked
+    winner with ooo off and the reason why."""
+    from lightning_dapple.strategy.auto_plan import run_finisher
+
+    profile = _split_chain(16)
+    finish = run_finisher(PlanArguments(), profile, SLOW_LINKS)
+    plan = make_plan(profile, SLOW_LINKS, 8, micro_batches=8, schedule="auto", finish=finish)
+    assert plan.schedule == "zbv" and not plan.ooo
+    assert plan.extra["ooo_choice"] == "off (auto: the 'zbv' schedule places its own backward work)"
+    dapple = make_plan(profile, SLOW_LINKS, 8, micro_batches=8, schedule="dapple", finish=finish)
+    assert dapple.ooo and dapple.extra["ooo_choice"].startswith("on (auto: simulated step")
+    assert _simulated(plan)["dapple"] == pytest.approx(simulate_plan(dapple, profile, SLOW_LINKS).latency_ms)  # priced with ooo on
