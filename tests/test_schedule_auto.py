@@ -25,8 +25,8 @@ from lightning_dapple.strategy.resolve import PlanArguments, resolve_plan
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def chain(n: int, forward: float = 2.0, params: float = 2e8, stash: float = 1e5) -> ModelProfile:
-    layers = tuple(LayerProfile(f"layer{i}", forward, 2 * forward, 1e5, params, stash) for i in range(n))
+def chain(n: int, forward: float = 2.0, params: float = 2e8, stash: float = 1e5, output: float = 1e5) -> ModelProfile:
+    layers = tuple(LayerProfile(f"layer{i}", forward, 2 * forward, output, params, stash) for i in range(n))
     return ModelProfile(1, layers, name=f"chain{n}")
 
 
@@ -207,9 +207,10 @@ def test_zero_bubble_v_wins_when_weight_gradients_split_evenly() -> None:
     assert plan.reason.split(". Schedule ")[1].startswith(f"zbv (1:1:1:1 x2 chunks): {times['zbv']:.2f} ms simulated, beat dapple")
 
 
-def test_many_micro_batches_keep_dapple() -> None:
-    """At M=16 on 8 layers the 1F1B bubble is small and chunks only add hand-offs."""
-    plan = make_plan(chain(8), SLOW_LINKS, 16, micro_batches=16, schedule="auto")
+def test_costly_transfers_keep_dapple() -> None:
+    """Chunks send every micro-batch across the devices v times as often: with 8 ms per
+    boundary transfer that costs more than the bubble they save."""
+    plan = make_plan(chain(8, output=1e6), SLOW_LINKS, 16, micro_batches=16, schedule="auto")
     times = _simulated(plan)
     assert plan.schedule == "dapple" and plan.kind() == "straight"
     assert times["interleaved x2"] > times["dapple"] and times["zbv"] > times["dapple"]

@@ -38,7 +38,7 @@ from lightning_dapple.cluster import GIB, Cluster
 from lightning_dapple.errors import DappleConfigError, require
 from lightning_dapple.plan.chunk_cut import chunked_stages
 from lightning_dapple.plan.costs import StageCost, dapple_latency
-from lightning_dapple.plan.plan import SCHEDULES, Plan
+from lightning_dapple.plan.plan import POLICIES, SCHEDULES, Plan
 from lightning_dapple.profile.model_profile import ModelProfile
 
 __all__ = ["AUTO_SCHEDULE", "RUNNABLE_SCHEDULES", "Candidate", "choose_schedule", "schedule_candidates"]
@@ -86,6 +86,7 @@ class Candidate:
             out["problem"] = self.problem
         if self.plan is not None:
             out["kind"] = self.plan.kind()
+            out["policy"] = self.plan.policy
         return out
 
 
@@ -168,13 +169,20 @@ def _chunked(
     chunks: int,
     pricing: "Pricing",
 ) -> Candidate:
-    """A ``schedule`` plan with ``chunks`` stages per group of ``groups``, priced."""
+    """A ``schedule`` plan with ``chunks`` stages per group of ``groups``, priced under the
+    plan's K policy, or, where the planner chose the policy (``extra["policy_choice"]``),
+    under the faster fitting one of P_A and P_B (P_A on a tie, as ``policy_choice``)."""
     try:
         stages = chunked_stages(pricing.profile, groups, schedule, chunks, plan.micro_batch_size)
     except DappleConfigError as exc:
         return Candidate(schedule, chunks, straight, problem=_problem(exc))
-    bare = Plan(plan.global_batch_size, plan.micro_batches, stages, schedule=schedule, policy="PA", planner=plan.planner, reason=plan.reason)
-    return _priced(Candidate(schedule, chunks, straight, bare), pricing)
+    policies = POLICIES if "policy_choice" in plan.extra else (plan.policy,)
+    tried = []
+    for policy in policies:
+        bare = Plan(plan.global_batch_size, plan.micro_batches, stages, schedule=schedule, policy=policy, planner=plan.planner, reason=plan.reason)
+        tried.append(_priced(Candidate(schedule, chunks, straight, bare.with_warmups()), pricing))
+    fitting = [candidate for candidate in tried if candidate.fits]
+    return min(fitting, key=lambda candidate: candidate.latency_ms) if fitting else tried[0]  # type: ignore[arg-type, return-value]
 
 
 def _rescheduled(plan: Plan, schedule: str) -> Plan:
