@@ -66,7 +66,7 @@ def _straight(layers: int, groups: int, micro_batches: int) -> Plan:
 def test_chunks_grow_while_faster_and_the_why_names_every_candidate() -> None:
     times = {"dapple": 100.0, "gpipe": 110.0, "interleaved x2": 80.0, "interleaved x3": 70.0, "interleaved x4": 75.0, "zbv": 72.0}
     seen: list[str] = []
-    plan = choose_schedule(_straight(16, 4, 4), chain(16), Cluster(4, 1), _stand_in(times, seen=seen))
+    plan = choose_schedule(_straight(32, 4, 4), chain(32), Cluster(4, 1), _stand_in(times, seen=seen))
     assert seen == ["dapple", "gpipe", "interleaved x2", "interleaved x3", "interleaved x4", "zbv"]  # x4 was slower: no x5
     assert plan.schedule == "interleaved" and plan.chunks == 3 and plan.placement == tuple(k % 4 for k in range(12))
     assert plan.predicted is not None and plan.predicted.simulated_latency_ms == 70.0
