@@ -16,7 +16,7 @@ from stage_costs import cost
 
 from lightning_dapple.errors import DappleConfigError
 from lightning_dapple.plan.plan import Plan, StagePlan, plan_from_dict
-from lightning_dapple.schedule.actions import Action, Kind, Schedule
+from lightning_dapple.schedule.actions import Action, Kind, Schedule, group_stash_walk
 from lightning_dapple.schedule.builders import build_schedule
 from lightning_dapple.schedule.interleaved import build_interleaved_schedule
 from lightning_dapple.schedule.zbv import build_zbv_schedule
@@ -262,3 +262,39 @@ def test_same_group_boundaries_are_free_and_group_pairs_share_one_link_per_direc
     assert {(span.kind, span.stage) for span in down} == {("act", 0), ("act", 2), ("grad", 2)}
     assert all(a.end_ms <= b.start_ms for a, b in zip(down, down[1:]))  # one transfer at a time
     assert len(down) == 3 * 4 and all(span.end_ms - span.start_ms == 0.5 for span in down)
+
+
+def test_group_stash_walk_charges_each_chunk_its_own_bytes() -> None:
+    """Group 0 of interleaved P=2, v=2, M=4 runs 0F0 0F1 2F0 2F1 2B0 0F2 2B1 0F3 0B0 ...:
+    it holds 2a+2b after the warm-up, 4a after 0F3, so its peak is max(2a+2b, 4a)."""
+    schedule = build_interleaved_schedule(2, 2, 4)
+    compute = [a for a in schedule.group_actions(0) if a.kind.is_compute]
+    assert [a.text for a in compute][:9] == ["0F0", "0F1", "2F0", "2F1", "2B0", "0F2", "2B1", "0F3", "0B0"]
+    none = {0: frozenset(), 2: frozenset()}
+    zero = {0: 0.0, 2: 0.0}
+    assert group_stash_walk(compute, none, {0: 1.0, 2: 10.0}, zero, zero) == (22.0, 4)
+    assert group_stash_walk(compute, none, {0: 10.0, 2: 1.0}, zero, zero) == (40.0, 4)
+    # recomputed chunk 0 keeps only its 0.5-byte input until its backward replays it; the
+    # peak is at 0B1 (after 2F2): inputs of 0F1..0F3, 2F2's stash and 0B1's replayed stash
+    replayed = {0: frozenset(range(4)), 2: frozenset()}
+    assert group_stash_walk(compute, replayed, {0: 10.0, 2: 1.0}, {0: 0.5, 2: 0.0}, zero) == (3 * 0.5 + 1.0 + 10.0, 4)
+
+
+def test_stage_memory_reports_the_group_of_each_stage() -> None:
+    from lightning_dapple.cluster import Cluster
+    from lightning_dapple.profile.model_profile import LayerProfile, ModelProfile
+    from lightning_dapple.simulate.plans import simulate_plan, stage_memory
+
+    layers = tuple(LayerProfile(f"l{i}", forward_ms=1.0, backward_ms=2.0, output_bytes=8.0, param_bytes=100.0 * (i + 1), stash_bytes=1000.0) for i in range(4))
+    profile = ModelProfile(micro_batch_size=8, layers=layers, name="four")
+    cluster = Cluster(1, 2, name="two")
+    plan = replace(chunked_plan("interleaved", 2, 2, 4), global_batch_size=32)
+    memory, stashes, schedule, costs = stage_memory(plan, profile, cluster)
+    weights = [c.param_bytes * (2.0 + cluster.optimizer_state_factor) for c in costs]
+    # K = 4 chunk micro-batches on group 0 (stages 0, 2), 3 on group 1 (stages 1, 3), equal stashes
+    assert stashes == [4 * costs[0].stash_bytes, 3 * costs[1].stash_bytes] * 2
+    assert memory[0] == memory[2] == pytest.approx(weights[0] + weights[2] + stashes[0])
+    assert memory[1] == memory[3] == pytest.approx(weights[1] + weights[3] + stashes[1])
+    result = simulate_plan(plan, profile, cluster)
+    assert sorted(result.timelines) == [0, 1] and [s.devices for s in result.stages] == [(0,), (1,), (0,), (1,)]
+    assert result.latency_ms == pytest.approx((4 + 1 / 2) * 6)  # (M + (P-1)/v)(F+B) for two layers per group

@@ -80,7 +80,7 @@ def test_chunks_grow_while_faster_and_the_why_names_every_candidate() -> None:
 def test_a_candidate_over_the_memory_budget_loses_and_is_named() -> None:
     cluster = Cluster(4, 1, device_memory_gib=1.0)
     times = {"dapple": 100.0, "gpipe": 90.0, "interleaved x2": 80.0, "interleaved x3": 85.0, "zbv": 60.0}
-    memory = {"zbv": 0.6 * 2**30}  # two stages per device: 1.2 GiB
+    memory = {"zbv": 1.2 * 2**30}  # per stage: the bytes of the device group running it
     plan = choose_schedule(_straight(16, 4, 4), chain(16), cluster, _stand_in(times, memory))
     assert plan.schedule == "interleaved" and plan.chunks == 2
     assert "did not fit: zbv (60.00 ms, needs 1.20 GiB per device, more than 1.00 GiB)" in plan.reason

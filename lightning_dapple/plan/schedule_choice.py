@@ -24,10 +24,12 @@ plan's shape allows and keeping the fastest that fits the device memory:
 
 A candidate is priced by the layer that owns the simulator (``simulate.plans.price_plan``:
 ``check_plan_fits``, ``stage_memory`` and ``simulate_plan``, the checks and prices every
-plan gets). It "fits" when every device's memory (its stages' memory, summed over the
-stages its device group holds) is within ``cluster.device_memory_bytes``. If none fits the planner's own plan is kept, as
-before. The plan's ``reason`` gains one sentence naming the winner, what it beat and by
-how much; ``extra["schedule_choice"]`` holds every candidate's numbers.
+plan gets). It "fits" when every device's memory (``stage_memory``: for a device group
+holding several stages, the weights of all of them and the peak of one stash walk over
+the group's merged order) is within ``cluster.device_memory_bytes``. If none fits, the
+planner's own plan is kept, as before. The plan's ``reason`` gains one sentence naming
+the winner, what it beat and by how much; ``extra["schedule_choice"]`` holds every
+candidate's numbers.
 """
 from __future__ import annotations
 
@@ -210,23 +212,13 @@ def _priced(candidate: Candidate, pricing: Pricing) -> Candidate:
         simulation, memory, costs = pricing.price(plan, pricing.profile, pricing.cluster)
     except DappleConfigError as exc:
         return replace(candidate, plan=None, problem=_problem(exc))
-    peak = max(_group_memory(plan, memory))
+    peak = max(memory)  # a device's bytes: a stage's entry is its device group's (all its chunks)
     formula = dapple_latency(costs, plan.micro_batches, memory)
     predicted = replace(formula, simulated_latency_ms=simulation.latency_ms, bubble_fraction=simulation.bubble_fraction)
     plan = replace(plan, predicted=predicted)
     budget = pricing.cluster.device_memory_bytes
     problem = f"needs {_gib(peak)} per device, more than {_gib(budget)}" if peak > budget else ""
     return replace(candidate, plan=plan, latency_ms=float(simulation.latency_ms), memory_bytes=peak, problem=problem)
-
-
-def _group_memory(plan: Plan, memory: Sequence[float]) -> list[float]:
-    """Bytes per device of each device group: the sum over the stages it holds (their
-    weights, gradients and optimizer state add up; the sum of their stash peaks bounds the
-    stash the group holds at once)."""
-    totals = [0.0] * len(plan.device_groups)
-    for group, stage_bytes in zip(plan.placement, memory):
-        totals[group] += stage_bytes
-    return totals
 
 
 def _with_choice(plan: Plan, candidates: Sequence[Candidate], best: Candidate | None) -> Plan:

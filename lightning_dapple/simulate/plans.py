@@ -26,7 +26,7 @@ from lightning_dapple.plan.pipedream_planner import plan_pipedream
 from lightning_dapple.plan.plan import CHUNKED_SCHEDULES, Plan
 from lightning_dapple.plan.schedule_choice import AUTO_SCHEDULE, RUNNABLE_SCHEDULES, Finisher, choose_schedule
 from lightning_dapple.profile.model_profile import ModelProfile
-from lightning_dapple.schedule.actions import Schedule, stash_walk
+from lightning_dapple.schedule.actions import Schedule, group_stash_walk, stash_walk
 from lightning_dapple.schedule.builders import build_schedule
 from lightning_dapple.schedule.interleaved import build_interleaved_schedule
 from lightning_dapple.schedule.ooo import build_ooo_schedule
@@ -88,6 +88,13 @@ def _chunked_schedule(plan: Plan, modes: tuple[str, ...]) -> Schedule:
     return build_interleaved_schedule(len(per_group), plan.chunks, plan.micro_batches, per_group, recompute=modes)
 
 
+def _priced(plan: Plan, profile: ModelProfile) -> ModelProfile:
+    """The profile a plan's schedule is priced with: schedules that split backwards into I
+    and W (``plan.ooo``, ZB-V) need each layer's B/W split, measured or estimated
+    (``plan.options.with_weight_split``)."""
+    return with_weight_split(profile) if plan.ooo or plan.schedule == "zbv" else profile
+
+
 def check_plan_fits(plan: Plan, profile: ModelProfile, cluster: Cluster) -> Plan:
     """Validate ``plan`` for this model and cluster: layers cover the profile exactly, the
     ranks are 0..W-1 and W does not exceed the cluster's device count."""
@@ -114,10 +121,11 @@ def simulate_plan(
     K_i come from ``plan.with_warmups()`` (DAPPLE 5.3). Costs are those of ``stage_costs``,
     the ones the planner's formula uses, so the two can be compared. The action lists are
     those of ``schedule_for_plan``, the ones the executor runs (with the profile's gradient
-    buckets as ALLREDUCE actions): with ``plan.ooo`` the out-of-order schedule, whose W
-    work is priced from the profile's measured B/W split or, for profiles without one, the
-    estimate of ``plan.options.with_weight_split``; each stage's ``recompute`` mode adds
-    the recomputed forwards.
+    buckets as ALLREDUCE actions): with ``plan.ooo`` the out-of-order schedule, and for
+    ``zbv`` the V schedule, whose W work is priced from the profile's measured B/W split
+    or, for profiles without one, the estimate of ``plan.options.with_weight_split``;
+    each stage's ``recompute`` mode adds the recomputed forwards. A plan with several
+    stages per device group is simulated with one clock per group (``simulate.engine``).
     """
     check_plan_fits(plan, profile, cluster)
     if schedule is not None and schedule != plan.schedule:
@@ -125,19 +133,29 @@ def simulate_plan(
         plan.validate()
     plan = plan.with_warmups()
     built = schedule_for_plan(plan, profile)
-    if plan.ooo:
-        profile = with_weight_split(profile)
-    costs = stage_costs(profile, cluster, plan.stages, plan.micro_batch_size)
+    costs = stage_costs(_priced(plan, profile), cluster, plan.stages, plan.micro_batch_size)
     return simulate(built, costs, [stage.devices for stage in plan.stages])
 
 
 def stage_memory(plan: Plan, profile: ModelProfile, cluster: Cluster) -> tuple[list[float], list[float], Any, list[StageCost]]:
     """(memory bytes per stage, peak stashed bytes per stage, schedule, costs) of ``plan``
-    as the executor would run it."""
+    as the executor would run it.
+
+    What is counted (DAPPLE 5.3): per device, weights, gradients and optimizer state of
+    the parameters it holds, plus the peak of the stash walk (``schedule.actions``:
+    activations of the micro-batches in flight, stage inputs of recomputed ones, kept
+    output gradients while a W is pending). A stage's entries are those of the devices
+    that run it: with several stages per device group (interleaved, V) both entries are
+    the group's -- the parameters of all its chunks, and the peak of one walk over the
+    group's merged order in which each chunk keeps its own ``StageCost`` bytes -- repeated
+    for each of the group's stages, so the largest entry is still the largest device's.
+    """
     plan = plan.with_warmups()
     schedule = schedule_for_plan(plan, profile)
-    priced = with_weight_split(profile) if plan.ooo else profile
-    costs = stage_costs(priced, cluster, plan.stages, plan.micro_batch_size)
+    costs = stage_costs(_priced(plan, profile), cluster, plan.stages, plan.micro_batch_size)
+    if schedule.orders:
+        memory, stashes = _group_memory(schedule, costs, cluster)
+        return memory, stashes, schedule, costs
     stashes, memory = [], []
     for index, cost in enumerate(costs):
         peak, _ = stash_walk(schedule.compute(index), schedule.recomputed(index), cost.stash_bytes, cost.input_bytes, cost.wgrad_bytes)
@@ -152,6 +170,24 @@ def price_plan(plan: Plan, profile: ModelProfile, cluster: Cluster) -> tuple[Sim
     check_plan_fits(plan, profile, cluster)
     memory, _, _, costs = stage_memory(plan, profile, cluster)
     return simulate_plan(plan, profile, cluster), memory, costs
+
+
+def _group_memory(schedule: Schedule, costs: list[StageCost], cluster: Cluster) -> tuple[list[float], list[float]]:
+    """Per stage, the memory and peak stash of the device group running it (``stage_memory``)."""
+    stages = range(schedule.num_stages)
+    recomputed = {s: schedule.recomputed(s) for s in stages}
+    stash = {s: costs[s].stash_bytes for s in stages}
+    inputs = {s: costs[s].input_bytes for s in stages}
+    wgrads = {s: costs[s].wgrad_bytes for s in stages}
+    group_peak, group_memory = [], []
+    for group in range(schedule.num_groups):
+        compute = [action for action in schedule.group_actions(group) if action.kind.is_compute]
+        peak, _ = group_stash_walk(compute, recomputed, stash, inputs, wgrads)
+        held = [costs[s] for s in stages if schedule.group_of(s) == group]
+        weights = sum(stage_memory_from_stash(cost, 0.0, cluster) for cost in held)
+        group_peak.append(peak)
+        group_memory.append(weights + peak)
+    return [group_memory[schedule.group_of(s)] for s in stages], [group_peak[schedule.group_of(s)] for s in stages]
 
 
 def make_plan(
