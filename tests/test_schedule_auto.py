@@ -229,3 +229,21 @@ def test_the_runs_ooo_choice_is_made_for_every_candidate() -> None:
     dapple = make_plan(profile, SLOW_LINKS, 8, micro_batches=8, schedule="dapple", finish=finish)
     assert dapple.ooo and dapple.extra["ooo_choice"].startswith("on (auto: simulated step")
     assert _simulated(plan)["dapple"] == pytest.approx(simulate_plan(dapple, profile, SLOW_LINKS).latency_ms)  # priced with ooo on
+
+
+@pytest.mark.timeout(600)
+def test_table4_plans_are_what_auto_starts_from() -> None:
+    """A Table 4 cell (BERT-48 on config B, DAPPLE 6.2): a named 'dapple' gives today's plan,
+    and 'auto' prices exactly that plan as its dapple candidate before the others."""
+    from lightning_dapple.app.recipe_profile import recipe_global_batch, recipe_profile, shared_profiles_dir
+    from lightning_dapple.cluster import load_cluster
+
+    if shared_profiles_dir() is None:
+        pytest.skip("needs ../shared/profiles")
+    profile, cluster, batch = recipe_profile("bert", prefer_shared=True), load_cluster("paper-b"), recipe_global_batch("bert")
+    today = make_plan(profile, cluster, batch)
+    assert make_plan(profile, cluster, batch, schedule="dapple") == today
+    auto = make_plan(profile, cluster, batch, schedule="auto")
+    first = auto.extra["schedule_choice"]["candidates"][0]
+    assert first["label"] == "dapple" and first["simulated_ms"] == pytest.approx(today.predicted.simulated_latency_ms)
+    assert auto.micro_batches == today.micro_batches and auto.device_groups == today.device_groups
