@@ -247,3 +247,12 @@ def test_table4_plans_are_what_auto_starts_from() -> None:
     first = auto.extra["schedule_choice"]["candidates"][0]
     assert first["label"] == "dapple" and first["simulated_ms"] == pytest.approx(today.predicted.simulated_latency_ms)
     assert auto.micro_batches == today.micro_batches and auto.device_groups == today.device_groups
+
+
+def test_a_named_chunked_schedule_is_cut_and_priced_alone() -> None:
+    plan = make_plan(chain(16), SLOW_LINKS, 8, micro_batches=8, schedule="interleaved")
+    assert plan.schedule == "interleaved" and plan.chunks >= 2
+    assert {c["schedule"] for c in plan.extra["schedule_choice"]["candidates"]} == {"interleaved"}
+    with pytest.raises(DappleConfigError) as error:
+        make_plan(chain(16), SLOW_LINKS, 6, micro_batches=6, schedule="interleaved")
+    assert "none of ['interleaved'] can run this plan" in str(error.value) and "rounds of the 4 device groups" in str(error.value)
