@@ -256,3 +256,20 @@ def test_a_named_chunked_schedule_is_cut_and_priced_alone() -> None:
     with pytest.raises(DappleConfigError) as error:
         make_plan(chain(16), SLOW_LINKS, 6, micro_batches=6, schedule="interleaved")
     assert "none of ['interleaved'] can run this plan" in str(error.value) and "rounds of the 4 device groups" in str(error.value)
+
+
+def test_dapple_plan_defaults(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """dapple-plan chooses the schedule for DAPPLE's planner; the PipeDream baseline keeps
+    DAPPLE's schedule unless asked."""
+    from lightning_dapple.cli.plan import main
+
+    profile = tmp_path / "chain.json"
+    profile.write_text(chain(16).to_json())
+    cluster = tmp_path / "cluster.json"
+    cluster.write_text(json.dumps(SLOW_LINKS.to_dict()))
+    base = ["--profile", str(profile), "--cluster", str(cluster), "--global-batch-size", "8", "--json"]
+    assert main(base) == 0
+    assert "schedule_choice" in json.loads(capsys.readouterr().out)["extra"]
+    assert main([*base, "--planner", "pipedream"]) == 0
+    baseline = json.loads(capsys.readouterr().out)
+    assert baseline["schedule"] == "dapple" and "schedule_choice" not in baseline.get("extra", {})

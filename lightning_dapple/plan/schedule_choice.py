@@ -113,12 +113,8 @@ def choose_schedule(
     candidates = list(schedule_candidates(plan, profile, cluster, price, schedules, finish))
     fitting = [candidate for candidate in candidates if candidate.fits]
     if not fitting:
-        require(
-            "dapple" in schedules,
-            "schedule",
-            f"none of {list(schedules)} can run this plan: {schedule_reason(candidates, None)}",
-            "name another schedule or leave it to 'auto'",
-        )
+        why = schedule_reason(candidates, None) if candidates else f"the plan has one device group ({plan.kind()}), with no pipeline to chunk"
+        require("dapple" in schedules, "schedule", f"none of {list(schedules)} can run this plan: {why}", "name another schedule or leave it to 'auto'")
         kept = finish(plan) if finish is not None else plan
         return _with_choice(kept, candidates, None)
     best = min(fitting, key=lambda candidate: candidate.latency_ms)  # first listed on a tie: dapple before the others
@@ -238,8 +234,6 @@ def schedule_reason(candidates: Sequence[Candidate], best: Candidate | None) -> 
     invalid = [c for c in candidates if c.latency_ms is None]
     if best is None:
         text = "Schedule dapple kept: no schedule fits the device memory"
-        if not candidates:
-            return text + "."
     else:
         assert best.latency_ms is not None
         kind = f" ({best.plan.kind()})" if best.plan is not None and (best.straight or best.chunks > 1) else ""
