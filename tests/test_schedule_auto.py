@@ -273,3 +273,13 @@ def test_dapple_plan_defaults(tmp_path: Path, capsys: pytest.CaptureFixture) -> 
     assert main([*base, "--planner", "pipedream"]) == 0
     baseline = json.loads(capsys.readouterr().out)
     assert baseline["schedule"] == "dapple" and "schedule_choice" not in baseline.get("extra", {})
+
+
+def test_the_hydra_strategy_group_asks_for_auto() -> None:
+    from lightning_dapple.app.config import compose_recipe
+    from lightning_dapple.app.train import _plan_arguments
+
+    cfg = compose_recipe("vgg_tiny")
+    assert _plan_arguments(cfg, int(cfg.data.batch_size)).planner_kwargs()["schedule"] == "auto"
+    named = compose_recipe("vgg_tiny", ["strategy.schedule=zbv"])
+    assert _plan_arguments(named, int(named.data.batch_size)).schedule == "zbv"
