@@ -2,8 +2,9 @@
 
 Rank 0 profiles the whole layer list once (layer by layer, lightning_dapple.profile) on
 a slice of the first training batch, plans for the real world size and global batch
-(DAPPLE 4) and, unless the user named a schedule, chooses the schedule by simulation
-(``plan.schedule_choice``, among ``RUNNABLE_SCHEDULES``), and broadcasts the plan so every rank executes the same one. The cluster is
+(DAPPLE 4), chooses the schedule by simulation unless the user named one
+(``plan.schedule_choice``, among ``RUNNABLE_SCHEDULES``), and broadcasts the plan so
+every rank executes the same one. The cluster is
 the one given to the strategy, or this machine as detected (``cluster.detect_cluster``:
 the Trainer's nodes x devices per node, the GPUs' name and memory, else the host's
 memory per CPU process). The plan records the cluster it was made for in
