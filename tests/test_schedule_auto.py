@@ -162,14 +162,19 @@ def test_dapple_plan_prints_the_why(tmp_path: Path) -> None:
     profile.write_text(chain(16).to_json())
     cluster = tmp_path / "cluster.json"
     cluster.write_text(json.dumps(Cluster(4, 1, inter_bandwidth_gbps=1.0).to_dict()))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "400"}
+    env = {key: value for key, value in os.environ.items() if key != "COLUMNS"} | {"PYTHONPATH": str(ROOT)}
     command = [sys.executable, "-m", "lightning_dapple.cli.plan", "--profile", str(profile), "--cluster", str(cluster), "--global-batch-size", "8"]
-    shown = subprocess.run(command + ["--schedule", "auto"], capture_output=True, text=True, env=env, timeout=300, check=True).stdout
+
+    def run(*extra: str) -> str:
+        return subprocess.run([*command, *extra], capture_output=True, text=True, env=env, timeout=300, check=True).stdout
+
+    shown = " ".join(run("--schedule", "auto").split())  # rich wraps at 80 columns when piped
+    choice = json.loads(run("--schedule", "auto", "--json"))["extra"]["schedule_choice"]
     assert "why: straight pipeline" in shown, shown
-    chosen = next(line for line in shown.splitlines() if "Schedule " in line)
-    assert " ms simulated, beat " in chosen and "dapple" in chosen and "gpipe" in chosen
-    named = subprocess.run(command + ["--schedule", "dapple"], capture_output=True, text=True, env=env, timeout=300, check=True).stdout
-    assert "Schedule " not in named
+    assert f"Schedule {choice['chosen']} (" in shown and " ms simulated, beat dapple " in shown
+    for candidate in choice["candidates"]:
+        assert f"{candidate['label']} " in shown and f"{candidate['simulated_ms']:.2f} ms" in shown, candidate
+    assert "Schedule " not in run("--schedule", "dapple")
 
 
 def _split_chain(n: int) -> ModelProfile:
