@@ -12,15 +12,18 @@ plan's shape allows and keeping the fastest that fits the device memory:
 
 * ``dapple`` and ``gpipe`` on the planner's stages, each finished as the run would finish
   it (``finish``: the strategy's out-of-order and recomputation choices, as for any plan);
+  one device group (DP, or one device) has no pipeline, so it stays ``dapple``;
 * with two device groups or more, ``interleaved`` with v = 2, 3, ... chunks per group (the
   layers cut by ``plan.chunk_cut``; v grows while it simulates faster and every chunk still
   gets a layer) and ``zbv`` (2 chunks in a V);
 * the same chunked schedules on the *straight shape* (every device its own group, same M)
-  when the planner's plan is not already straight. Chunking shrinks exactly the cost that
+  when the planner's pipeline replicates a stage. Chunking shrinks exactly the cost that
   makes DAPPLE replicate stages instead of pipelining them (the bubble, traded in 4.1
   against AllReduce), and the straight shape is the one with the largest bubble, so it is
-  the shape whose ranking chunking can change most. Other shapes would need the search
-  itself to price chunked schedules; their bubbles are between these two.
+  the shape whose ranking chunking can change most. A DP plan is not re-shaped: its M was
+  chosen with no pipeline to feed (often 1), so a pipeline would need M searched again. Other
+  shapes would need the search itself to price chunked schedules (it prices 1F1B's
+  formula 2); their bubbles lie between these two.
 
 A candidate is priced by the layer that owns the simulator (``simulate.plans.price_plan``:
 ``check_plan_fits``, ``stage_memory`` and ``simulate_plan``, the checks and prices every
