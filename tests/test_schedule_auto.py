@@ -230,7 +230,7 @@ def test_the_runs_ooo_choice_is_made_for_every_candidate() -> None:
     finish = run_finisher(PlanArguments(), profile, SLOW_LINKS)
     plan = make_plan(profile, SLOW_LINKS, 8, micro_batches=8, schedule="auto", finish=finish)
     assert plan.schedule == "zbv" and not plan.ooo
-    assert plan.extra["ooo_choice"] == "off (auto: the 'zbv' schedule places its own backward work)"
+    assert plan.extra["ooo_choice"] == "off (auto: the 'zbv' schedule of several stages per device group places its own backward work)"
     dapple = make_plan(profile, SLOW_LINKS, 8, micro_batches=8, schedule="dapple", finish=finish)
     assert dapple.ooo and dapple.extra["ooo_choice"].startswith("on (auto: simulated step")
     assert _simulated(plan)["dapple"] == pytest.approx(simulate_plan(dapple, profile, SLOW_LINKS).latency_ms)  # priced with ooo on

@@ -22,7 +22,7 @@ from dataclasses import replace
 from typing import Any, Literal
 
 from lightning_dapple.errors import require
-from lightning_dapple.plan.plan import CHUNKED_SCHEDULES, Plan
+from lightning_dapple.plan.plan import Plan
 from lightning_dapple.simulate import simulate_plan
 from lightning_dapple.simulate.memory_fit import apply_ooo_recompute
 
@@ -48,8 +48,6 @@ def decide_ooo(setting: OooSetting, plan: Plan, profile: Any = None, cluster: An
     """(ooo on?, why) for ``plan`` under the user's ``setting``."""
     if setting != "auto":
         return bool(setting), "as requested"
-    if plan.schedule in CHUNKED_SCHEDULES:  # zbv splits B and W itself; interleaved has no deferred variant
-        return False, f"auto: the {plan.schedule!r} schedule places its own backward work"
     if plan.num_stages == 1:
         return False, "auto: one stage has no pipeline bubble for deferred weight gradients to fill"
     if plan.chunks > 1:
