@@ -167,7 +167,7 @@ def test_recipe_profile_shared_and_estimated() -> None:
         (["recipe=nope"], "Could not find 'recipe/nope' (available: bert, bert_pipeline_tiny, bert_tiny"),
         (["strategy.micro_batch=4"], "Key 'micro_batch' not in 'StrategyConfig'"),
         (["strategy.micro_batches=four"], "could not be converted to Integer"),
-        (["strategy.schedule=pipedream"], "expected one of [dapple, gpipe]"),
+        (["strategy.schedule=pipedream"], "expected one of [auto, dapple, gpipe, interleaved, zbv]"),
         (["strategy.micro_batches=5"], "strategy.micro_batches: 5 does not divide the global batch 32"),
         (["trainer.devices=5", "cluster=paper-b", "trainer.num_nodes=4"], "asks for 20 devices"),
         (["trainer.accelerator=gpu", "trainer.devices=64"], "asks for 64 GPUs"),

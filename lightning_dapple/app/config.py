@@ -51,8 +51,11 @@ class StrategyName(Enum):
 
 
 class Schedule(Enum):
+    auto = "auto"  # the fastest simulated schedule that fits (plan/schedule_choice.py)
     dapple = "dapple"  # early backward (DAPPLE 3.2, 5.3)
     gpipe = "gpipe"  # all forwards, then all backwards (GPipe)
+    interleaved = "interleaved"  # Megatron's interleaved 1F1B, several chunks per device group
+    zbv = "zbv"  # zero-bubble V: 2 chunks per device group, B and W split
 
 
 class Policy(Enum):

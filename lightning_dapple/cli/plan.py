@@ -1,13 +1,15 @@
 """``dapple-plan``: plan a model for a cluster and say why (DAPPLE section 4).
 
     dapple-plan --profile FILE --cluster NAME|FILE --global-batch-size N [--micro-batches M]
-                [--planner dapple|pipedream] [--schedule dapple|gpipe] [--policy auto|PA|PB]
+                [--planner dapple|pipedream] [--schedule auto|dapple|gpipe|interleaved|zbv] [--policy auto|PA|PB]
                 [--profile-batch-size N] [--memory-gib X] [--activation-bytes-per-sample B]
                 [--json] [--out plan.json]
     dapple-plan --recipe bert --cluster paper-a
     dapple-plan --model my_pkg.models:make_model --cluster 1x2 --global-batch-size 8
 
-Prints a rich table of stages and the one-line reason; ``--json`` prints only the plan
+Prints a rich table of stages and the reason (with ``--schedule auto``, the default for the
+DAPPLE planner, also which schedule won by simulation, what it beat and by how much; the
+PipeDream baseline keeps DAPPLE's schedule unless asked); ``--json`` prints only the plan
 JSON (docs/formats.md), the file ``DappleStrategy(plan=...)`` executes. Bad input prints one
 line ``error: <field>: <problem>. Fix: <fix>`` and exits 2.
 """
@@ -23,6 +25,8 @@ from lightning_dapple.cluster import load_cluster
 from lightning_dapple.errors import DappleConfigError
 from lightning_dapple.plan.console import make_console
 from lightning_dapple.plan.explain import plan_summary, plan_table
+from lightning_dapple.plan.plan import SCHEDULES
+from lightning_dapple.plan.schedule_choice import AUTO_SCHEDULE
 from lightning_dapple.profile.loader import load_profile
 from lightning_dapple.simulate.plans import make_plan
 
@@ -42,7 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--global-batch-size", type=int, help="samples per optimizer step (default for --recipe: the paper's)")
     parser.add_argument("--micro-batches", type=int, help="M; chosen by the planner when left out")
     parser.add_argument("--planner", choices=("dapple", "pipedream"), default="dapple")
-    parser.add_argument("--schedule", choices=("dapple", "gpipe"), default="dapple")
+    parser.add_argument(
+        "--schedule", choices=(AUTO_SCHEDULE, *SCHEDULES),
+        help="auto (default with --planner dapple): the fastest simulated schedule that fits for the planned devices and M "
+        "(plan/schedule_choice.py); default with --planner pipedream: dapple, so the baseline stays the baseline",
+    )
     parser.add_argument(
         "--policy", choices=("auto", "PA", "PB"), default="auto",
         help="K_i warm-up policy (DAPPLE 5.3); auto: the one each plan simulates faster with",
@@ -104,7 +112,8 @@ def _run(args: argparse.Namespace) -> int:
     if global_batch <= 0:
         raise DappleConfigError("--global-batch-size", f"is {global_batch}", "pass a positive number of samples")
     cluster = load_cluster(args.cluster, device_memory_gib=args.memory_gib)
-    kwargs = {"schedule": args.schedule, "policy": args.policy}
+    schedule = args.schedule or (AUTO_SCHEDULE if args.planner == "dapple" else "dapple")
+    kwargs = {"schedule": schedule, "policy": args.policy}
     if args.micro_batches is not None:
         kwargs["micro_batches"] = args.micro_batches
     plan = make_plan(profile, cluster, global_batch, planner=args.planner, **kwargs)

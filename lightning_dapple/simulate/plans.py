@@ -14,7 +14,7 @@ the command lines take plans' schedules and simulations from here.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import Any, Sequence
 
 from lightning_dapple.cluster import Cluster
 from lightning_dapple.errors import DappleConfigError, require
@@ -24,6 +24,7 @@ from lightning_dapple.plan.dapple_planner import plan_dapple
 from lightning_dapple.plan.options import with_weight_split
 from lightning_dapple.plan.pipedream_planner import plan_pipedream
 from lightning_dapple.plan.plan import CHUNKED_SCHEDULES, POLICIES, Plan
+from lightning_dapple.plan.schedule_choice import AUTO_SCHEDULE, RUNNABLE_SCHEDULES, Finisher, choose_schedule
 from lightning_dapple.plan.warmup import chunked_warmup_counts
 from lightning_dapple.profile.model_profile import ModelProfile
 from lightning_dapple.schedule.actions import Schedule, group_stash_walk, stash_walk
@@ -33,7 +34,7 @@ from lightning_dapple.schedule.ooo import build_ooo_schedule
 from lightning_dapple.schedule.zbv import build_zbv_schedule
 from lightning_dapple.simulate.engine import ScheduleDeadlock, SimulationResult, simulate
 
-__all__ = ["PLANNERS", "check_plan_fits", "make_plan", "schedule_for_plan", "simulate_plan", "stage_memory"]
+__all__ = ["PLANNERS", "check_plan_fits", "make_plan", "price_plan", "schedule_for_plan", "simulate_plan", "stage_memory"]
 
 PLANNERS = ("dapple", "pipedream")
 
@@ -190,6 +191,14 @@ def stage_memory(plan: Plan, profile: ModelProfile, cluster: Cluster) -> tuple[l
     return memory, stashes, schedule, costs
 
 
+def price_plan(plan: Plan, profile: ModelProfile, cluster: Cluster) -> tuple[SimulationResult, list[float], list[StageCost]]:
+    """(simulated step, memory bytes per stage, stage costs) of ``plan`` as the executor
+    would run it, after ``check_plan_fits``: how ``schedule="auto"`` prices a candidate."""
+    check_plan_fits(plan, profile, cluster)
+    memory, _, _, costs = stage_memory(plan, profile, cluster)
+    return simulate_plan(plan, profile, cluster), memory, costs
+
+
 def _group_memory(schedule: Schedule, costs: list[StageCost], cluster: Cluster) -> tuple[list[float], list[float]]:
     """Per stage, the memory and peak stash of the device group running it (``stage_memory``)."""
     stages = range(schedule.num_stages)
@@ -209,15 +218,37 @@ def _group_memory(schedule: Schedule, costs: list[StageCost], cluster: Cluster) 
 
 
 def make_plan(
-    profile: ModelProfile, cluster: Cluster, global_batch_size: int, planner: str = "dapple", simulate: bool = True, **kwargs: Any
+    profile: ModelProfile,
+    cluster: Cluster,
+    global_batch_size: int,
+    planner: str = "dapple",
+    simulate: bool = True,
+    schedule: str = "dapple",
+    schedules: Sequence[str] = RUNNABLE_SCHEDULES,
+    finish: Finisher | None = None,
+    **kwargs: Any,
 ) -> Plan:
     """Plan ``profile`` for ``cluster`` and a global batch with ``planner``: ``dapple`` is
     DAPPLE's planner (section 4), ``pipedream`` PipeDream's partitioner (3.1), the baseline,
     priced and scheduled the same way so the two can be compared. With ``simulate`` the
     candidates are re-ranked (DAPPLE) and the result annotated by ``simulate_plan``.
-    kwargs go to the planner (micro_batches, schedule, policy, num_devices, min_slice, ...)."""
+    kwargs go to the planner (micro_batches, policy, num_devices, min_slice, ...).
+
+    ``schedule`` "dapple" or "gpipe" is the planner's schedule. "auto" plans for DAPPLE's
+    schedule and then runs the planned devices and M under the fastest of ``schedules``
+    that fits (``plan.schedule_choice``); a chunked schedule ("interleaved", "zbv") does the
+    same with that schedule alone. ``finish`` is applied to every candidate before it is
+    priced (the run's out-of-order and recomputation choices) and so to the plan returned.
+    """
     require(planner in PLANNERS, "planner", f"is {planner!r}", f"use one of {list(PLANNERS)}")
     pricer = simulate_plan if simulate else None
+    base_schedule = "dapple" if schedule == AUTO_SCHEDULE or schedule in CHUNKED_SCHEDULES else schedule
     if planner == "pipedream":
-        return plan_pipedream(profile, cluster, global_batch_size, simulate=pricer, **kwargs)
-    return plan_dapple(profile, cluster, global_batch_size, simulate=pricer, **kwargs)
+        plan = plan_pipedream(profile, cluster, global_batch_size, simulate=pricer, schedule=base_schedule, **kwargs)
+    else:
+        plan = plan_dapple(profile, cluster, global_batch_size, simulate=pricer, schedule=base_schedule, **kwargs)
+    if base_schedule == schedule:
+        return finish(plan) if finish is not None else plan
+    require(simulate, "schedule", f"is {schedule!r}, which chooses by simulation, but simulate is off", "pass simulate=True or name 'dapple' or 'gpipe'")
+    candidates = tuple(schedules) if schedule == AUTO_SCHEDULE else (schedule,)
+    return choose_schedule(plan, profile, cluster, price_plan, candidates, finish)

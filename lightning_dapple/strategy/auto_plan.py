@@ -2,7 +2,9 @@
 
 Rank 0 profiles the whole layer list once (layer by layer, lightning_dapple.profile) on
 a slice of the first training batch, plans for the real world size and global batch
-(DAPPLE 4), and broadcasts the plan so every rank executes the same one. The cluster is
+(DAPPLE 4), chooses the schedule by simulation unless the user named one
+(``plan.schedule_choice``, among ``RUNNABLE_SCHEDULES``), and broadcasts the plan so
+every rank executes the same one. The cluster is
 the one given to the strategy, or this machine as detected (``cluster.detect_cluster``:
 the Trainer's nodes x devices per node, the GPUs' name and memory, else the host's
 memory per CPU process). The plan records the cluster it was made for in
@@ -27,6 +29,7 @@ from lightning_dapple.cluster import Cluster
 from lightning_dapple.errors import DappleConfigError
 from lightning_dapple.execute.slicing import batch_size_of, take_rows
 from lightning_dapple.plan.plan import Plan, PlanShape, atomic_write_text, load_plan, plan_from_dict
+from lightning_dapple.plan.schedule_choice import RUNNABLE_SCHEDULES, Finisher
 from lightning_dapple.plan.shape_plan import plan_shape
 from lightning_dapple.profile.model_profile import ModelProfile
 from lightning_dapple.profile.profiler import profile_layers
@@ -36,7 +39,7 @@ from lightning_dapple.strategy.module_adapter import LogRecorder, capture_input
 from lightning_dapple.strategy.ooo_choice import decide_ooo, with_ooo_choice
 from lightning_dapple.strategy.resolve import PlanArguments
 
-__all__ = ["AutoPlan", "PlanningContext", "PlanningInputs", "auto_plan"]
+__all__ = ["AutoPlan", "PlanningContext", "PlanningInputs", "auto_plan", "run_finisher"]
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,22 @@ def auto_plan(context: PlanningContext, module: LightningModule, container: nn.M
     return AutoPlan(plan_from_dict(data), inputs)
 
 
+def run_finisher(arguments: PlanArguments, profile: ModelProfile, cluster: Cluster) -> Finisher:
+    """What the run does to a planned plan before executing it: out-of-order backprop on or
+    off (``ooo_choice.decide_ooo``) and, with ``recompute="auto"``, the memory options
+    (``simulate.memory_fit``). ``schedule="auto"`` applies it to every schedule it prices,
+    so each is compared as it would run."""
+
+    def finish(plan: Plan) -> Plan:
+        modes = arguments.recompute if arguments.recompute is not None else [stage.recompute for stage in plan.stages]
+        on, why = decide_ooo(arguments.ooo, plan, profile, cluster, recompute=modes)
+        if arguments.recompute == "auto":
+            plan = apply_ooo_recompute(plan, profile, cluster, ooo=on, recompute="auto")
+        return with_ooo_choice(plan, on, why)
+
+    return finish
+
+
 def _plan_on_rank_zero(context: PlanningContext, module: LightningModule, container: nn.Module, sample: Any, shape: PlanShape | None) -> tuple[Plan, PlanningInputs]:
     rows = batch_size_of(sample)
     per_device = max(1, rows // max(1, context.world_size))
@@ -109,15 +128,11 @@ def _plan_on_rank_zero(context: PlanningContext, module: LightningModule, contai
         autocast_dtype=context.autocast_dtype,
     )
     cluster, arguments = context.cluster, context.arguments
+    finish = run_finisher(arguments, profile, cluster)
     if shape is None:
-        plan = make_plan(profile, cluster, rows, num_devices=context.world_size, **arguments.planner_kwargs())
+        plan = make_plan(profile, cluster, rows, num_devices=context.world_size, schedules=RUNNABLE_SCHEDULES, finish=finish, **arguments.planner_kwargs())
     else:
-        plan = plan_shape(profile, cluster, shape, simulate=simulate_plan)
-    modes = arguments.recompute if arguments.recompute is not None else [stage.recompute for stage in plan.stages]
-    on, why = decide_ooo(arguments.ooo, plan, profile, cluster, recompute=modes)
-    if arguments.recompute == "auto":
-        plan = apply_ooo_recompute(plan, profile, cluster, ooo=on, recompute="auto")
-    plan = with_ooo_choice(plan, on, why)
+        plan = finish(plan_shape(profile, cluster, shape, simulate=simulate_plan))
     plan = replace(plan, extra={**plan.extra, "cluster": cluster.to_dict()})
     atomic_write_text(context.directory / "dapple_profile.json", profile.to_json() + "\n")
     return plan, PlanningInputs(profile, cluster)

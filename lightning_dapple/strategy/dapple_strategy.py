@@ -241,10 +241,12 @@ class DappleStrategy(DDPStrategy):
             its dict. A hand-written plan needs only global_batch_size, micro_batches and
             each stage's layers and devices; stages with devices and no layers are a shape
             (``PlanShape``) whose layer cut the planner chooses.
-        micro_batches, schedule, policy: override the plan's M, schedule ("dapple" or
-            "gpipe") and K_i policy ("PA", "PB"); a policy left out (or "auto") is the
-            plan's, which under plan="auto" is the one the plan simulates faster with
-            (``plan/policy_choice.py``).
+        micro_batches, schedule, policy: override the plan's M, schedule ("dapple",
+            "gpipe", "interleaved", "zbv") and K_i policy ("PA", "PB"); a policy left out
+            (or "auto") is the plan's, which under plan="auto" is the one the plan
+            simulates faster with (``plan/policy_choice.py``); a schedule left out (or
+            "auto") is the plan's, which under plan="auto" is the fastest simulated one
+            that fits (``plan/schedule_choice.py``, among ``RUNNABLE_SCHEDULES``).
         cluster: a cluster preset/file/Cluster for auto planning; default: this machine
             as detected (``cluster.detect_cluster``: the Trainer's nodes x devices, the
             GPUs' name and memory, or the host's memory per CPU process).

@@ -8,7 +8,10 @@ stage sooner. A single stage has no bubble to fill, and there the split only add
 * with a profile (``plan="auto"``), the simulator prices the plan with and without
   out-of-order backprop (``simulate.memory_fit.apply_ooo_recompute``: deferral caps and
   reverse first-k chosen for the plan) and ooo is on when it is faster;
-* without one (an explicit plan), ooo is on when the plan has more than one stage.
+* without one (an explicit plan), ooo is on when the plan has more than one stage;
+* a plan with several stages per device group is off: ZB-V splits every backward into I
+  and W and places the W itself, and interleaved 1F1B has no deferred-W variant (the
+  chunked schedules refuse ``ooo``, ``Plan.validate``).
 
 The reason is kept in ``plan.extra["ooo_choice"]`` (the plan JSON) and printed with the
 plan.

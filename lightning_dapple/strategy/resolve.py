@@ -16,7 +16,8 @@ from typing import Any, Sequence
 
 from lightning_dapple.errors import require
 from lightning_dapple.plan.options import set_options
-from lightning_dapple.plan.plan import Plan, PlanShape
+from lightning_dapple.plan.plan import SCHEDULES, Plan, PlanShape
+from lightning_dapple.plan.schedule_choice import AUTO_SCHEDULE
 from lightning_dapple.strategy.ooo_choice import OooSetting, check_ooo, decide_ooo, with_ooo_choice
 
 __all__ = ["PlanArguments", "resolve_plan", "shape_with_arguments"]
@@ -28,7 +29,9 @@ class PlanArguments:
 
     ``policy`` "auto" and ``None`` both keep the plan's policy; ``recompute`` "auto" is
     resolved by the planner's memory model (``simulate.memory_fit``) and needs
-    ``plan="auto"``; ``ooo`` "auto" lets ``strategy.ooo_choice`` decide.
+    ``plan="auto"``; ``ooo`` "auto" lets ``strategy.ooo_choice`` decide. ``schedule``
+    "auto" and ``None`` both let the planner choose it by simulation under ``plan="auto"``
+    (``plan.schedule_choice``) and keep a given plan's.
     """
 
     micro_batches: int | None = None
@@ -38,7 +41,9 @@ class PlanArguments:
     ooo: OooSetting = "auto"
 
     def __post_init__(self) -> None:
-        require(self.schedule in (None, "dapple", "gpipe"), "schedule", f"is {self.schedule!r}", "use 'dapple' or 'gpipe'")
+        require(
+            self.schedule in (None, AUTO_SCHEDULE, *SCHEDULES), "schedule", f"is {self.schedule!r}", f"use {AUTO_SCHEDULE!r} or one of {list(SCHEDULES)}"
+        )
         require(self.policy in (None, "PA", "PB", "auto"), "policy", f"is {self.policy!r}", "use 'PA', 'PB' or 'auto'")
         require(
             self.micro_batches is None or (isinstance(self.micro_batches, int) and not isinstance(self.micro_batches, bool) and self.micro_batches > 0),
@@ -55,17 +60,21 @@ class PlanArguments:
         object.__setattr__(self, "ooo", check_ooo(self.ooo))
 
     @property
+    def fixed_schedule(self) -> str | None:
+        """The schedule the user named, or None (left to the planner, or to a given plan)."""
+        return self.schedule if self.schedule not in (None, AUTO_SCHEDULE) else None
+
+    @property
     def fixed_policy(self) -> str | None:
         """The K_i policy the user fixed ('PA'/'PB'), or None."""
         return self.policy if self.policy in ("PA", "PB") else None
 
     def planner_kwargs(self) -> dict[str, Any]:
-        """The arguments the planner takes from the user (``simulate.plans.make_plan``)."""
-        kwargs: dict[str, Any] = {}
+        """The arguments the planner takes from the user (``simulate.plans.make_plan``);
+        the schedule is chosen by simulation unless the user named one."""
+        kwargs: dict[str, Any] = {"schedule": self.fixed_schedule or AUTO_SCHEDULE}
         if self.micro_batches is not None:
             kwargs["micro_batches"] = self.micro_batches
-        if self.schedule is not None:
-            kwargs["schedule"] = self.schedule
         if self.fixed_policy is not None:
             kwargs["policy"] = self.fixed_policy
         return kwargs
@@ -83,7 +92,8 @@ def resolve_plan(base: Plan, arguments: PlanArguments) -> Plan:
     unless ``ooo="auto"`` and the planner already decided it with a profile.
     """
     plan = base
-    overrides = {name: value for name, value in arguments.planner_kwargs().items() if getattr(plan, name) != value}
+    given = {**arguments.planner_kwargs(), "schedule": arguments.fixed_schedule or plan.schedule}
+    overrides = {name: value for name, value in given.items() if getattr(plan, name) != value}
     if overrides:
         stages = tuple(replace(stage, warmup=None) for stage in plan.stages)
         plan = replace(plan, stages=stages, **overrides)
@@ -104,7 +114,7 @@ def shape_with_arguments(shape: PlanShape, arguments: PlanArguments) -> PlanShap
     return replace(
         shape,
         micro_batches=arguments.micro_batches if arguments.micro_batches is not None else shape.micro_batches,
-        schedule=arguments.schedule or shape.schedule,
+        schedule=arguments.fixed_schedule or shape.schedule,
         policy=arguments.fixed_policy or shape.policy,
         recompute=tuple(recompute) if recompute is not None else shape.recompute,
     ).validate()
