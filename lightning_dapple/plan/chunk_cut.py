@@ -26,7 +26,7 @@ from typing import Sequence
 
 from lightning_dapple.errors import require
 from lightning_dapple.plan.costs import slice_size
-from lightning_dapple.plan.plan import CHUNKED_SCHEDULES, StagePlan
+from lightning_dapple.plan.plan import StagePlan, chunk_placement
 from lightning_dapple.profile.model_profile import ModelProfile
 
 __all__ = ["chunk_placement", "chunked_stages", "cut_chunks", "group_loads"]
@@ -35,17 +35,6 @@ __all__ = ["chunk_placement", "chunked_stages", "cut_chunks", "group_loads"]
 SEARCH_NODES = 10_000
 
 Score = tuple[float, float]
-
-
-def chunk_placement(schedule: str, num_groups: int, chunks: int) -> tuple[int, ...]:
-    """The device group of each stage: k mod P (interleaved), the V (zbv: 2 chunks)."""
-    require(schedule in CHUNKED_SCHEDULES, "schedule", f"is {schedule!r}", f"use one of {list(CHUNKED_SCHEDULES)} for chunks")
-    require(num_groups >= 1, "device groups", f"are {num_groups}", "give at least one device group")
-    if schedule == "zbv":
-        require(chunks == 2, "chunks", f"is {chunks} for 'zbv'", "ZB-V places exactly 2 chunks per device group (a V)")
-        return (*range(num_groups), *reversed(range(num_groups)))
-    require(chunks >= 2, "chunks", f"is {chunks} for 'interleaved'", "use 2 or more chunks per device group")
-    return tuple(stage % num_groups for stage in range(num_groups * chunks))
 
 
 def group_loads(weights: Sequence[float], ends: Sequence[int], placement: Sequence[int], group_scale: Sequence[float]) -> list[float]:

@@ -28,6 +28,17 @@ POLICIES = ("PA", "PB")
 RECOMPUTE_MODES = ("never", "always", "except_last")
 
 
+def chunk_placement(schedule: str, num_groups: int, chunks: int) -> tuple[int, ...]:
+    """The device group of each stage: k mod P (interleaved), the V (zbv: 2 chunks)."""
+    require(schedule in CHUNKED_SCHEDULES, "schedule", f"is {schedule!r}", f"use one of {list(CHUNKED_SCHEDULES)} for chunks")
+    require(num_groups >= 1, "device groups", f"are {num_groups}", "give at least one device group")
+    if schedule == "zbv":
+        require(chunks == 2, "chunks", f"is {chunks} for 'zbv'", "ZB-V places exactly 2 chunks per device group (a V)")
+        return (*range(num_groups), *reversed(range(num_groups)))
+    require(chunks >= 2, "chunks", f"is {chunks} for 'interleaved'", "use 2 or more chunks per device group")
+    return tuple(stage % num_groups for stage in range(num_groups * chunks))
+
+
 @dataclass(frozen=True)
 class StagePlan:
     """One pipeline stage: layers ``[start, end)`` replicated on ``devices`` (global ranks)."""
@@ -290,7 +301,7 @@ class Plan:
         counts = [self.placement.count(group) for group in range(len(groups))]
         if len(groups) == self.num_stages:
             require(
-                self.schedule not in CHUNKED_SCHEDULES or self.num_stages == 1,
+                self.schedule not in CHUNKED_SCHEDULES,
                 "plan.schedule",
                 f"is {self.schedule!r}, which runs several stages per device group, but every stage has its own devices",
                 "place 2 or more stages on each device group, or use 'dapple' or 'gpipe'",
@@ -331,7 +342,7 @@ class Plan:
         if self.schedule == "zbv":
             small = [k for k, stage in enumerate(self.stages) if stage.warmup is not None and stage.warmup < 2]
             require(not small, f"plan.stages[{small[0] if small else 0}].warmup", "is below 2", "let each ZB-V group hold K >= 2 chunk micro-batches, one in each chunk")
-            expected = tuple(k if k < groups else 2 * groups - 1 - k for k in range(self.num_stages))
+            expected = chunk_placement("zbv", groups, 2)
             require(
                 self.chunks == 2 and self.placement == expected,
                 "plan.stages[].devices",
@@ -339,7 +350,7 @@ class Plan:
                 "put stage k on group k for k < P and on group 2P-1-k after (the V shape)",
             )
         else:
-            expected = tuple(k % groups for k in range(self.num_stages))
+            expected = chunk_placement("interleaved", groups, self.chunks)
             require(
                 self.placement == expected,
                 "plan.stages[].devices",

@@ -4,7 +4,7 @@ Interleaved 1F1B (Narayanan et al. 2021, sec. 2.2) and the zero-bubble V schedul
 ``chunks`` stages on each of P device groups. A builder decides one merged order of
 compute actions per group; this module turns those orders into a :class:`Schedule`:
 
-* ``placement``: the group of each stage (``chunked_placement``): stage k on group k mod P
+* ``placement``: the group of each stage (``plan.plan.chunk_placement``): stage k on group k mod P
   when interleaved, and the V shape 0, 1, ..., P-1, P-1, ..., 0 for ``zbv``;
 * ``orders``: each group's order with its transfers (``builders.with_transfers``: receive
   before, send after) and, at the end, one ALLREDUCE per stage of the group;
@@ -21,16 +21,6 @@ from typing import Sequence
 from lightning_dapple.errors import require
 from lightning_dapple.schedule.actions import Action, Kind, Schedule
 from lightning_dapple.schedule.builders import with_transfers
-
-
-def chunked_placement(schedule: str, num_groups: int, chunks: int) -> tuple[int, ...]:
-    """The device group of each of the ``num_groups * chunks`` stages of ``schedule``."""
-    stages = range(num_groups * chunks)
-    if schedule == "zbv":
-        require(chunks == 2, "chunks", f"is {chunks} but the V schedule runs 2 stages per device group", "use 2 chunks with 'zbv'")
-        return tuple(k if k < num_groups else 2 * num_groups - 1 - k for k in stages)
-    require(schedule == "interleaved", "schedule", f"is {schedule!r}", "use 'interleaved' or 'zbv' for several stages per group")
-    return tuple(k % num_groups for k in stages)
 
 
 def schedule_from_orders(

@@ -24,7 +24,8 @@ from lightning_dapple.errors import require
 from lightning_dapple.plan.plan import require_round_multiple
 from lightning_dapple.plan.warmup import chunked_warmup_counts
 from lightning_dapple.schedule.actions import Action, Kind, Schedule
-from lightning_dapple.schedule.chunked import chunked_placement, schedule_from_orders
+from lightning_dapple.plan.plan import chunk_placement
+from lightning_dapple.schedule.chunked import schedule_from_orders
 
 
 def virtual_sequence(num_groups: int, chunks: int, micro_batches: int, backward: bool) -> list[tuple[int, int]]:
@@ -72,7 +73,7 @@ def build_interleaved_schedule(
     if warmups is None:
         warmups = chunked_warmup_counts(num_groups, chunks, micro_batches, policy, "interleaved")
     require(len(warmups) == num_groups, "warmups", f"has {len(warmups)} entries for {num_groups} device groups", "give one K per device group")
-    placement = chunked_placement("interleaved", num_groups, chunks)
+    placement = chunk_placement("interleaved", num_groups, chunks)
     orders = [group_order(g, num_groups, chunks, micro_batches, warmups[g]) for g in range(num_groups)]
     used = [min(max(1, k), chunks * micro_batches) for k in warmups]
     return schedule_from_orders("interleaved", micro_batches, placement, orders, [used[g] for g in placement], recompute)

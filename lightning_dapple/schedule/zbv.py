@@ -43,7 +43,8 @@ from typing import Sequence
 from lightning_dapple.errors import require
 from lightning_dapple.plan.warmup import chunked_warmup_counts
 from lightning_dapple.schedule.actions import Action, Kind, Schedule
-from lightning_dapple.schedule.chunked import chunked_placement, schedule_from_orders
+from lightning_dapple.plan.plan import chunk_placement
+from lightning_dapple.schedule.chunked import schedule_from_orders
 
 
 class _Play:
@@ -54,7 +55,7 @@ class _Play:
         self.stages = 2 * num_groups
         self.micro_batches = micro_batches
         self.caps = list(caps)
-        self.placement = chunked_placement("zbv", num_groups, 2)
+        self.placement = chunk_placement("zbv", num_groups, 2)
         self.ends: dict[tuple[Kind, int, int], int] = {}  # (kind, stage, mb) -> end step
         self.next_f = [0] * self.stages
         self.next_i = [0] * self.stages
@@ -144,6 +145,6 @@ def build_zbv_schedule(
         warmups = chunked_warmup_counts(num_groups, 2, micro_batches, policy, "zbv")
     require(len(warmups) == num_groups, "warmups", f"has {len(warmups)} entries for {num_groups} device groups", "give one K per device group")
     require(min(warmups) >= 2, "warmups", f"is {list(warmups)}", "let every group hold at least 2 chunk micro-batches (K >= 2), one in each chunk")
-    placement = chunked_placement("zbv", num_groups, 2)
+    placement = chunk_placement("zbv", num_groups, 2)
     orders = zbv_orders(num_groups, micro_batches, warmups)
     return schedule_from_orders("zbv", micro_batches, placement, orders, [warmups[g] for g in placement], recompute)
