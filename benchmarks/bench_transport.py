@@ -126,7 +126,7 @@ def _python_only(cfg: dict) -> dict[str, list[float]]:
         if name == "nccl":
             continue  # its constructor creates process groups
         transport = _factory(name, cfg["baseline"])(Failure())
-        transport._layout_sent[1] = transport._layout_received[1] = layout  # the steady state
+        transport._layout_sent[(1, 0)] = transport._layout_received[(1, 0)] = layout  # the steady state (untagged)
         variants.append((name, transport))
     times: dict[str, list[float]] = {name: [] for name, _ in variants}
     for index in range(cfg["rounds"] + cfg["warmup"]):

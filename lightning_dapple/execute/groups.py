@@ -22,14 +22,21 @@ class PlanGroups:
 
 
 def build_groups(plan: Plan, backend: str | None = None) -> PlanGroups:
+    """The groups of ``plan``, keyed by stage. Stages on the same devices (chunks of one
+    device group) share one replica group: their replicas are the same ranks, and every
+    replica runs the group's one merged order, so their collectives are issued in the same
+    order on each."""
+    by_devices: dict[tuple[int, ...], Any] = {}
     replicas: dict[int, Any] = {}
     for index, stage in enumerate(plan.stages):
         if stage.replicas > 1:
-            replicas[index] = dist.new_group(sorted(stage.devices), backend=backend)
+            if stage.devices not in by_devices:
+                by_devices[stage.devices] = dist.new_group(sorted(stage.devices), backend=backend)
+            replicas[index] = by_devices[stage.devices]
     world = dist.get_world_size()
     plan_group = None
     if plan.world_size != world:
-        plan_group = dist.new_group(sorted(d for s in plan.stages for d in s.devices), backend=backend)
+        plan_group = dist.new_group(sorted({d for s in plan.stages for d in s.devices}), backend=backend)
     return PlanGroups(replicas=replicas, plan=plan_group)
 
 

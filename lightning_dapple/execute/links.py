@@ -17,17 +17,30 @@ rows only when ``[i / r1, (i + 1) / r1)`` and ``[j / r2, (j + 1) / r2)`` overlap
 communicator, the micro-batches its sender sends and those its receiver receives, each in
 issue order. NCCL needs the two to be equal (``mismatched_links`` lists where they are
 not): the i-th send of a communicator meets its i-th receive, whatever transfer that is.
+
+A rank that holds several stages (chunks of interleaved and V schedules) exchanges more than
+one boundary with the same peer, in both directions: under interleaving rank 0 sends rank 1
+the activations of boundary 0 and the gradients of boundary 1, and a schedule's merged
+orders may send them in another order than the peer takes them. gloo matches a receive
+with the oldest message of its peer and tag, so such a transport tags each boundary and
+direction apart (``Transport(tagged=True)``): a *stream*. Within a stream both ends must
+still go in one order; ``stream_orders`` replays each group's merged order and lists, per
+stream, the micro-batches its sender sends and its receiver takes, and
+``check_stream_orders`` refuses a schedule whose two ends differ (a message would meet the
+receive of another micro-batch, silently where the sizes agree). Boundaries between two
+stages on the same devices are hand-offs inside the process and carry no message.
 """
 from __future__ import annotations
 
 from typing import Sequence
 
-from lightning_dapple.execute.keys import Direction
+from lightning_dapple.errors import DappleConfigError
+from lightning_dapple.execute.keys import Direction, transfer_key
 from lightning_dapple.execute.slicing import overlap, slice_rows
 from lightning_dapple.plan.plan import Plan
-from lightning_dapple.schedule.actions import Action, Kind
+from lightning_dapple.schedule.actions import Action, Kind, Schedule
 
-__all__ = ["Link", "Channel", "plan_links", "link_orders", "mismatched_links"]
+__all__ = ["Link", "Channel", "Stream", "plan_links", "link_orders", "mismatched_links", "stream_orders", "check_stream_orders"]
 
 Link = tuple[int, int]  # (upstream rank, downstream rank)
 Channel = tuple[Direction, int, int]  # (direction, sending rank, receiving rank): one communicator
@@ -48,12 +61,13 @@ def _can_share(index: int, count: int, other: int, other_count: int) -> bool:
 
 
 def plan_links(plan: Plan) -> list[Link]:
-    """Every (upstream, downstream) pair of ranks of adjacent stages that may exchange rows."""
-    links = []
+    """Every (upstream, downstream) pair of ranks of adjacent stages that may exchange rows
+    (once each; two stages on the same devices hand over in process and need no link)."""
+    links: list[Link] = []
     for upstream, downstream in zip(plan.stages, plan.stages[1:]):
         for i, sender in enumerate(upstream.devices):
             for j, receiver in enumerate(downstream.devices):
-                if _can_share(i, upstream.replicas, j, downstream.replicas):
+                if sender != receiver and (sender, receiver) not in links and _can_share(i, upstream.replicas, j, downstream.replicas):
                     links.append((sender, receiver))
     return links
 
@@ -84,3 +98,47 @@ def link_orders(plan: Plan, actions: Sequence[Sequence[Action]], batch_rows: int
 def mismatched_links(orders: dict[Channel, tuple[list[int], list[int]]]) -> list[tuple[Channel, list[int], list[int]]]:
     """The communicators whose sender and receiver issue different transfer orders."""
     return [(channel, sent, received) for channel, (sent, received) in sorted(orders.items()) if sent != received]
+
+
+Stream = tuple[int, int, Direction, int]  # (sending rank, receiving rank, direction, boundary)
+
+
+def stream_orders(plan: Plan, schedule: Schedule) -> dict[Stream, tuple[list[int], list[int]]]:
+    """Per stream: the micro-batches its sender sends and those its receiver takes, in the
+    order each rank's group runs them (``Schedule.group_actions``). Every replica pair that
+    may share rows counts (``plan_links``' rule), whatever the batch: equal lists then stay
+    equal for the rows any batch gives them."""
+    orders: dict[Stream, tuple[list[int], list[int]]] = {}
+    for group, devices in enumerate(plan.device_groups):
+        for replica, rank in enumerate(devices):
+            for action in schedule.group_actions(group):
+                move = _MOVES.get(action.kind)
+                if move is None or action.microbatch is None:
+                    continue
+                _, offset, sends = move
+                stage, peers = plan.stages[action.stage], plan.stages[action.stage + offset]
+                if peers.devices == stage.devices:
+                    continue  # a hand-off inside the process
+                key = transfer_key(action.kind, action.stage, action.microbatch)
+                for peer_replica, peer in enumerate(peers.devices):
+                    if _can_share(replica, stage.replicas, peer_replica, peers.replicas):
+                        stream = (rank, peer, key.direction, key.boundary) if sends else (peer, rank, key.direction, key.boundary)
+                        orders.setdefault(stream, ([], []))[0 if sends else 1].append(action.microbatch)
+    return orders
+
+
+def check_stream_orders(plan: Plan, schedule: Schedule) -> None:
+    """Refuse a schedule whose two ends of a stream (see the module docstring) would take
+    its micro-batches in different orders, naming the first where they part."""
+    for (sender, receiver, direction, boundary), (sent, received) in sorted(stream_orders(plan, schedule).items()):
+        if sent == received:
+            continue
+        at = next((i for i, (a, b) in enumerate(zip(sent, received)) if a != b), min(len(sent), len(received)))
+        mine = f"micro-batch {sent[at]}" if at < len(sent) else "nothing"
+        theirs = f"micro-batch {received[at]}" if at < len(received) else "nothing"
+        raise DappleConfigError(
+            f"schedule {schedule.name!r}",
+            f"rank {sender} sends rank {receiver} the {direction._value_}s of boundary {boundary} in the order {sent} but rank "
+            f"{receiver} takes them in the order {received} (#{at}: {mine} sent, {theirs} taken)",
+            "list each boundary's sends and receives in one micro-batch order (the schedule builder's stage lists)",
+        )

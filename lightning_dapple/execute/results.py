@@ -57,7 +57,7 @@ class ResultChannel:
         self.source = last.devices[0]
         self.last_replicas = list(last.devices)
         self.is_last = rank in last.devices
-        self.receivers = sorted(d for stage in plan.stages for d in stage.devices if d != self.source)
+        self.receivers = sorted({d for stage in plan.stages for d in stage.devices if d != self.source})
         self.single = plan.world_size == 1
         # whether early-posted receives are matched by tag (gloo) rather than by order (NCCL)
         self.by_tag = gloo if by_tag is None else by_tag

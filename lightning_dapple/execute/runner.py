@@ -33,28 +33,30 @@ looked up once per step.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, NamedTuple, Sequence
 
 import torch
 from torch import nn
 
-from lightning_dapple.errors import DappleConfigError
+from lightning_dapple.errors import DappleConfigError, require
 from lightning_dapple.execute.action_errors import name_action
 from lightning_dapple.execute.batchnorm import StageBuffers
+from lightning_dapple.execute.chunked import ChunkedRunner, RankShared
 from lightning_dapple.execute.failure import FailureChannel, PeerFailedError
 from lightning_dapple.execute.grad_sync import GradientSync
 from lightning_dapple.execute.groups import PlanGroups, build_groups
 from lightning_dapple.execute.keys import TransferKey, transfer_key
-from lightning_dapple.execute.links import plan_links
-from lightning_dapple.execute.replay import restore_rng, save_rng
+from lightning_dapple.execute.links import check_stream_orders, plan_links
+from lightning_dapple.execute.replay import detached, restore_rng, save_rng
 from lightning_dapple.execute.results import ResultChannel
 from lightning_dapple.execute.slicing import batch_size_of, slice_rows, take_rows
-from lightning_dapple.execute.spans import CudaSpans, HostSpans, Span, span_clock
+from lightning_dapple.execute.spans import span_clock
 from lightning_dapple.execute.stage import EvalCallbacks, Stage, StageCallbacks
-from lightning_dapple.execute.stash_ledger import KnownSizes, StashLedger, StashSizes, StepSizes
+from lightning_dapple.execute.stats import StageStats
+from lightning_dapple.execute.stash_ledger import KnownSizes, StageSlots, StashLedger, StashSizes, StepSizes
 from lightning_dapple.execute.tied import TiedSync, build_tied_sync, tied_groups
 from lightning_dapple.execute.transport import Peer, Transport, receives_ahead_pay
+from lightning_dapple.execute.wires import choose_wire
 from lightning_dapple.plan.buckets import BUCKET_BYTES, bucket_layers
 from lightning_dapple.plan.plan import Plan
 from lightning_dapple.profile.stash import StashMeter
@@ -64,26 +66,6 @@ from lightning_dapple.schedule.settle import settle_points
 from lightning_dapple.simulate.plans import schedule_for_plan
 
 __all__ = ["StageRunner", "StageStats", "StageCallbacks", "EvalCallbacks"]
-
-
-@dataclass
-class StageStats:
-    """What the executor measured on this rank during the last step.
-
-    ``timeline`` holds (start, end, kind, micro-batch) of every F, B (recomputation
-    included) and W, in ``time.perf_counter`` seconds: host times on a CPU, CUDA event
-    times on a GPU, read when first asked for (``execute/spans.py``).
-    """
-
-    peak_in_flight: int = 0
-    peak_stash_bytes: int = 0
-    stash_bytes: dict[int, int] = field(default_factory=dict)
-    spans: HostSpans | CudaSpans = field(default_factory=HostSpans)
-    recomputed: int = 0
-
-    @property
-    def timeline(self) -> list[Span]:
-        return self.spans.read()
 
 
 class _Op(NamedTuple):
@@ -128,19 +110,26 @@ class StageRunner:
         bucket_bytes: int = BUCKET_BYTES,
         wire: str = "auto",
         tied: TiedSync | None = None,
+        chunk: RankShared | None = None,
     ) -> None:
         self.plan = plan
         self.schedule = schedule
         self.rank = rank
-        self.stage = plan.stage_of_rank(rank)
+        # a rank holding several stages runs one runner per stage, sharing ``chunk``'s
+        # transport, results and hand-offs (``execute/chunked.py``)
+        self.chunk = chunk
+        self.stage = plan.stage_of_rank(rank) if chunk is None else chunk.stage
         self.stage_plan = plan.stages[self.stage]
         self.replica = self.stage_plan.devices.index(rank)
         self.layers = list(layers)
         self.device = device
         self.failure = failure
-        # a collective under NCCL (a communicator per link and direction): every rank builds its runner
-        self.transport = Transport(failure, device, wire=wire, links=plan_links(plan))
-        self.results = ResultChannel(plan, rank, device, failure)
+        if chunk is None:
+            # a collective under NCCL (a communicator per link and direction): every rank builds its runner
+            self.transport = Transport(failure, device, wire=wire, links=plan_links(plan))
+            self.results = ResultChannel(plan, rank, device, failure)
+        else:
+            self.transport, self.results = chunk.transport, chunk.results
         # post each receive one transfer ahead (None: where that pays, see receives_ahead_pay)
         self.post_ahead = self.transport.posts_ahead and (receives_ahead_pay(device) if post_ahead is None else post_ahead)
         self.groups = groups
@@ -148,12 +137,15 @@ class StageRunner:
         self.loss_reduction = loss_reduction
         self.is_first = self.stage == 0
         self.is_last = self.stage == plan.num_stages - 1
+        # boundaries to a stage on the same ranks (a V schedule's turn): hand-offs in process
+        self._local_up = chunk is not None and not self.is_first and plan.stages[self.stage - 1].devices == self.stage_plan.devices
+        self._local_down = chunk is not None and not self.is_last and plan.stages[self.stage + 1].devices == self.stage_plan.devices
         self.stats = StageStats()
         # each once: layers of one stage may share a parameter (tied weights)
         self.parameters = list({id(p): p for layer in self.layers for p in layer.parameters() if p.requires_grad}.values())
         self.tied = tied
         self.steps_done = 0  # training steps run so far (part of every dropout seed; a resume sets it)
-        self.ledger = StashLedger()
+        self.ledger: StashLedger | StageSlots = StashLedger() if chunk is None else StageSlots(chunk.ledger, self.stage)
         self.sizes = StashSizes(self.parameters)
         self._routes: dict[int, list[_Route]] = {}  # per batch rows
         self._actions: list[Action] = list(schedule.actions[self.stage]) if self.stage < schedule.num_stages else []
@@ -210,7 +202,51 @@ class StageRunner:
             tie_groups = tie_groups if tie_groups is not None else tied_groups(plan, ties)
             tied = build_tied_sync(plan, ties, rank, layers, tie_groups, failure)
         schedule = schedule if schedule is not None else schedule_for_plan(plan)
+        if len(plan.stages_of_rank(rank)) > 1:
+            return cls._for_chunks(plan, schedule, rank, layers, device, failure, groups, tied, options)
         return cls(plan, schedule, rank, layers, device, failure, groups, tied=tied, **options)
+
+    @classmethod
+    def _for_chunks(
+        cls,
+        plan: Plan,
+        schedule: Schedule,
+        rank: int,
+        layers: Sequence[nn.Module],
+        device: torch.device,
+        failure: FailureChannel,
+        groups: PlanGroups,
+        tied: TiedSync | None,
+        options: dict[str, Any],
+    ) -> "ChunkedRunner":
+        """A rank holding several stages: one runner per stage over its share of ``layers``
+        (the rank's layers, its stages' ranges in pipeline order), driven in the group's merged
+        order by a ``ChunkedRunner`` (``execute/chunked.py``), over one transport that tags
+        each boundary and direction apart (``links``). Receives are posted when due and sends
+        waited at the end of the step: ``schedule.settle``'s waits and the one-ahead posting
+        are derived from one stage's list, and in a merged order a wait could stand behind
+        another chunk's work."""
+        check_stream_orders(plan, schedule)
+        wire = options.pop("wire", "auto")
+        require(
+            choose_wire(wire, device) != "nccl",
+            "wire",
+            f"is NCCL's, which this executor does not run for plans with several stages per device group (schedule {plan.schedule!r})",
+            "train chunked plans with the gloo backend, or use schedule 'dapple' on NCCL",
+        )
+        options.pop("post_ahead", None)
+        options.pop("settle_sends", None)
+        # one transport and result channel per rank (collective under NCCL: every rank, once)
+        shared = RankShared(
+            Transport(failure, device, wire=wire, links=plan_links(plan), tagged=True), ResultChannel(plan, rank, device, failure), StashLedger()
+        )
+        units, offset = [], 0
+        for stage in plan.stages_of_rank(rank):
+            count = plan.stages[stage].end - plan.stages[stage].start
+            own = layers[offset : offset + count]
+            offset += count
+            units.append(cls(plan, schedule, rank, own, device, failure, groups, tied=tied, chunk=shared.of_stage(stage), post_ahead=False, settle_sends=False, **options))
+        return ChunkedRunner(plan, schedule, rank, units, shared, tied)
 
     # -- set-up: everything decided once per plan ----------------------------------
     def _build_stage(
@@ -319,6 +355,14 @@ class StageRunner:
             )
         if kind is Kind.W:
             return _Op(self._weight, mb, span=span, pending_w=not last_w)
+        if kind in (Kind.RECV_ACT, Kind.SEND_ACT, Kind.RECV_GRAD, Kind.SEND_GRAD) and self._is_local(kind):
+            handler = {
+                Kind.RECV_ACT: self._take_activation,
+                Kind.SEND_ACT: self._hand_activation,
+                Kind.RECV_GRAD: self._take_gradient,
+                Kind.SEND_GRAD: self._hand_gradient,
+            }[kind]
+            return _Op(handler, mb, transfer_key(kind, self.stage, mb))
         if kind in (Kind.RECV_ACT, Kind.SEND_ACT, Kind.RECV_GRAD, Kind.SEND_GRAD):
             sends = frozenset(transfer_key(send_kind, self.stage, send_mb) for send_kind, send_mb in settle)
             handler = {
@@ -331,6 +375,10 @@ class StageRunner:
         if kind is Kind.ALLREDUCE:
             return None
         raise NotImplementedError(f"action {action} is not supported by this executor")
+
+    def _is_local(self, kind: Kind) -> bool:
+        """Whether a transfer action crosses a boundary to a stage on this rank's own devices."""
+        return self._local_down if kind in (Kind.SEND_ACT, Kind.RECV_GRAD) else self._local_up
 
     # -- helpers ---------------------------------------------------------------
     def _rows(self, stage: int, replica: int, batch_rows: int, microbatch: int) -> tuple[int, int]:
@@ -385,25 +433,19 @@ class StageRunner:
         """
         batch_rows = batch_size_of(batch)
         self.check_batch(batch_rows)
-        for param in self.parameters:
-            param.grad = None
         self.stats = stats = StageStats(spans=span_clock(self.device))
-        sizes = self._step_sizes = self.sizes.for_step((batch_rows, bool(self.layers) and self.layers[0].training))
-        routes = self._step_routes = self._routes_for(batch_rows)
+        assert isinstance(self.ledger, StashLedger)  # a runner of its own (not one stage of a ChunkedRunner)
         self.ledger.start()
         stats.stash_bytes = self.ledger.stash_bytes
-        if self.sync is not None:
-            self.sync.start_step()
         self.results.post()
         rng = save_rng(self.device)  # every F reseeds; the caller's RNG stream is put back when the step ends
         # the seed base is read before any reseed changes what initial_seed() answers
         seed = (torch.initial_seed(), self.steps_done)
-        self.pipeline_stage.begin_step(batch, batch_rows, [route.rows for route in routes], callbacks, 1.0, seed)
+        self.begin_step(batch, batch_rows, callbacks, seed, stats)
         try:
             self._run_program()
             self.transport.flush()
-            if self.sync is not None:
-                self.sync.finish()
+            self.finish_sync()
             if self.tied is not None:
                 self.tied.finish()
             self.buffers.end_step()  # deferred BatchNorm statistics applied; replicas' buffers made the first one's
@@ -413,11 +455,49 @@ class StageRunner:
             stats.peak_stash_bytes = self.ledger.peak_stash_bytes
             stats.peak_in_flight = self.ledger.peak_in_flight
             self.steps_done += 1
-        sizes.finish()
+        self.finish_sizes()
         loss_sum = torch.stack(losses).to(torch.float64).sum().cpu() if losses else torch.zeros((), dtype=torch.float64)
         loss, shared = self.results.share(loss_sum, extras() if (extras is not None and self.is_last) else None)
         assert loss is not None
         return loss, shared
+
+    def begin_step(self, batch: Any, batch_rows: int, callbacks: StageCallbacks, seed: tuple, stats: StageStats) -> None:
+        """This stage's part of starting a step: gradients cleared, the step's sizes and
+        routes, gradient buckets reset, the Stage given the batch (``seed``: the step's)."""
+        for param in self.parameters:
+            param.grad = None
+        self.stats = stats
+        self._step_sizes = self.sizes.for_step((batch_rows, bool(self.layers) and self.layers[0].training))
+        routes = self._step_routes = self._routes_for(batch_rows)
+        if self.sync is not None:
+            self.sync.start_step()
+        self.pipeline_stage.begin_step(batch, batch_rows, [route.rows for route in routes], callbacks, 1.0, seed)
+
+    @property
+    def actions(self) -> list[Action]:
+        """The stage's action list, as compiled."""
+        return self._actions
+
+    def ops_by_position(self) -> dict[int, list["_Op"]]:
+        """The compiled ops, by the position in ``actions`` of the action each does."""
+        out: dict[int, list[_Op]] = {}
+        for op in self._program:
+            out.setdefault(op.position, []).append(op)
+        return out
+
+    def finish_sizes(self) -> None:
+        """The step ran to its end: keep the stash sizes it measured."""
+        self._step_sizes.finish()
+
+    def finish_sync(self) -> None:
+        """Launch the stage's remaining gradient buckets and wait for all of them."""
+        if self.sync is not None:
+            self.sync.finish()
+
+    def name_failure(self, exc: BaseException, op: "_Op") -> None:
+        """Rename ``exc`` after the action ``op`` does (``execute/action_errors.py``)."""
+        if op.position >= 0:
+            name_action(exc, self._actions[op.position], self._actions, op.position)
 
     def _run_program(self) -> None:
         """Run the step's ops; an error is renamed after the action it happened in
@@ -429,8 +509,8 @@ class StageRunner:
         except PeerFailedError:
             raise
         except Exception as exc:
-            if op is not None and op.position >= 0:
-                name_action(exc, self._actions[op.position], self._actions, op.position)
+            if op is not None:
+                self.name_failure(exc, op)
             raise
 
     # -- op handlers: compute ---------------------------------------------------------
@@ -501,6 +581,27 @@ class StageRunner:
         route = self._step_routes[op.mb]
         self.transport.send_gradient(self.pipeline_stage.input_gradients(op.mb), route.rows, route.upstream, op.key)
 
+    # -- op handlers: hand-offs to a stage on the same ranks (``_is_local``) --------------
+    def _hand_activation(self, op: _Op) -> None:
+        """The stage output, cut from this stage's graph (the next stage's backward stops at
+        its input, as after a wire), for the stage on the same ranks."""
+        assert self.chunk is not None
+        self.chunk.handoffs.put(op.key, detached(self.pipeline_stage.outputs(op.mb)))
+
+    def _take_activation(self, op: _Op) -> None:
+        assert self.chunk is not None
+        self.pipeline_stage.receive(op.mb, self.chunk.handoffs.take(op.key))
+
+    def _hand_gradient(self, op: _Op) -> None:
+        assert self.chunk is not None
+        self.chunk.handoffs.put(op.key, self.pipeline_stage.input_gradients(op.mb))
+
+    def _take_gradient(self, op: _Op) -> None:
+        assert self.chunk is not None
+        like = self.pipeline_stage.gradient_like(op.mb)
+        assert like is not None, f"stage {self.stage}: gradient {op.mb} handed back before its forward"
+        self.pipeline_stage.receive_gradient(op.mb, like, self.chunk.handoffs.take(op.key))
+
     def _post_activation(self, op: _Op) -> None:
         """Post the receives of the next receive action before this compute runs, so its
         data arrives meanwhile (one transfer ahead, in action order: see transport)."""
@@ -534,23 +635,39 @@ class StageRunner:
         results ordered by (micro-batch, replica), on every rank."""
         batch_rows = batch_size_of(batch)
         self.check_batch(batch_rows)
+        self.results.post()
+        results = self.eval_pass(batch, batch_rows, callbacks)
+        self.transport.flush()
+        return self.gather_eval(results if self.is_last else None)
+
+    def eval_pass(self, batch: Any, batch_rows: int, callbacks: EvalCallbacks) -> list[Any]:
+        """This stage's forward of every micro-batch; the last stage's per-slice results."""
         routes = self._routes_for(batch_rows)
         stage = self.pipeline_stage
         results: list[Any] = []
-        self.results.post()
         with torch.no_grad(), stage.forward_context():
             for mb, route in enumerate(routes):
                 batch_slice = take_rows(batch, *route.rows)
                 if self.is_first:
                     received = None if self.is_last else callbacks.make_input(batch_slice)
+                elif self._local_up:
+                    assert self.chunk is not None
+                    received = self.chunk.handoffs.take(self._eval_in[mb])
                 else:
                     received = self.transport.recv_activation(route.rows, route.upstream, self._eval_in[mb])
                 if self.is_last:
                     weight = (route.rows[1] - route.rows[0]) / batch_rows
                     results.append(stage.evaluate(batch_slice, received, callbacks, weight))
+                elif self._local_down:
+                    assert self.chunk is not None
+                    self.chunk.handoffs.put(self._eval_out[mb], stage.run_layers(received))
                 else:
                     self.transport.send_activation(stage.run_layers(received), route.rows, route.downstream, self._eval_out[mb])
-        self.transport.flush()
-        gathered = self.share_extras(results if self.is_last else None)
+        return results
+
+    def gather_eval(self, results: list[Any] | None) -> list[Any]:
+        """The last stage's per-slice results (``results`` there, None elsewhere), ordered by
+        (micro-batch, replica), on every rank."""
+        gathered = self.share_extras(results)
         replicas = self.plan.stages[-1].replicas
         return [gathered[replica][mb] for mb in range(self.plan.micro_batches) for replica in range(replicas)]

@@ -26,7 +26,7 @@ import torch
 from lightning_dapple.execute.replay import tensor_bytes
 from lightning_dapple.profile.stash import StashMeter, parameter_storages
 
-__all__ = ["StashLedger", "StashSizes", "StepSizes", "MeasuringSizes", "KnownSizes"]
+__all__ = ["StashLedger", "StageSlots", "StashSizes", "StepSizes", "MeasuringSizes", "KnownSizes"]
 
 Layout = tuple[int, bool]  # (batch rows, training)
 
@@ -65,6 +65,27 @@ class StashLedger:
     def drop(self, microbatch: int) -> None:
         """The last work of ``microbatch`` on this stage is done: it holds nothing more."""
         self.held.pop(microbatch, None)
+
+
+class StageSlots:
+    """One stage's view of the ledger of a rank that holds several stages (chunks): its
+    micro-batches are charged as (stage, micro-batch), so the rank's peak counts every
+    chunk's stash at once, as the memory model of several stages per group does."""
+
+    __slots__ = ("ledger", "stage")
+
+    def __init__(self, ledger: StashLedger, stage: int) -> None:
+        self.ledger = ledger
+        self.stage = stage
+
+    def forwarded(self, microbatch: int, nbytes: int) -> None:
+        self.ledger.forwarded((self.stage, microbatch), nbytes)  # type: ignore[arg-type]
+
+    def hold(self, microbatch: int, nbytes: int) -> None:
+        self.ledger.hold((self.stage, microbatch), nbytes)  # type: ignore[arg-type]
+
+    def drop(self, microbatch: int) -> None:
+        self.ledger.drop((self.stage, microbatch))  # type: ignore[arg-type]
 
 
 Stashing = Callable[[int, "StashMeter | None"], Any]  # a stashing forward of one micro-batch

@@ -24,19 +24,21 @@ process group of its own, made by every rank in the same order (``tied_groups``)
 """
 from __future__ import annotations
 
+import itertools
 from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_dapple.errors import require
 from lightning_dapple.execute.failure import FailureChannel
 from lightning_dapple.execute.grad_sync import FlatBucket
 from lightning_dapple.plan.costs import stages_holding
 from lightning_dapple.plan.plan import Plan
 from lightning_dapple.profile.ties import TiedParameter
 
-__all__ = ["TiedSync", "split_ties", "tied_groups", "build_tied_sync"]
+__all__ = ["TiedSync", "split_ties", "tied_groups", "build_tied_sync", "check_ties_on_groups"]
 
 
 def split_ties(plan: Plan, ties: Sequence[TiedParameter]) -> list[tuple[TiedParameter, tuple[int, ...]]]:
@@ -49,8 +51,23 @@ def split_ties(plan: Plan, ties: Sequence[TiedParameter]) -> list[tuple[TiedPara
     return out
 
 
+def check_ties_on_groups(plan: Plan, ties: Sequence[TiedParameter]) -> None:
+    """Refuse a tie held by two stages on the same devices (on every rank alike, before
+    training): each would keep a copy on those ranks and the sum would count its own part only."""
+    placement = plan.placement
+    for tie, holders in split_ties(plan, ties):
+        groups = [placement[index] for index in holders]
+        shared = sorted({index for index in holders if groups.count(placement[index]) > 1})
+        require(
+            not shared,
+            "plan.stages[].devices",
+            f"stages {shared} share the tied parameter {tie.name_in(tie.owner)!r} of layers {list(tie.layers)} and run on the same devices",
+            "place the stages using a tied parameter on different device groups (e.g. schedule 'interleaved' instead of 'zbv'), or untie it",
+        )
+
+
 def _ranks(plan: Plan, holders: Sequence[int]) -> tuple[int, ...]:
-    return tuple(sorted(rank for s in holders for rank in plan.stages[s].devices))
+    return tuple(sorted({rank for s in holders for rank in plan.stages[s].devices}))
 
 
 def tied_groups(plan: Plan, ties: Sequence[TiedParameter], backend: str | None = None) -> dict[tuple[int, ...], Any]:
@@ -94,18 +111,23 @@ def build_tied_sync(
     groups: dict[tuple[int, ...], Any],
     failure: FailureChannel,
 ) -> TiedSync | None:
-    """This rank's ``TiedSync`` (None when its stage shares no parameter with another).
+    """This rank's ``TiedSync`` (None when its stages share no parameter with another).
 
-    ``layers`` are the stage's layers (``plan.stages[stage]``'s range, in order); each
-    tie's local copy is found by its name in the first of its layers on this stage."""
-    stage_index = plan.stage_of_rank(rank)
-    stage = plan.stages[stage_index]
+    ``layers`` are the rank's layers (its stages' ranges, in pipeline order); each tie's
+    local copy is found by its name in the first of its layers on this rank's stage. Two
+    stages on this rank holding one tie (a V schedule's first and last stage, with a tied
+    embedding and head) are refused: each would hold a copy here and sum only its own part."""
+    check_ties_on_groups(plan, ties)
+    held = plan.stages_of_rank(rank)
+    offsets = dict(zip(held, itertools.accumulate((plan.stages[s].end - plan.stages[s].start for s in held), initial=0)))
     by_ranks: dict[tuple[int, ...], list[nn.Parameter]] = {}
     for tie, holders in split_ties(plan, ties):
-        if stage_index not in holders:
+        mine = [index for index in holders if index in offsets]
+        if not mine:
             continue
+        stage = plan.stages[mine[0]]
         layer = next(index for index in tie.layers if stage.start <= index < stage.end)
-        param = layers[layer - stage.start].get_parameter(tie.name_in(layer))
+        param = layers[offsets[mine[0]] + layer - stage.start].get_parameter(tie.name_in(layer))
         if param.requires_grad:
             by_ranks.setdefault(_ranks(plan, holders), []).append(param)
     if not by_ranks:

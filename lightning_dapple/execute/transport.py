@@ -76,11 +76,15 @@ from torch.utils import _pytree as pytree
 
 from lightning_dapple.errors import DappleConfigError, require
 from lightning_dapple.execute.failure import FailureChannel
+from lightning_dapple.execute.keys import Direction, TransferKey
 from lightning_dapple.execute.slicing import flatten, overlap, unflatten
 from lightning_dapple.execute.wires import Incoming, make_wire
 from lightning_dapple.profile.sample_rows import is_whole
 
 HEADER_INTS = 512
+# the first tag of tagged transfers (``Transport._tag``): above every other message tag of a
+# plan (the results hand-off uses 7)
+TAG_BASE = 16
 _DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
     torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
@@ -372,8 +376,12 @@ class Transport:
         short_messages: bool | None = None,
         wire: str = "auto",
         links: Sequence[tuple[int, int]] | None = None,
+        tagged: bool = False,
     ) -> None:
         self.failure = failure
+        # a tag per boundary and direction (``_tag``): a rank holding several stages exchanges
+        # several boundaries with one peer, whose messages its peer takes in another order
+        self.tagged = tagged
         self.device = device
         self.wire = make_wire(wire, device, failure, links)
         # whether a known layout's activation may travel without its flag byte (see
@@ -388,9 +396,9 @@ class Transport:
         self._typed = self.wire.typed
         # batched wires collect a transfer's messages here and issue them together
         self._batch: list[tuple[torch.Tensor, int, Any, Hashable]] | None = [] if self.wire.batched else None
-        # per peer: the layout of the last activation sent to / received from it
-        self._layout_sent: dict[int, tuple[tuple[LeafMeta, ...], Any]] = {}
-        self._layout_received: dict[int, tuple[tuple[LeafMeta, ...], Any]] = {}
+        # per (peer, tag): the layout of the last activation sent to / received from it
+        self._layout_sent: dict[tuple[int, int], tuple[tuple[LeafMeta, ...], Any]] = {}
+        self._layout_received: dict[tuple[int, int], tuple[tuple[LeafMeta, ...], Any]] = {}
         # sends not yet waited: (work or None, what to keep until then, label, settle key);
         # ``settle`` and ``flush`` wait them
         self._pending_sends: list[tuple[Any, Any, Any, Hashable]] = []
@@ -401,6 +409,15 @@ class Transport:
         self._labels: dict[Hashable, str] = {}
         self.bytes_sent = 0
         self.messages_sent = 0
+
+    def _tag(self, transfer: Hashable) -> int:
+        """The tag of ``transfer``'s messages: 0, or (``tagged``, for ``keys.TransferKey``s) one
+        per boundary and direction, above the results' tag. Each such stream carries its
+        micro-batches in the same order at both ends, as every schedule's stage lists do."""
+        if not self.tagged:
+            return 0
+        assert isinstance(transfer, TransferKey), transfer
+        return TAG_BASE + 2 * transfer.boundary + (transfer.direction is Direction.GRADIENT)
 
     @property
     def posts_ahead(self) -> bool:
@@ -419,15 +436,16 @@ class Transport:
         leaves, spec = flatten(structure)
         count = my_rows[1] - my_rows[0]
         metas = tuple(_meta_of(leaf, count) for leaf in leaves)
+        tag = self._tag(transfer)
         try:
             for peer in peers:
                 rows = overlap(my_rows, peer.rows)
                 if rows is not None:
                     lo, hi = rows[0] - my_rows[0], rows[1] - my_rows[0]
-                    self._send_rows(leaves, metas, spec, lo, hi, rows[0] == peer.rows[0], peer.rank, transfer, key)
+                    self._send_rows(leaves, metas, spec, lo, hi, rows[0] == peer.rows[0], peer.rank, transfer, key, tag)
         finally:
             if self._batch:
-                self._issue("activation")
+                self._issue("activation", tag)
 
     def _send_rows(
         self,
@@ -440,27 +458,28 @@ class Transport:
         peer: int,
         transfer: Hashable,
         key: Hashable,
+        tag: int,
     ) -> None:
         """The messages of one activation transfer to one peer (see the module docstring);
         ``first``: this rank holds the peer's first row (whole leaves go along)."""
         data = _rows_of(leaves, metas, lo, hi, first)
-        known = self._layout_sent.get(peer)
+        known = self._layout_sent.get((peer, tag))
         if known == (metas, spec):
             if self.short and _payload_bytes(metas, hi - lo, first):
-                self._isend(as_message(data, self._typed), peer, transfer, key)  # the receiver's flag byte stays "same"
+                self._isend(as_message(data, self._typed), peer, transfer, key, tag)  # the receiver's flag byte stays "same"
             else:
-                self._isend(pack(data, FLAG_SAME_LAYOUT), peer, transfer, key)
+                self._isend(pack(data, FLAG_SAME_LAYOUT), peer, transfer, key, tag)
             return
         if known is not None:  # the receiver expects the old layout's size: tell it to read a header
             filler = torch.zeros(_payload_bytes(known[0], hi - lo, first) + 1, dtype=torch.uint8)
             filler[-1] = FLAG_NEW_LAYOUT
-            self._isend(filler, peer, f"layout change of {transfer}", key)
+            self._isend(filler, peer, f"layout change of {transfer}", key, tag)
         header, spec_bytes = self._header(metas, spec, send_spec=known is None or known[1] != spec)
-        self._layout_sent[peer] = (metas, spec)
-        self._isend(header, peer, f"header of {transfer}", key)
+        self._layout_sent[(peer, tag)] = (metas, spec)
+        self._isend(header, peer, f"header of {transfer}", key, tag)
         if spec_bytes is not None:
-            self._isend(spec_bytes, peer, f"structure of {transfer}", key)
-        self._isend(pack(data), peer, transfer, key)
+            self._isend(spec_bytes, peer, f"structure of {transfer}", key, tag)
+        self._isend(pack(data), peer, transfer, key, tag)
 
     def send_gradient(
         self, grads: Sequence[torch.Tensor], my_rows: tuple[int, int], peers: Sequence[Peer], transfer: Hashable, key: Hashable = None
@@ -470,6 +489,7 @@ class Transport:
         if key is None:
             key = transfer
         count = my_rows[1] - my_rows[0]
+        tag = self._tag(transfer)
         try:
             for peer in peers:
                 rows = overlap(my_rows, peer.rows)
@@ -477,10 +497,10 @@ class Transport:
                     continue
                 lo, hi = rows[0] - my_rows[0], rows[1] - my_rows[0]
                 piece = _gradient_piece(grads, count, lo, hi, rows[0] == my_rows[0], peer.rows[1] - peer.rows[0])
-                self._isend(as_message(piece, self._typed), peer.rank, transfer, key)
+                self._isend(as_message(piece, self._typed), peer.rank, transfer, key, tag)
         finally:
             if self._batch:
-                self._issue("gradient")
+                self._issue("gradient", tag)
 
     @staticmethod
     def _header(metas: Sequence[LeafMeta], spec: Any, send_spec: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -496,21 +516,21 @@ class Transport:
         header[: len(ints)] = torch.tensor(ints, dtype=torch.int64)
         return header, spec_bytes
 
-    def _isend(self, tensor: torch.Tensor, peer: int, label: Any, key: Hashable) -> None:
+    def _isend(self, tensor: torch.Tensor, peer: int, label: Any, key: Hashable, tag: int = 0) -> None:
         """Send one message now, or (batched wires) add it to the transfer's batch; ``label``
         (a transfer key or a string) names it in wait messages."""
         if self._batch is not None:
             self._batch.append((tensor, peer, label, key))
             return
-        work, kept = self.wire.send_one(tensor, peer)
+        work, kept = self.wire.send_one(tensor, peer, tag)
         self._pending_sends.append((work, kept, label, key))
         self.bytes_sent += tensor.numel() * tensor.element_size()
         self.messages_sent += 1
 
-    def _issue(self, direction: str) -> None:
+    def _issue(self, direction: str, tag: int = 0) -> None:
         """Issue the batch of messages collected for one transfer."""
         batch, self._batch = self._batch or [], []
-        sent = self.wire.send([(tensor, peer) for tensor, peer, _, _ in batch], direction)
+        sent = self.wire.send([(tensor, peer) for tensor, peer, _, _ in batch], direction, tag)
         for (work, kept), (tensor, _, label, key) in zip(sent, batch):
             self._pending_sends.append((work, kept, label, key))
             self.bytes_sent += tensor.numel() * tensor.element_size()
@@ -546,10 +566,10 @@ class Transport:
         return label
 
     # -- receiving -----------------------------------------------------------
-    def _recv_now(self, spec: BufferSpec, peer: int, what: str, control: bool = False) -> torch.Tensor:
+    def _recv_now(self, spec: BufferSpec, peer: int, what: str, tag: int, control: bool = False) -> torch.Tensor:
         """One message of an activation transfer from ``peer``, received now (``control``:
         a header or structure, read on the host)."""
-        incoming = self.wire.post([(peer, spec, False)], "activation", control)
+        incoming = self.wire.post([(peer, spec, False)], "activation", control, tag)
         return self.wire.wait(incoming, f"{what} from rank {peer}")[0][0]
 
     # -- receiving ahead -----------------------------------------------------
@@ -567,20 +587,20 @@ class Transport:
         (or the wire does not post ahead)."""
         if not self.wire.posts_ahead:
             return False
-        specs = self._activation_specs(my_rows, peers)
+        specs = self._activation_specs(my_rows, peers, self._tag(transfer))
         if specs is None:
             return False
         self._post(transfer, specs, "activation")
         return True
 
-    def _activation_specs(self, my_rows: tuple[int, int], peers: Sequence[Peer]) -> list[tuple[int, BufferSpec, bool]] | None:
+    def _activation_specs(self, my_rows: tuple[int, int], peers: Sequence[Peer], tag: int) -> list[tuple[int, BufferSpec, bool]] | None:
         """The receives of an activation from ``peers``; None if a peer's layout is unknown."""
         specs = []
         for peer in peers:
             rows = overlap(my_rows, peer.rows)
             if rows is None:
                 continue
-            known = self._layout_received.get(peer.rank)
+            known = self._layout_received.get((peer.rank, tag))
             if known is None:
                 return None
             specs.append((peer.rank, _activation_buffer(known[0], rows[1] - rows[0], rows[0] == my_rows[0]), True))
@@ -611,7 +631,7 @@ class Transport:
     def _post(self, transfer: Hashable, specs: list[tuple[int, BufferSpec, bool]], direction: str) -> None:
         if transfer in self._posted:
             raise RuntimeError(f"receives of {transfer} were already posted")
-        self._posted[transfer] = self.wire.post(specs, direction)
+        self._posted[transfer] = self.wire.post(specs, direction, tag=self._tag(transfer))
 
     def is_posted(self, transfer: Hashable) -> bool:
         """Whether the receives of ``transfer`` were posted ahead and not yet taken."""
@@ -626,15 +646,16 @@ class Transport:
         sends a header, maybe the structure, and the data. Whole leaves come from the peer of
         this rank's first row (module docstring)."""
         parts = []
+        tag = self._tag(transfer)
         for peer in peers:
             rows = overlap(my_rows, peer.rows)
             if rows is not None:
                 first = rows[0] == my_rows[0]
-                parts.append((peer.rank, rows[1] - rows[0], self._layout_received.get(peer.rank), first, peer.rows[1] - peer.rows[0]))
+                parts.append((peer.rank, rows[1] - rows[0], self._layout_received.get((peer.rank, tag)), first, peer.rows[1] - peer.rows[0]))
         posted = self._posted.pop(transfer, None)
         if posted is None:
             specs = [(rank, _activation_buffer(known[0], count, first), True) for rank, count, known, first, _ in parts if known is not None]
-            posted = self.wire.post(specs, "activation") if specs else []
+            posted = self.wire.post(specs, "activation", tag=tag) if specs else []
         label = self._labels.get(transfer) or self._label(transfer)
         received = iter(self.wire.wait(posted, _from(label, posted)) if posted else ())
         pieces: list[list[torch.Tensor | None]] = []
@@ -647,8 +668,8 @@ class Transport:
                 if flag == FLAG_SAME_LAYOUT:
                     buffer = message  # unpack reads the leaves' bytes and leaves the flag byte
             if buffer is None:
-                known = self._recv_layout(rank, known, label)
-                buffer = self._recv_now(BufferSpec((_payload_bytes(known[0], count, first),), torch.uint8), rank, label)
+                known = self._recv_layout(rank, known, label, tag)
+                buffer = self._recv_now(BufferSpec((_payload_bytes(known[0], count, first),), torch.uint8), rank, label, tag)
             metas, spec = known
             layouts.append(metas)
             pieces.append(unpack(buffer, metas, count, first))
@@ -661,19 +682,19 @@ class Transport:
                 leaf.requires_grad_(True)  # type: ignore[union-attr]
         return unflatten(leaves, spec)  # type: ignore[arg-type]
 
-    def _recv_layout(self, peer: int, known: tuple[tuple[LeafMeta, ...], Any] | None, what: str) -> tuple[tuple[LeafMeta, ...], Any]:
+    def _recv_layout(self, peer: int, known: tuple[tuple[LeafMeta, ...], Any] | None, what: str, tag: int) -> tuple[tuple[LeafMeta, ...], Any]:
         """Receive a header (and the structure if it changed) and remember the layout."""
-        header = self._recv_now(BufferSpec((HEADER_INTS,), torch.int64), peer, f"header of {what}", control=True)
+        header = self._recv_now(BufferSpec((HEADER_INTS,), torch.int64), peer, f"header of {what}", tag, control=True)
         metas, spec_len = self._parse_header(header.cpu())
         if spec_len:
-            raw = self._recv_now(BufferSpec((spec_len,), torch.uint8), peer, f"structure of {what}", control=True)
+            raw = self._recv_now(BufferSpec((spec_len,), torch.uint8), peer, f"structure of {what}", tag, control=True)
             spec = _spec_from_bytes(raw.cpu().numpy().tobytes())
         elif known is not None:
             spec = known[1]
         else:
             raise RuntimeError(f"rank {peer} sent {what} without its structure; the two sides' layout caches disagree")
         layout = (tuple(metas), spec)
-        self._layout_received[peer] = layout
+        self._layout_received[(peer, tag)] = layout
         return layout
 
     def recv_gradient(
@@ -687,7 +708,7 @@ class Transport:
         specs, counts = self._gradient_specs(metas, my_rows, peers)
         posted = self._posted.pop(transfer, None)
         if posted is None:
-            posted = self.wire.post(specs, "gradient")
+            posted = self.wire.post(specs, "gradient", tag=self._tag(transfer))
         label = self._labels.get(transfer) or self._label(transfer)
         received = self.wire.wait(posted, _from(label, posted)) if posted else []
         pieces = [self._gradient_leaves(buffer, metas, rows, first) for (buffer, _), (rows, first) in zip(received, counts)]

@@ -139,13 +139,15 @@ class Wire:
         """Whether a lone tensor of ``dtype`` travels in its own dtype (else as bytes)."""
         return not dtype.is_complex
 
-    def send_one(self, tensor: torch.Tensor, peer: int) -> tuple[Any, Any]:
-        """Issue one message: its work and what must stay alive until that work is waited."""
+    def send_one(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> tuple[Any, Any]:
+        """Issue one message: its work and what must stay alive until that work is waited.
+        ``tag`` keeps apart message streams between the same two ranks (gloo matches a
+        receive with the oldest message of its peer and tag)."""
         tensor = tensor if tensor.device == self.device else tensor.to(self.device)
-        return dist.isend(tensor, peer), tensor
+        return dist.isend(tensor, peer, tag=tag), tensor
 
-    def send(self, messages: Sequence[tuple[torch.Tensor, int]], direction: str) -> list[tuple[Any, Any]]:
-        return [self.send_one(tensor, peer) for tensor, peer in messages]
+    def send(self, messages: Sequence[tuple[torch.Tensor, int]], direction: str, tag: int = 0) -> list[tuple[Any, Any]]:
+        return [self.send_one(tensor, peer, tag) for tensor, peer in messages]
 
     def release(self, kept: Sequence[Any]) -> None:
         """Sends whose works were waited: their buffers are free again."""
@@ -154,13 +156,13 @@ class Wire:
         """Wait until sends are done with their buffers (the host waits, bounded)."""
         self.failure.wait_all(works, what)
 
-    def post(self, specs: Sequence[tuple[int, Any, bool]], direction: str, control: bool = False) -> list[Incoming]:
+    def post(self, specs: Sequence[tuple[int, Any, bool]], direction: str, control: bool = False, tag: int = 0) -> list[Incoming]:
         """Receives of ``(peer, BufferSpec, flagged)``; ``control`` messages (headers,
-        structures) are read on the host."""
+        structures) are read on the host; ``tag`` as in ``send_one``."""
         out = []
         for peer, spec, flagged in specs:
             buffer = spec.make(self.device, self.zero_flags)
-            out.append(Incoming(peer, dist.irecv(buffer, peer), buffer, spec.shape, spec.dtype, flagged))
+            out.append(Incoming(peer, dist.irecv(buffer, peer, tag=tag), buffer, spec.shape, spec.dtype, flagged))
         return out
 
     def wait(self, incoming: Sequence[Incoming], what: str) -> list[tuple[torch.Tensor, int]]:
@@ -186,7 +188,7 @@ class StagedWire(Wire):
         super().__init__(device, failure)
         self.stager = Stager(device)
 
-    def send(self, messages: Sequence[tuple[torch.Tensor, int]], direction: str) -> list[tuple[Any, Any]]:
+    def send(self, messages: Sequence[tuple[torch.Tensor, int]], direction: str, tag: int = 0) -> list[tuple[Any, Any]]:
         # on a CUDA rank, control messages (built on the host) go as they are; on a CPU
         # "device" (the tests) every message goes through the staging code
         stage = [t.device.type != "cpu" or self.device.type == "cpu" for t, _ in messages]
@@ -196,9 +198,9 @@ class StagedWire(Wire):
         for (tensor, peer), key, staged in zip(messages, keys, stage):
             if staged:
                 host = next(hosts)
-                out.append((dist.isend(host, peer), (key, host)))
+                out.append((dist.isend(host, peer, tag=tag), (key, host)))
             else:
-                out.append((dist.isend(tensor, peer), None))
+                out.append((dist.isend(tensor, peer, tag=tag), None))
         return out
 
     def release(self, kept: Sequence[Any]) -> None:
@@ -206,16 +208,16 @@ class StagedWire(Wire):
             if item is not None:
                 self.stager.pool.give(*item)
 
-    def post(self, specs: Sequence[tuple[int, Any, bool]], direction: str, control: bool = False) -> list[Incoming]:
+    def post(self, specs: Sequence[tuple[int, Any, bool]], direction: str, control: bool = False, tag: int = 0) -> list[Incoming]:
         out = []
         for peer, spec, flagged in specs:
             if control:  # read on the host: no device round trip
                 buffer = spec.make(torch.device("cpu"))
-                out.append(Incoming(peer, dist.irecv(buffer, peer), buffer, spec.shape, spec.dtype, False))
+                out.append(Incoming(peer, dist.irecv(buffer, peer, tag=tag), buffer, spec.shape, spec.dtype, False))
                 continue
             key = ("recv", peer, spec.nbytes(), flagged)
             host = self.stager.pool.take(key, spec.nbytes(), zeroed=flagged)
-            out.append(Incoming(peer, dist.irecv(host, peer), host, spec.shape, spec.dtype, flagged, key))
+            out.append(Incoming(peer, dist.irecv(host, peer, tag=tag), host, spec.shape, spec.dtype, flagged, key))
         return out
 
     def wait(self, incoming: Sequence[Incoming], what: str) -> list[tuple[torch.Tensor, int]]:
@@ -350,8 +352,9 @@ class NcclWire(Wire):
             )
         return group
 
-    def send(self, messages: Sequence[tuple[torch.Tensor, int]], direction: str) -> list[tuple[Any, Any]]:
-        # issued from the current (compute) stream, which produced the data: NCCL's stream
+    def send(self, messages: Sequence[tuple[torch.Tensor, int]], direction: str, tag: int = 0) -> list[tuple[Any, Any]]:
+        # NCCL has no tags (a communicator matches by issue order): ``tag`` is not used.
+        # Issued from the current (compute) stream, which produced the data: NCCL's stream
         # waits for it there, and records the tensor so that its memory outlives the send
         out = []
         for tensor, peer in messages:
@@ -363,7 +366,7 @@ class NcclWire(Wire):
         if not self.cuda:  # gloo underneath (the CPU tests): its waits
             super().wait_sends(works, what)
 
-    def post(self, specs: Sequence[tuple[int, Any, bool]], direction: str, control: bool = False) -> list[Incoming]:
+    def post(self, specs: Sequence[tuple[int, Any, bool]], direction: str, control: bool = False, tag: int = 0) -> list[Incoming]:
         if self.reader is None:
             return self._post(specs, direction, control)
         with self.reader.issuing():

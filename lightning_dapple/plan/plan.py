@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from lightning_dapple.errors import DappleConfigError, require
-from lightning_dapple.plan.warmup import warmup_counts
+from lightning_dapple.plan.warmup import chunked_warmup_counts, warmup_counts
 
 SCHEDULES = ("dapple", "gpipe", "interleaved", "zbv")
 # schedules that run several stages (chunks) on each device group
@@ -182,9 +182,16 @@ class Plan:
         return ":".join(str(stage.replicas) for stage in self.stages)
 
     def with_warmups(self, policy: str | None = None) -> "Plan":
-        """Fill missing K_i by policy P_A or P_B (DAPPLE 5.3); keep the ones given."""
+        """Fill missing K_i by policy P_A or P_B (DAPPLE 5.3); keep the ones given.
+
+        With several stages per device group K is the group's, in chunk micro-batches, and
+        every stage of the group carries it (``plan.warmup.chunked_warmup_counts``)."""
         policy = policy or self.policy
-        counts = warmup_counts(self.num_stages, self.micro_batches, policy, schedule=self.schedule)
+        if self.schedule in CHUNKED_SCHEDULES:
+            per_group = chunked_warmup_counts(len(self.device_groups), self.chunks, self.micro_batches, policy, self.schedule)
+            counts = [per_group[group] for group in self.placement]
+        else:
+            counts = warmup_counts(self.num_stages, self.micro_batches, policy, schedule=self.schedule)
         stages = tuple(
             stage if stage.warmup is not None else replace(stage, warmup=count)
             for stage, count in zip(self.stages, counts)
@@ -301,6 +308,45 @@ class Plan:
             f"is {self.schedule!r}, which runs one stage per device group, but groups hold {counts[0]} stages each",
             f"use one of {list(CHUNKED_SCHEDULES)} for several stages per group, or give every stage its own devices",
         )
+        self._check_chunked_schedule()
+
+    def _check_chunked_schedule(self) -> None:
+        """What interleaved and V schedules need beyond several stages per group."""
+        groups = len(self.device_groups)
+        require(
+            not self.ooo,
+            "plan.ooo",
+            f"is on, but the {self.schedule!r} schedule places its own backward work"
+            + (" (it always splits B into I and W)" if self.schedule == "zbv" else " and does not defer weight gradients"),
+            "leave ooo off for chunked plans ('zbv' is the schedule with deferred weight gradients)",
+        )
+        for group in range(groups):
+            ks = {self.stages[k].warmup for k in range(self.num_stages) if self.placement[k] == group}
+            require(
+                len(ks) == 1,
+                "plan.stages[].warmup",
+                f"differs between the stages of device group {group}: {sorted(k for k in ks if k is not None)}",
+                "give every stage of a group the group's K (in chunk micro-batches) or leave them all out",
+            )
+        if self.schedule == "zbv":
+            small = [k for k, stage in enumerate(self.stages) if stage.warmup is not None and stage.warmup < 2]
+            require(not small, f"plan.stages[{small[0] if small else 0}].warmup", "is below 2", "let each ZB-V group hold K >= 2 chunk micro-batches, one in each chunk")
+            expected = tuple(k if k < groups else 2 * groups - 1 - k for k in range(self.num_stages))
+            require(
+                self.chunks == 2 and self.placement == expected,
+                "plan.stages[].devices",
+                f"place the stages on groups {list(self.placement)}, but 'zbv' runs 2 chunks per group in a V: {list(expected[:2 * groups])}",
+                "put stage k on group k for k < P and on group 2P-1-k after (the V shape)",
+            )
+        else:
+            expected = tuple(k % groups for k in range(self.num_stages))
+            require(
+                self.placement == expected,
+                "plan.stages[].devices",
+                f"place the stages on groups {list(self.placement)}, but 'interleaved' runs stage k on group k mod P: {list(expected)}",
+                "put stage k on device group k mod P (Megatron's interleaved placement)",
+            )
+            require_round_multiple(groups, self.micro_batches)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -437,6 +483,18 @@ def _in_flight_from(data: dict[str, Any], source: str) -> tuple[int, ...] | None
         "write one integer per stage (-1: no split, 0: W right after B, n: defer up to n) or leave it out",
     )
     return tuple(caps)
+
+
+def require_round_multiple(num_groups: int, micro_batches: int) -> None:
+    """Refuse an M that interleaved 1F1B cannot run in rounds of one micro-batch per group
+    (``schedule.interleaved``: a shorter round leaves a chunk's group waiting)."""
+    up = -(-micro_batches // num_groups) * num_groups
+    require(
+        micro_batches % num_groups == 0,
+        "plan.micro_batches",
+        f"is {micro_batches}, but interleaved 1F1B sends micro-batches through the chunks in rounds of the {num_groups} device groups",
+        f"use a multiple of {num_groups} (e.g. {up}), or the 'dapple' or 'zbv' schedule",
+    )
 
 
 def _check_in_flight(caps: tuple[int, ...] | None, num_stages: int) -> None:

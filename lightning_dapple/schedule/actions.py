@@ -39,7 +39,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from enum import Enum
-from typing import Sequence
+from typing import Mapping, Sequence
 
 
 class Kind(str, Enum):
@@ -204,6 +204,9 @@ class Schedule:
         other forward on the stage -- the micro-batch last in flight (torchgpipe's
         'except_last'; under GPipe only micro-batch M-1, under early backward also every
         micro-batch of a stage with K_i = 1), whose recomputation would save no memory.
+        On a device group that runs several stages (chunks) "other forward" means any
+        forward of the group: the chunks share the device's memory, so a micro-batch
+        whose stash outlives another chunk's forward is recomputed too.
         """
         mode = self.recompute_mode(stage)
         if mode == "never":
@@ -212,12 +215,12 @@ class Schedule:
         if mode == "always":
             return frozenset(every)
         kept: set[int] = set()
-        last_forward: int | None = None
-        for action in self.compute(stage):
+        last_forward: tuple[int, int | None] | None = None
+        for action in self.group_actions(self.group_of(stage)):
             if action.kind is Kind.F:
-                last_forward = action.microbatch
-            elif action.kind.is_backward and action.microbatch == last_forward:
-                kept.add(action.microbatch)
+                last_forward = (action.stage, action.microbatch)
+            elif action.kind.is_backward and action.stage == stage and (stage, action.microbatch) == last_forward:
+                kept.add(action.microbatch)  # type: ignore[arg-type]
         return frozenset(mb for mb in every if mb not in kept)
 
 
@@ -241,32 +244,54 @@ def stash_walk(
 
     Peaks are taken after every step, so the result bounds the stash at any time.
     """
-    last_w: dict[int, int] = {}
+    stages = {action.stage for action in compute}
+    return group_stash_walk(
+        compute,
+        {s: frozenset(recomputed) for s in stages},
+        {s: stash for s in stages},
+        {s: input_bytes for s in stages},
+        {s: wgrad_bytes for s in stages},
+    )
+
+
+def group_stash_walk(
+    compute: Sequence[Action],
+    recomputed: Mapping[int, frozenset[int]],
+    stash: Mapping[int, float],
+    input_bytes: Mapping[int, float],
+    wgrad_bytes: Mapping[int, float],
+) -> tuple[float, int]:
+    """``stash_walk`` over a device group's merged compute order: each action keeps the
+    bytes of its own stage (chunk), and the peaks are those of the device, which holds
+    every chunk's micro-batches at once (the count is in chunk micro-batches)."""
+    last_w: dict[tuple[int, int], int] = {}
     for index, action in enumerate(compute):
         if action.kind is Kind.W and action.microbatch is not None:
-            last_w[action.microbatch] = index
-    held: dict[int, float] = {}
+            last_w[(action.stage, action.microbatch)] = index
+    held: dict[tuple[int, int], float] = {}
     peak = 0.0
     peak_count = 0
     for index, action in enumerate(compute):
-        mb = action.microbatch
+        mb, s = action.microbatch, action.stage
         if mb is None:
             continue
+        key = (s, mb)
+        replayed = mb in recomputed[s]
         if action.kind is Kind.F:
-            held[mb] = input_bytes if mb in recomputed else stash
+            held[key] = input_bytes[s] if replayed else stash[s]
             peak_count = max(peak_count, len(held))
         elif action.kind.is_backward:
-            if mb in recomputed:
-                held[mb] = held.get(mb, 0.0) + stash
+            if replayed:
+                held[key] = held.get(key, 0.0) + stash[s]
                 peak = max(peak, sum(held.values()))
             if action.kind is Kind.I:
-                held[mb] = held.get(mb, 0.0) + wgrad_bytes
+                held[key] = held.get(key, 0.0) + wgrad_bytes[s]
             else:
                 peak = max(peak, sum(held.values()))
-                held.pop(mb, None)
+                held.pop(key, None)
                 continue
-        elif action.kind is Kind.W and last_w.get(mb) == index:
-            held.pop(mb, None)
+        elif action.kind is Kind.W and last_w.get(key) == index:
+            held.pop(key, None)
             continue
         peak = max(peak, sum(held.values()))
     return peak, peak_count

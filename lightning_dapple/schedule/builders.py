@@ -41,25 +41,27 @@ def compute_order(name: str, stage: int, num_stages: int, micro_batches: int, wa
     return order
 
 
+def with_transfers(action: Action, num_stages: int) -> list[Action]:
+    """``action`` with the receive it waits for before it and the send of its result after it.
+
+    F receives the activation from the previous stage and sends its output on; a backward
+    (B or I) receives the output gradient from the next stage and sends the input gradient
+    back. The pipeline's first stage has no previous and its last stage no next stage.
+    Boundaries between two stages on the same device group keep their actions too: such a
+    hand-off is local, but every stage's list reads the same.
+    """
+    stage = action.stage
+    first, last = stage == 0, stage == num_stages - 1
+    if action.kind is Kind.F:
+        return [*([] if first else [Action(Kind.RECV_ACT, stage, action.microbatch)]), action, *([] if last else [Action(Kind.SEND_ACT, stage, action.microbatch)])]
+    if action.kind.is_backward:
+        return [*([] if last else [Action(Kind.RECV_GRAD, stage, action.microbatch)]), action, *([] if first else [Action(Kind.SEND_GRAD, stage, action.microbatch)])]
+    return [action]
+
+
 def with_communication(order: Sequence[Action], stage: int, num_stages: int) -> list[Action]:
     """Insert receives before and sends after each compute action of ``stage``."""
-    actions: list[Action] = []
-    first, last = stage == 0, stage == num_stages - 1
-    for action in order:
-        if action.kind is Kind.F:
-            if not first:
-                actions.append(Action(Kind.RECV_ACT, stage, action.microbatch))
-            actions.append(action)
-            if not last:
-                actions.append(Action(Kind.SEND_ACT, stage, action.microbatch))
-        elif action.kind.is_backward:
-            if not last:
-                actions.append(Action(Kind.RECV_GRAD, stage, action.microbatch))
-            actions.append(action)
-            if not first:
-                actions.append(Action(Kind.SEND_GRAD, stage, action.microbatch))
-        else:
-            actions.append(action)
+    actions = [expanded for action in order for expanded in with_transfers(action, num_stages)]
     actions.append(Action(Kind.ALLREDUCE, stage))
     return actions
 

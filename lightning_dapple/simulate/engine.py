@@ -86,16 +86,22 @@ class Span(NamedTuple):
     """One block of a timeline: [start_ms, end_ms) of ``kind`` on ``microbatch``.
 
     ``kind`` is "F", "B", "W", "AR" or "TAR" (a tied parameter's AllReduce) on devices
-    (the AllReduces have microbatch None), and "act" or "grad" on links.
+    (the AllReduces have microbatch None), and "act" or "grad" on links. ``stage`` names
+    the stage (chunk) of a span on a device group that runs several.
     """
 
     start_ms: float
     end_ms: float
     kind: str
     microbatch: int | None
+    # the stage a span belongs to where a device group runs several (chunks); else None
+    stage: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"start_ms": self.start_ms, "end_ms": self.end_ms, "kind": self.kind, "microbatch": self.microbatch}
+        out = {"start_ms": self.start_ms, "end_ms": self.end_ms, "kind": self.kind, "microbatch": self.microbatch}
+        if self.stage is not None:
+            out["stage"] = self.stage
+        return out
 
 
 @dataclass(frozen=True)
@@ -196,21 +202,23 @@ class _Link:
         self.free_at = 0.0
         self.spans: list[Span] = []
 
-    def transfer(self, issued_at: float, kind: str, microbatch: int) -> float:
+    def transfer(self, issued_at: float, kind: str, microbatch: int, duration: float | None = None, stage: int | None = None) -> float:
         start = max(issued_at, self.free_at)
-        end = start + self.duration
+        end = start + (self.duration if duration is None else duration)
         self.free_at = end
-        self.spans.append(Span(start, end, kind, microbatch))
+        self.spans.append(Span(start, end, kind, microbatch, stage))
         return end
 
 
 class _Stage:
+    """The clock of one device group: it runs the group's order strictly in order (one
+    stage's list, or the merged order of the stages (chunks) the group holds)."""
+
     def __init__(self, index: int, actions: Sequence[Action]) -> None:
         self.index = index
         self.actions = actions
         self.pc = 0
         self.clock = 0.0
-        self.done: dict[tuple[Kind, int], float] = {}  # compute (kind, mb) -> end time
         self.spans: list[Span] = []
         self.blocked_on = ""
 
@@ -230,6 +238,34 @@ def _check_schedule(schedule: Schedule, costs: Sequence[StageCost]) -> None:
         if found is not None:
             action, problem, fix = found
             raise DappleConfigError(f"schedule.actions[{s}] ({action})", problem, fix)
+    if schedule.orders or schedule.placement:
+        _check_orders(schedule)
+
+
+def _check_orders(schedule: Schedule) -> None:
+    """Several stages per device group: a group of every stage, and each group's merged
+    order holding exactly its stages' lists, each in its own order."""
+    placement, orders = schedule.placement, schedule.orders
+    require(len(placement) == schedule.num_stages, "schedule.placement", f"has {len(placement)} entries for {schedule.num_stages} stages", "give the device group of every stage")
+    require(
+        set(placement) == set(range(len(orders))),
+        "schedule.orders",
+        f"has {len(orders)} group orders but the placement uses groups {sorted(set(placement))}",
+        "give one merged order per device group 0..G-1",
+    )
+    for group, order in enumerate(orders):
+        for stage in range(schedule.num_stages):
+            if placement[stage] != group:
+                continue
+            mine = tuple(action for action in order if action.stage == stage)
+            require(
+                mine == schedule.actions[stage],
+                f"schedule.orders[{group}]",
+                f"runs stage {stage}'s actions as {' '.join(a.text for a in mine[:12])}... but the stage lists {' '.join(a.text for a in schedule.actions[stage][:12])}...",
+                "build the per-stage lists from the group orders (schedule.chunked.schedule_from_orders)",
+            )
+        strangers = [action for action in order if placement[action.stage] != group] if all(a.stage < len(placement) for a in order) else list(order)
+        require(not strangers, f"schedule.orders[{group}]", f"holds {strangers[0] if strangers else ''}, an action of a stage on another group", "list each action in its own group's order")
 
 
 def _schedule_problems(s: int, actions: Sequence[Action], micro_batches: int, num_stages: int) -> Iterator[tuple[Action, str, str]]:
@@ -284,23 +320,34 @@ def simulate(
 ) -> SimulationResult:
     """Run ``schedule`` with per-stage ``costs``; ``devices[s]`` are stage s's global ranks.
 
-    Without ``devices`` stage s runs on the single device s. Raises ``ScheduleDeadlock`` when
-    the action order can never complete and ``DappleConfigError`` for a malformed schedule.
+    Without ``devices`` device group g is the single device g. Raises ``ScheduleDeadlock``
+    when the action order can never complete and ``DappleConfigError`` for a malformed
+    schedule.
     """
     _check_schedule(schedule, costs)
-    groups = _device_groups(schedule.num_stages, devices)
+    groups = _device_groups(schedule, devices)
     run = _Run(schedule, costs)
     run.to_fixpoint()
     return run.result(groups)
 
 
-def _device_groups(num_stages: int, devices: Sequence[Sequence[int]] | None) -> list[tuple[int, ...]]:
+def _device_groups(schedule: Schedule, devices: Sequence[Sequence[int]] | None) -> list[tuple[int, ...]]:
+    """Each stage's devices; the stages of one device group list the same ones."""
+    num_stages = schedule.num_stages
     if devices is None:
-        devices = [(s,) for s in range(num_stages)]
+        devices = [(schedule.group_of(s),) for s in range(num_stages)]
     groups = [tuple(int(d) for d in group) for group in devices]
     require(len(groups) == num_stages, "devices", f"has {len(groups)} groups for {num_stages} stages", "give one device list per stage")
-    flat = [d for group in groups for d in group]
     require(all(groups), "devices", "has an empty group", "give every stage at least one device")
+    by_group: dict[int, tuple[int, ...]] = {}
+    for s, group in enumerate(groups):
+        require(
+            by_group.setdefault(schedule.group_of(s), group) == group,
+            "devices",
+            f"gives stage {s} devices {list(group)} but its device group runs on {list(by_group[schedule.group_of(s)])}",
+            "give the stages of one device group the same devices",
+        )
+    flat = [d for group in by_group.values() for d in group]
     require(len(flat) == len(set(flat)), "devices", "lists a device in two stages", "give each device to one stage")
     return groups
 
@@ -316,17 +363,19 @@ _NEEDS = {
 
 
 class _Run:
-    """The state of one simulation: stage clocks, links and arrival times (module docstring)."""
+    """The state of one simulation: group clocks, links and arrival times (module docstring)."""
 
     def __init__(self, schedule: Schedule, costs: Sequence[StageCost]) -> None:
         self.schedule = schedule
         self.costs = costs
         n = self.num_stages = schedule.num_stages
+        self.group = [schedule.group_of(s) for s in range(n)]
+        self.chunked = bool(schedule.orders)
         kinds = [{a.kind for a in acts} for acts in schedule.actions]  # the kinds each stage lists
         self.implicit = not any(kind in listed for listed in kinds for kind in _COMM_KINDS)
-        self.stages = [_Stage(s, schedule.actions[s]) for s in range(n)]
-        self.act_links = [_Link(f"{s}->{s + 1}", costs[s].send_ms) for s in range(n - 1)]
-        self.grad_links = [_Link(f"{s + 1}->{s}", costs[s].send_ms) for s in range(n - 1)]
+        self.stages = [_Stage(g, schedule.group_actions(g)) for g in range(schedule.num_groups)]
+        self.done: list[dict[tuple[Kind, int], float]] = [{} for _ in range(n)]  # per stage: compute (kind, mb) -> end
+        self.links = self._links()
         # arrival time at stage s of the activation (from s-1) / gradient (from s+1) of mb
         self.act_arrival: list[dict[int, float]] = [{} for _ in range(n)]
         self.grad_arrival: list[dict[int, float]] = [{} for _ in range(n)]
@@ -336,18 +385,36 @@ class _Run:
         self.bucket_links = [_Link(f"AR{s}", 0.0) for s in range(n)]
         self.buckets_seen = [0] * n
 
+    def _links(self) -> dict[tuple[int, int], _Link]:
+        """One link per direction per pair of device groups that a boundary crosses
+        (activations of every boundary first, then gradients, in boundary order); a
+        boundary inside a group uses none."""
+        links: dict[tuple[int, int], _Link] = {}
+        pairs = [(self.group[s], self.group[s + 1]) for s in range(self.num_stages - 1)]
+        for a, b in [*pairs, *((b, a) for a, b in pairs)]:
+            if a != b and (a, b) not in links:
+                links[(a, b)] = _Link(f"{a}->{b}", 0.0)
+        return links
+
+    def transfer(self, sender: int, receiver: int, boundary: int, kind: str, mb: int, at: float) -> float:
+        """Arrival time at ``receiver`` of a tensor ``sender`` sends at ``at`` over ``boundary``."""
+        a, b = self.group[sender], self.group[receiver]
+        if a == b:
+            return at
+        label = sender if self.chunked else None
+        return self.links[(a, b)].transfer(at, kind, mb, self.costs[boundary].send_ms, label)
+
     def send_act(self, s: int, mb: int, at: float) -> None:
-        self.act_arrival[s + 1][mb] = self.act_links[s].transfer(at, "act", mb)
+        self.act_arrival[s + 1][mb] = self.transfer(s, s + 1, s, "act", mb, at)
 
     def send_grad(self, s: int, mb: int, at: float) -> None:
-        self.grad_arrival[s - 1][mb] = self.grad_links[s - 1].transfer(at, "grad", mb)
+        self.grad_arrival[s - 1][mb] = self.transfer(s, s - 1, s - 1, "grad", mb, at)
 
-    @staticmethod
-    def compute(st: _Stage, kind: Kind, mb: int, duration: float, ready: float) -> None:
+    def compute(self, st: _Stage, action: Action, mb: int, duration: float, ready: float) -> None:
         start = max(st.clock, ready)
         st.clock = start + duration
-        st.done[(kind, mb)] = st.clock
-        st.spans.append(Span(start, st.clock, kind.block, mb))
+        self.done[action.stage][(action.kind, mb)] = st.clock
+        st.spans.append(Span(start, st.clock, action.kind.block, mb, action.stage if self.chunked else None))
 
     @staticmethod
     def part_ms(per_layer: tuple[float, ...], whole: float, layers: tuple[int, int], parts: int) -> float:
@@ -357,11 +424,11 @@ class _Run:
 
     def allreduce(self, st: _Stage, action: Action) -> None:
         """A layer-limited ALLREDUCE is an asynchronous bucket; a whole-stage one runs the
-        stage's overlapped buckets and holds the stage until the last ends."""
-        s, cost = st.index, self.costs[st.index]
+        stage's overlapped buckets and holds the group until the last ends."""
+        s, cost = action.stage, self.costs[action.stage]
         link = self.bucket_links[s]
         if action.layers is None:
-            st.clock = _overlapped_allreduce(st, cost, link)
+            st.clock = _overlapped_allreduce(st, cost, link, s if self.chunked else None)
             return
         link.duration = self.bucket_ms(s, action.layers)
         if link.duration > 0:
@@ -375,9 +442,9 @@ class _Run:
             return cost.buckets[index][1]
         return self.part_ms(cost.layer_allreduce_ms, cost.allreduce_ms, layers, self.bucket_parts[s])
 
-    def arrival(self, st: _Stage, kind: Kind, mb: int) -> float | None:
-        """When the input ``kind`` waits for has arrived (0 if none), None if not yet known."""
-        s = st.index
+    def arrival(self, st: _Stage, action: Action, mb: int) -> float | None:
+        """When the input ``action`` waits for has arrived (0 if none), None if not yet known."""
+        s, kind = action.stage, action.kind
         if kind in (Kind.RECV_ACT, Kind.F) and s > 0:
             if mb not in self.act_arrival[s]:
                 st.blocked_on = f"the activation of micro-batch {mb} from stage {s - 1}"
@@ -392,16 +459,16 @@ class _Run:
 
     def step(self, st: _Stage, action: Action) -> bool:
         """Execute ``action`` if its inputs are known; else record why not and return False."""
-        s, kind, mb = st.index, action.kind, action.microbatch
+        s, kind, mb = action.stage, action.kind, action.microbatch
         if kind is Kind.ALLREDUCE:
             self.allreduce(st, action)
             return True
         assert mb is not None
-        arrival = self.arrival(st, kind, mb)
+        arrival = self.arrival(st, action, mb)
         if arrival is None:
             return False
         needs = _NEEDS.get(kind)
-        if needs is not None and not any((need, mb) in st.done for need in needs):
+        if needs is not None and not any((need, mb) in self.done[s] for need in needs):
             st.blocked_on = f"its own {' or '.join(f'{need.value}{mb}' for need in needs)}, which is not before it in stage {s}'s list"
             return False
         self.execute(st, action, mb, arrival)
@@ -409,23 +476,23 @@ class _Run:
 
     def execute(self, st: _Stage, action: Action, mb: int, arrival: float) -> None:
         """Run one non-AllReduce action whose inputs are there."""
-        s, kind, cost = st.index, action.kind, self.costs[st.index]
+        s, kind, cost = action.stage, action.kind, self.costs[action.stage]
         if kind in (Kind.RECV_ACT, Kind.RECV_GRAD):
             st.clock = max(st.clock, arrival)
         elif kind is Kind.F:
-            self.compute(st, kind, mb, cost.forward_ms, arrival)
+            self.compute(st, action, mb, cost.forward_ms, arrival)
             if self.implicit and s < self.num_stages - 1:
                 self.send_act(s, mb, st.clock)
         elif kind.is_backward:
             extra = cost.recompute_ms if mb in self.recomputed[s] else 0.0
-            self.compute(st, kind, mb, (cost.backward_input_ms if kind is Kind.I else cost.backward_ms) + extra, arrival)
+            self.compute(st, action, mb, (cost.backward_input_ms if kind is Kind.I else cost.backward_ms) + extra, arrival)
             if self.implicit and s > 0:
                 self.send_grad(s, mb, st.clock)
         elif kind is Kind.W and action.layers is not None:
             parts = self.w_parts[s].get(mb, 1)
-            self.compute(st, kind, mb, self.part_ms(cost.layer_weight_ms, cost.backward_weight_ms, action.layers, parts), 0.0)
+            self.compute(st, action, mb, self.part_ms(cost.layer_weight_ms, cost.backward_weight_ms, action.layers, parts), 0.0)
         elif kind is Kind.W:
-            self.compute(st, kind, mb, cost.backward_weight_ms, 0.0)
+            self.compute(st, action, mb, cost.backward_weight_ms, 0.0)
         elif kind is Kind.SEND_ACT:
             self.send_act(s, mb, st.clock)
         elif kind is Kind.SEND_GRAD:
@@ -433,11 +500,11 @@ class _Run:
 
     def to_fixpoint(self) -> None:
         """Dataflow fixpoint: every action's times depend only on earlier actions of its own
-        stage and on transfers whose issue order is fixed by the sender's list, so running
-        each stage as far as it can, round after round, yields the exact event times. The
+        group and on transfers whose issue order is fixed by the sender's list, so running
+        each group as far as it can, round after round, yields the exact event times. The
         rounds alternate between the pipeline's two directions, the ways activations and
         gradients travel, so that fewer are needed; the order changes no time, and the last
-        round, in which no stage moves, leaves each stuck stage's reason as of the end."""
+        round, in which no group moves, leaves each stuck group's reason as of the end."""
         progress = True
         step = self.step
         order = self.stages
@@ -449,75 +516,81 @@ class _Run:
                 while pc < end and step(st, actions[pc]):
                     pc += 1
                 if pc != st.pc:
-                    st.pc = pc  # a stage stuck for good keeps the reason its last step gave
+                    st.pc = pc  # a group stuck for good keeps the reason its last step gave
                     progress = True
             order = order[::-1]
         stuck = [st for st in self.stages if not st.finished]
         if stuck:
-            detail = "; ".join(f"stage {st.index} is stuck at {st.actions[st.pc]} waiting for {st.blocked_on}" for st in stuck)
+            where = "device group" if self.chunked else "stage"
+            detail = "; ".join(f"{where} {st.index} is stuck at {st.actions[st.pc]} waiting for {st.blocked_on}" for st in stuck)
             first = stuck[0]
             raise ScheduleDeadlock(
-                f"schedule {self.schedule.name!r} deadlocks at stage {first.index}, action {first.actions[first.pc]}: {detail}. "
+                f"schedule {self.schedule.name!r} deadlocks at {where} {first.index}, action {first.actions[first.pc]}: {detail}. "
                 "Fix: order each stage's actions so every wait can be met (under DAPPLE the warm-up counts must not grow "
                 "along the pipeline, K_i >= K_(i+1))"
             )
 
-    def stage_result(self, st: _Stage, end: float, devices: tuple[int, ...]) -> StageResult:
-        cost = self.costs[st.index]
-        busy = sum(span.end_ms - span.start_ms for span in st.spans if span.kind in _COMPUTE_SPANS)
-        recomputed = self.recomputed[st.index]
-        stash, peak = stash_walk([a for a in st.actions if a.kind.is_compute], recomputed, cost.stash_bytes, cost.input_bytes, cost.wgrad_bytes)
-        if not recomputed and not any(a.kind is Kind.W for a in st.actions):
+    def stage_result(self, s: int, end: float, devices: tuple[int, ...]) -> StageResult:
+        """Stage ``s``'s part of its group's timeline (all of it with one stage per group)."""
+        cost = self.costs[s]
+        spans = [span for span in self.stages[self.group[s]].spans if span.stage in (None, s)]
+        busy = sum(span.end_ms - span.start_ms for span in spans if span.kind in _COMPUTE_SPANS)
+        actions = self.schedule.actions[s]
+        recomputed = self.recomputed[s]
+        stash, peak = stash_walk([a for a in actions if a.kind.is_compute], recomputed, cost.stash_bytes, cost.input_bytes, cost.wgrad_bytes)
+        if not recomputed and not any(a.kind is Kind.W for a in actions):
             stash = peak * cost.stash_bytes  # the plain rule: K_i (or M) slices
         warmups = self.schedule.warmups
         return StageResult(
-            stage=st.index,
+            stage=s,
             devices=devices,
-            warmup=warmups[st.index] if st.index < len(warmups) else 0,
+            warmup=warmups[s] if s < len(warmups) else 0,
             busy_ms=busy,
             end_ms=end,
             peak_in_flight=peak,
             peak_stash_bytes=stash,
             cost=cost,
-            spans=tuple(st.spans),
+            spans=tuple(spans),
         )
 
     def tied_allreduces(self, ends: list[float]) -> dict[str, list[Span]]:
-        """Run the tied parameters' AllReduces after the stages' ends (module docstring);
-        moves those ends and returns each tie's link spans."""
+        """Run the tied parameters' AllReduces after the groups' ends (module docstring);
+        moves those ends (per group) and returns each tie's link spans."""
         holders: dict[int, list[int]] = {}
         durations: dict[int, float] = {}
         for s, cost in enumerate(self.costs):
             for tie, duration in cost.tied:
-                holders.setdefault(tie, []).append(s)
+                holders.setdefault(tie, []).append(self.group[s])
                 durations[tie] = duration
         links: dict[str, list[Span]] = {}
         for tie in sorted(holders):
-            start = max(ends[s] for s in holders[tie])
+            groups = sorted(set(holders[tie]))
+            start = max(ends[g] for g in groups)
             end = start + durations[tie]
             if end <= start:
                 continue
             span = Span(start, end, "TAR", None)
             links[f"tied{tie}"] = [span]
-            for s in holders[tie]:
-                self.stages[s].spans.append(span)
-                ends[s] = end
+            for g in groups:
+                self.stages[g].spans.append(span)
+                ends[g] = end
         return links
 
     def result(self, devices: list[tuple[int, ...]]) -> SimulationResult:
-        ends = [max(st.clock, self.bucket_links[st.index].free_at) for st in self.stages]
+        ends = [st.clock for st in self.stages]
+        for s, link in enumerate(self.bucket_links):
+            ends[self.group[s]] = max(ends[self.group[s]], link.free_at)
         tied_links = self.tied_allreduces(ends)
         latency = max(ends, default=0.0)
-        results = [self.stage_result(st, end, devices[st.index]) for st, end in zip(self.stages, ends)]
+        results = [self.stage_result(s, ends[self.group[s]], devices[s]) for s in range(self.num_stages)]
         timelines: dict[int, list[Span]] = {}
-        busy_total = 0.0
-        for st, stage in zip(self.stages, results):
+        for s, stage in enumerate(results):
             for device in stage.devices:
-                timelines[device] = list(st.spans)
-            busy_total += stage.busy_ms * len(stage.devices)
-        flat = sum(len(group) for group in devices)
+                timelines[device] = list(self.stages[self.group[s]].spans)
+        busy_total = sum(stage.busy_ms * len(stage.devices) for stage in results)
+        flat = len(timelines)
         bubble = 1.0 - busy_total / (flat * latency) if latency > 0 else 0.0
-        transfers = {link.name: link.spans for link in [*self.act_links, *self.grad_links]}
+        transfers = {link.name: link.spans for link in self.links.values()}
         transfers.update({link.name: link.spans for link in self.bucket_links if link.spans})
         transfers.update(tied_links)
         return SimulationResult(
@@ -531,7 +604,7 @@ class _Run:
         )
 
 
-def _overlapped_allreduce(st: _Stage, cost: StageCost, link: _Link) -> float:
+def _overlapped_allreduce(st: _Stage, cost: StageCost, link: _Link, stage: int | None = None) -> float:
     """Run the stage's gradient buckets (``cost.allreduce_buckets``) on its link and return
     when the last one ends (the stage's step waits for all of them).
 
@@ -541,7 +614,7 @@ def _overlapped_allreduce(st: _Stage, cost: StageCost, link: _Link) -> float:
     (torch DDP's reducer). The whole sync is drawn as one "AR" span on the stage from the
     first bucket's start to the last one's end, each bucket on the link ``AR<stage>``.
     """
-    last = next((span for span in reversed(st.spans) if span.kind in ("B", "W")), None)
+    last = next((span for span in reversed(st.spans) if span.kind in ("B", "W") and span.stage in (None, stage)), None)
     end = st.clock
     for remaining, duration in cost.allreduce_buckets:
         if duration <= 0:
@@ -552,7 +625,7 @@ def _overlapped_allreduce(st: _Stage, cost: StageCost, link: _Link) -> float:
         link.spans.append(Span(start, link.free_at, "AR", None))
     finish = max(end, link.free_at)
     if finish > end:
-        st.spans.append(Span(end, finish, "AR", None))
+        st.spans.append(Span(end, finish, "AR", None, stage))
     return finish
 
 

@@ -23,11 +23,13 @@ from lightning_dapple.plan.costs import StageCost, stage_costs, stage_memory_fro
 from lightning_dapple.plan.dapple_planner import plan_dapple
 from lightning_dapple.plan.options import with_weight_split
 from lightning_dapple.plan.pipedream_planner import plan_pipedream
-from lightning_dapple.plan.plan import Plan
+from lightning_dapple.plan.plan import CHUNKED_SCHEDULES, Plan
 from lightning_dapple.profile.model_profile import ModelProfile
-from lightning_dapple.schedule.actions import Schedule, stash_walk
+from lightning_dapple.schedule.actions import Schedule, group_stash_walk, stash_walk
 from lightning_dapple.schedule.builders import build_schedule
+from lightning_dapple.schedule.interleaved import build_interleaved_schedule
 from lightning_dapple.schedule.ooo import build_ooo_schedule
+from lightning_dapple.schedule.zbv import build_zbv_schedule
 from lightning_dapple.simulate.engine import SimulationResult, simulate
 
 __all__ = ["PLANNERS", "check_plan_fits", "make_plan", "schedule_for_plan", "simulate_plan", "stage_memory"]
@@ -38,7 +40,9 @@ PLANNERS = ("dapple", "pipedream")
 def schedule_for_plan(plan: Plan, profile: ModelProfile | None = None, bucket_bytes: int | None = None) -> Schedule:
     """The schedule a plan asks for, with its K_i filled by its policy when missing.
 
-    ``plan.ooo`` adds deferred W actions (``schedule.ooo.build_ooo_schedule``: caps from
+    Plans with several stages per device group get interleaved 1F1B
+    (``schedule.interleaved``) or ZB-V (``schedule.zbv``), with ``placement`` and each
+    group's merged ``orders`` filled. ``plan.ooo`` adds deferred W actions (``schedule.ooo.build_ooo_schedule``: caps from
     ``plan.ooo_in_flight`` when the planner set them, k from ``plan.first_k``);
     each stage's ``recompute`` mode is carried along either way. With the model's
     ``profile`` a replicated stage's ALLREDUCE actions are the gradient buckets of
@@ -49,6 +53,8 @@ def schedule_for_plan(plan: Plan, profile: ModelProfile | None = None, bucket_by
     """
     plan = plan.with_warmups()
     modes = tuple(stage.recompute for stage in plan.stages)
+    if plan.schedule in CHUNKED_SCHEDULES:
+        return _chunked_schedule(plan, modes if any(mode != "never" for mode in modes) else ())
     if plan.ooo:
         sizes = synced_layer_bytes(profile, plan.stages) if profile is not None else None
         return build_ooo_schedule(
@@ -68,6 +74,24 @@ def schedule_for_plan(plan: Plan, profile: ModelProfile | None = None, bucket_by
     if any(mode != "never" for mode in modes):
         built = replace(built, recompute=modes)
     return built
+
+
+def _chunked_schedule(plan: Plan, modes: tuple[str, ...]) -> Schedule:
+    """Interleaved 1F1B or ZB-V for a plan with several stages per device group (K per
+    group: the K of the group's first stage; ``Plan.validate`` makes them equal)."""
+    plan.validate()
+    placement = plan.placement
+    per_group = [plan.warmups[placement.index(group)] for group in range(len(plan.device_groups))]
+    if plan.schedule == "zbv":
+        return build_zbv_schedule(len(per_group), plan.micro_batches, per_group, recompute=modes)
+    return build_interleaved_schedule(len(per_group), plan.chunks, plan.micro_batches, per_group, recompute=modes)
+
+
+def _priced(plan: Plan, profile: ModelProfile) -> ModelProfile:
+    """The profile a plan's schedule is priced with: schedules that split backwards into I
+    and W (``plan.ooo``, ZB-V) need each layer's B/W split, measured or estimated
+    (``plan.options.with_weight_split``)."""
+    return with_weight_split(profile) if plan.ooo or plan.schedule == "zbv" else profile
 
 
 def check_plan_fits(plan: Plan, profile: ModelProfile, cluster: Cluster) -> Plan:
@@ -96,10 +120,11 @@ def simulate_plan(
     K_i come from ``plan.with_warmups()`` (DAPPLE 5.3). Costs are those of ``stage_costs``,
     the ones the planner's formula uses, so the two can be compared. The action lists are
     those of ``schedule_for_plan``, the ones the executor runs (with the profile's gradient
-    buckets as ALLREDUCE actions): with ``plan.ooo`` the out-of-order schedule, whose W
-    work is priced from the profile's measured B/W split or, for profiles without one, the
-    estimate of ``plan.options.with_weight_split``; each stage's ``recompute`` mode adds
-    the recomputed forwards.
+    buckets as ALLREDUCE actions): with ``plan.ooo`` the out-of-order schedule, and for
+    ``zbv`` the V schedule, whose W work is priced from the profile's measured B/W split
+    or, for profiles without one, the estimate of ``plan.options.with_weight_split``;
+    each stage's ``recompute`` mode adds the recomputed forwards. A plan with several
+    stages per device group is simulated with one clock per group (``simulate.engine``).
     """
     check_plan_fits(plan, profile, cluster)
     if schedule is not None and schedule != plan.schedule:
@@ -107,25 +132,53 @@ def simulate_plan(
         plan.validate()
     plan = plan.with_warmups()
     built = schedule_for_plan(plan, profile)
-    if plan.ooo:
-        profile = with_weight_split(profile)
-    costs = stage_costs(profile, cluster, plan.stages, plan.micro_batch_size)
+    costs = stage_costs(_priced(plan, profile), cluster, plan.stages, plan.micro_batch_size)
     return simulate(built, costs, [stage.devices for stage in plan.stages])
 
 
 def stage_memory(plan: Plan, profile: ModelProfile, cluster: Cluster) -> tuple[list[float], list[float], Any, list[StageCost]]:
     """(memory bytes per stage, peak stashed bytes per stage, schedule, costs) of ``plan``
-    as the executor would run it."""
+    as the executor would run it.
+
+    What is counted (DAPPLE 5.3): per device, weights, gradients and optimizer state of
+    the parameters it holds, plus the peak of the stash walk (``schedule.actions``:
+    activations of the micro-batches in flight, stage inputs of recomputed ones, kept
+    output gradients while a W is pending). A stage's entries are those of the devices
+    that run it: with several stages per device group (interleaved, V) both entries are
+    the group's -- the parameters of all its chunks, and the peak of one walk over the
+    group's merged order in which each chunk keeps its own ``StageCost`` bytes -- repeated
+    for each of the group's stages, so the largest entry is still the largest device's.
+    """
     plan = plan.with_warmups()
     schedule = schedule_for_plan(plan, profile)
-    priced = with_weight_split(profile) if plan.ooo else profile
-    costs = stage_costs(priced, cluster, plan.stages, plan.micro_batch_size)
+    costs = stage_costs(_priced(plan, profile), cluster, plan.stages, plan.micro_batch_size)
+    if schedule.orders:
+        memory, stashes = _group_memory(schedule, costs, cluster)
+        return memory, stashes, schedule, costs
     stashes, memory = [], []
     for index, cost in enumerate(costs):
         peak, _ = stash_walk(schedule.compute(index), schedule.recomputed(index), cost.stash_bytes, cost.input_bytes, cost.wgrad_bytes)
         stashes.append(peak)
         memory.append(stage_memory_from_stash(cost, peak, cluster))
     return memory, stashes, schedule, costs
+
+
+def _group_memory(schedule: Schedule, costs: list[StageCost], cluster: Cluster) -> tuple[list[float], list[float]]:
+    """Per stage, the memory and peak stash of the device group running it (``stage_memory``)."""
+    stages = range(schedule.num_stages)
+    recomputed = {s: schedule.recomputed(s) for s in stages}
+    stash = {s: costs[s].stash_bytes for s in stages}
+    inputs = {s: costs[s].input_bytes for s in stages}
+    wgrads = {s: costs[s].wgrad_bytes for s in stages}
+    group_peak, group_memory = [], []
+    for group in range(schedule.num_groups):
+        compute = [action for action in schedule.group_actions(group) if action.kind.is_compute]
+        peak, _ = group_stash_walk(compute, recomputed, stash, inputs, wgrads)
+        held = [costs[s] for s in stages if schedule.group_of(s) == group]
+        weights = sum(stage_memory_from_stash(cost, 0.0, cluster) for cost in held)
+        group_peak.append(peak)
+        group_memory.append(weights + peak)
+    return [group_memory[schedule.group_of(s)] for s in stages], [group_peak[schedule.group_of(s)] for s in stages]
 
 
 def make_plan(

@@ -4,7 +4,8 @@ One row per device (replicas of a stage show the same row), time in ms along x. 
 blocks are blue and backward blocks green as in the paper's figures; deferred weight
 gradients (W, out-of-order backprop) are orange, AllReduce grey and the AllReduce of tied
 parameters over the stages sharing them ("TAR") purple. Each block carries its
-micro-batch id when there is room for it; the white gaps are the bubbles.
+micro-batch id when there is room for it (``stage:micro-batch`` on a device that runs
+several stages, the chunks of interleaved and V schedules); the white gaps are the bubbles.
 
 ``draw_rows`` is the one drawing function: ``draw_timeline`` feeds it a simulated step and
 ``lightning_dapple.app.timelines.draw_measured_timeline`` the spans a real step recorded.
@@ -49,9 +50,13 @@ class TimelineRow:
 
 
 def _block_label(span: SpanLike) -> str:
+    """The micro-batch id, as ``stage:micro-batch`` where a device runs several stages."""
     if span.kind in ("AR", "TAR"):
         return span.kind
-    return "" if span.microbatch is None else str(span.microbatch)
+    if span.microbatch is None:
+        return ""
+    stage = getattr(span, "stage", None)
+    return str(span.microbatch) if stage is None else f"{stage}:{span.microbatch}"
 
 
 def _wrap_title(fig: Any, text: str, size: float) -> str:
@@ -143,8 +148,11 @@ def draw_rows(rows: Sequence[TimelineRow], path: str | Path, title: str, span_ms
 
 def draw_timeline(result: "SimulationResult", path: str | Path, title: str | None = None) -> Path:
     """Write ``result``'s device timelines as a PNG to ``path`` and return the path."""
-    stage_of = {device: stage.stage for stage in result.stages for device in stage.devices}
-    rows = [TimelineRow(f"dev {d} (s{stage_of.get(d, '?')})", spans) for d, spans in result.timelines.items()]
+    stages_of: dict[int, list[int]] = {}
+    for stage in result.stages:
+        for device in stage.devices:
+            stages_of.setdefault(device, []).append(stage.stage)
+    rows = [TimelineRow(f"dev {d} (s{','.join(map(str, stages_of.get(d, ['?'])))})", spans) for d, spans in result.timelines.items()]
     default = (
         f"{result.schedule}: M={result.micro_batches}, latency {result.latency_ms:.2f} ms, "
         f"bubble {100 * result.bubble_fraction:.1f}%"

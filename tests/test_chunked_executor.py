@@ -1,0 +1,185 @@
+"""Ranks holding several stages (chunks) train exactly as one process does.
+
+Float64, Adam, global-norm clipping active, 3 optimizer steps, then one eval pass; every
+case is compared with a plain single-process run on the same batches, to 1e-10. The cases
+run inside one spawned group of 4 gloo ranks: interleaved placement (stage k on group
+k mod 2) and the V placement (stages 0, 1 down and 2, 3 back up, stage 1 -> 2 a hand-off
+inside the process), on 2 groups of 1 rank and 2 groups of 2 replicas, with recomputation
+never and always, under a breadth-first schedule written by hand (full backward, and split
+into I and W), and under the builders' ``interleaved`` and ``zbv`` schedules. The model
+passes a tuple across a boundary (over the wire under interleaving, in process under V).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import chunked_worker as cw
+from dist_harness import run_ranks
+from lightning_dapple.errors import DappleConfigError
+from lightning_dapple.execute.failure import FailureChannel
+from lightning_dapple.execute.groups import PlanGroups
+from lightning_dapple.execute.links import check_stream_orders
+from lightning_dapple.execute.runner import StageRunner
+from lightning_dapple.execute.tied import check_ties_on_groups
+from lightning_dapple.plan.plan import plan_from_dict
+from lightning_dapple.profile.ties import TiedParameter
+from lightning_dapple.schedule.actions import Action, Kind
+from lightning_dapple.simulate.plans import schedule_for_plan
+
+CUTS = [[0, 2], [2, 3], [3, 5], [5, 8]]
+PLACEMENTS = {"interleaved": [0, 1, 0, 1], "zbv": [0, 1, 1, 0]}
+GROUPS = {"straight": [[0], [1]], "2x2": [[0, 1], [2, 3]]}
+
+
+def plan_data(schedule: str, layout: str, recompute: str = "never", micro_batches: int = 2) -> dict:
+    groups = GROUPS[layout]
+    stages = [{"layers": cut, "devices": groups[group], "recompute": recompute} for cut, group in zip(CUTS, PLACEMENTS[schedule])]
+    return {"global_batch_size": cw.ROWS, "micro_batches": micro_batches, "schedule": schedule, "stages": stages}
+
+
+def _check(results: dict, cases: list, names: list[str]) -> None:
+    assert "__errors__" not in results, results.get("__errors__")
+    for index, name in enumerate(names):
+        per_rank = [results[rank][index] for rank in results if results[rank][index] is not None]
+        assert per_rank, name
+        for res in per_rank:
+            assert res["param_diff"] < 1e-10, (name, res)
+            assert res["loss_diff"] < 1e-10, (name, res)
+            assert res["eval_diff"] < 1e-10, (name, res)
+            recompute = cases[index][0]["stages"][0]["recompute"]
+            # each of a rank's 2 chunks replays every one of its M micro-batches in the last step
+            assert res["recomputed"] == (2 * cases[index][0]["micro_batches"] if recompute == "always" else 0), (name, res)
+
+
+@pytest.mark.timeout(600)
+def test_hand_written_chunked_schedules_match_single_device() -> None:
+    cases, names = [], []
+    for schedule in PLACEMENTS:
+        for layout in GROUPS:
+            for recompute in ("never", "always"):
+                for kind in ("looped", "looped-split"):
+                    micro_batches = 2 if kind == "looped" else 4
+                    cases.append((plan_data(schedule, layout, recompute, micro_batches), kind))
+                    names.append(f"{schedule}/{layout}/{recompute}/{kind}")
+    results = run_ranks(cw.run_cases, 4, cases, timeout_s=500)
+    _check(results, cases, names)
+
+
+@pytest.mark.timeout(600)
+def test_interleaved_and_zbv_schedules_match_single_device() -> None:
+    """The builders' schedules (``schedule_for_plan``) at M = 4: interleaved 1F1B with 2
+    chunks per group, and ZB-V (its turn a hand-off in process, B split into I and W)."""
+    cases, names = [], []
+    for schedule in PLACEMENTS:
+        for layout in GROUPS:
+            for recompute in ("never", "always"):
+                cases.append((plan_data(schedule, layout, recompute, micro_batches=4), "built"))
+                names.append(f"{schedule}/{layout}/{recompute}")
+    results = run_ranks(cw.run_cases, 4, cases, timeout_s=500)
+    _check(results, cases, names)
+
+
+@pytest.mark.timeout(240)
+def test_a_failure_in_one_chunk_ends_every_rank_with_the_action_named(capfd: pytest.CaptureFixture[str]) -> None:
+    """Stage 2 (on rank 0 with stage 0) fails in the forward of micro-batch 1. Rank 0 names
+    the action; rank 1, blocked on stage 2's activation, stops with that message and exits
+    (``execute/failure.py``), within the failure channel's bound."""
+    started = time.monotonic()
+    results = run_ranks(cw.run_failure, 2, plan_data("interleaved", "straight"), "looped", timeout_s=200)
+    elapsed = time.monotonic() - started
+    failing = results[0]
+    assert failing["type"] == "RuntimeError", failing
+    assert failing["message"] == "in action 2F1: forward failed", failing
+    assert 1 not in results  # the peer was ended by its failure channel, not by a transfer error of its own
+    said = capfd.readouterr().err
+    assert "rank 0 raised RuntimeError: in action 2F1: forward failed (seen on rank 1" in said, said
+    assert elapsed < 120, elapsed
+
+
+# --------------------------------------------------------------------------- set-up checks
+
+
+def _runner_on_rank_0(data: dict, schedule=None, **options):
+    """Rank 0's runner of a 2-rank plan in a 1-process group: set-up only (no transfer)."""
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    plan = plan_from_dict(data)
+    model = cw.make_model()
+    local = [model[i] for stage in plan.stages_of_rank(0) for i in range(plan.stages[stage].start, plan.stages[stage].end)]
+    failure = FailureChannel(0, timeout_s=30)
+    try:
+        return StageRunner.for_plan(
+            plan, 0, local, torch.device("cpu"), failure, ties=(), groups=PlanGroups({}, None),
+            schedule=schedule if schedule is not None else cw.looped_schedule(plan), **options,
+        )
+    finally:
+        failure.close()
+
+
+def test_a_rank_runs_the_union_of_its_chunks_each_parameter_once() -> None:
+    runner = _runner_on_rank_0(plan_data("zbv", "straight"))
+    model = cw.make_model()
+    expected = [p.shape for i in (0, 1, 5, 6, 7) for p in model[i].parameters()]
+    assert [p.shape for p in runner.parameters] == expected
+    assert runner.stages == (0, 3) and runner.is_first and runner.is_last
+
+
+def test_a_merged_order_that_breaks_a_stage_list_is_refused() -> None:
+    plan = plan_from_dict(plan_data("interleaved", "straight"))
+    schedule = cw.looped_schedule(plan)
+    order = list(schedule.orders[0])
+    first_f = next(i for i, a in enumerate(order) if a.kind is Kind.F)
+    order[first_f], order[first_f + 2] = order[first_f + 2], order[first_f]  # 0F1 before 0F0
+    broken = replace(schedule, orders=(tuple(order), schedule.orders[1]))
+    with pytest.raises(DappleConfigError, match="merged order of device group 0 runs 0F1 where stage 0's own list has 0F0"):
+        _runner_on_rank_0(plan_data("interleaved", "straight"), schedule=broken)
+
+
+def test_a_stream_whose_ends_take_micro_batches_in_different_orders_is_refused() -> None:
+    """Stage 1 takes activation 1 of boundary 0 before activation 0, which rank 0 sends
+    first: the receive of micro-batch 0 would get micro-batch 1's rows."""
+    plan = plan_from_dict(plan_data("interleaved", "straight"))
+    schedule = cw.looped_schedule(plan)
+    check_stream_orders(plan, schedule)
+    first, second = Action(Kind.RECV_ACT, 1, 0), Action(Kind.RECV_ACT, 1, 1)
+    swap = {first: second, second: first}
+    stage_1 = tuple(swap.get(a, a) for a in schedule.actions[1])
+    order_1 = tuple(swap.get(a, a) for a in schedule.orders[1])
+    crossed = replace(schedule, actions=(schedule.actions[0], stage_1, *schedule.actions[2:]), orders=(schedule.orders[0], order_1))
+    with pytest.raises(DappleConfigError, match=r"rank 0 sends rank 1 the activations of boundary 0 in the order \[0, 1\] but rank 1 takes them in the order \[1, 0\]"):
+        check_stream_orders(plan, crossed)
+
+
+def test_the_built_chunked_schedules_keep_every_stream_in_one_order() -> None:
+    """Each boundary and direction between two ranks: sent and taken in one micro-batch order,
+    for the builders' interleaved and V schedules over several shapes (what tagged streams need)."""
+    checked = 0
+    for schedule, placement_of in (("interleaved", lambda g: [k % g for k in range(2 * g)]), ("zbv", lambda g: [k if k < g else 2 * g - 1 - k for k in range(2 * g)])):
+        for groups in (2, 3, 4):
+            for micro_batches in range(groups, 3 * groups + 1):
+                for replicas in (1, 2):
+                    if schedule == "interleaved" and micro_batches % groups:
+                        continue  # interleaving runs micro-batches in rounds of one per group
+                    stages = [{"layers": [k, k + 1], "devices": list(range(g * replicas, (g + 1) * replicas))} for k, g in enumerate(placement_of(groups))]
+                    data = {"global_batch_size": 4 * micro_batches, "micro_batches": micro_batches, "schedule": schedule, "stages": stages}
+                    plan = plan_from_dict(data)
+                    check_stream_orders(plan, schedule_for_plan(plan))
+                    checked += 1
+    assert checked > 40
+
+
+def test_the_nccl_wire_is_refused_for_chunked_plans() -> None:
+    with pytest.raises(DappleConfigError, match="NCCL's"):
+        _runner_on_rank_0(plan_data("interleaved", "straight"), wire="nccl")
+
+
+def test_a_tie_between_two_chunks_on_the_same_devices_is_refused() -> None:
+    """A tied embedding (layer 0) and head (layer 7): under V both are on group 0."""
+    tie = (TiedParameter(((0, "weight"), (7, "weight")), 8),)
+    check_ties_on_groups(plan_from_dict(plan_data("interleaved", "straight")), tie)  # stages 0 and 3: groups 0 and 1
+    with pytest.raises(DappleConfigError, match=r"stages \[0, 3\] share the tied parameter 'weight'"):
+        check_ties_on_groups(plan_from_dict(plan_data("zbv", "straight")), tie)
