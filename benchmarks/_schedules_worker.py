@@ -314,6 +314,8 @@ class TorchPipeVariant(Variant):
             )
             for stage in mine
         ]
+        self.stages = stages
+        self.stage = stages[0]  # the rank's only stage under the single-stage schedules
         cls = getattr(pipelining, f"Schedule{kind}")
         # loss_fn is a mean over the micro-batch; scale_grads (default) divides the
         # accumulated gradients by M, so they are those of the mean over the global batch.
