@@ -392,16 +392,18 @@ def _timed(variant: Variant, batches: list[Any], first: int = 0, count: int = 1)
     return float(slowest), float(busy), loss
 
 
-def reference_step(cfg: dict, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[nn.Sequential, float]:
-    """The whole model after one SGD step on ``batch`` in one process, and the step's
-    largest parameter change (the scale the variants' differences are read against)."""
+def reference_step(cfg: dict, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[nn.Sequential, float, float]:
+    """The whole model after one SGD step on ``batch`` in one process, the step's largest
+    parameter change and the largest parameter (the scales the variants' differences are
+    read against: a gradient summed in another order moves the rounding of ``p - lr * g``
+    by an ulp of ``p``)."""
     model = nn.Sequential(*make_blocks(cfg["width"], cfg["layers"]))
     before = [p.detach().clone() for p in model.parameters()]
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     F.mse_loss(model(batch[0]), batch[1]).backward()
     optimizer.step()
     change = max(float((p.detach() - b).abs().max()) for p, b in zip(model.parameters(), before))
-    return model, change
+    return model, change, max(float(p.detach().abs().max()) for p in model.parameters())
 
 
 def parameter_diff(variant: Variant, reference: nn.Sequential) -> float:
@@ -453,10 +455,11 @@ def run(rank: int, world: int, cfg: dict) -> dict:
             per[v.name]["first_loss"] = loss
             per[v.name]["first_step_s"] = seconds
         if chunked:  # the gradients of step 0, read in the parameters it updated
-            reference, change = reference_step(cfg, batches[0])
+            reference, change, largest = reference_step(cfg, batches[0])
             for v in variants:
                 per[v.name]["param_diff_after_one_step"] = parameter_diff(v, reference)
                 per[v.name]["largest_param_change"] = change
+                per[v.name]["largest_param"] = largest
         # warm-up, then one untimed step with the stash hooks
         # step 1 checks the gradients of step 0 (same SGD update everywhere); then warm-up
         for step in range(cfg["warmup"]):
