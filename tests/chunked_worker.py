@@ -164,14 +164,14 @@ def _local_layers(model: nn.Sequential, plan: Plan, rank: int) -> list[nn.Module
     return [model[i] for stage in plan.stages_of_rank(rank) for i in range(plan.stages[stage].start, plan.stages[stage].end)]
 
 
-def run_cases(rank: int, world: int, cases: Sequence[tuple[dict, str]]) -> list[dict | None]:
-    """Each (plan data, schedule kind): train STEPS steps, then one eval pass; the largest
-    difference from the single-process run."""
+def run_cases(rank: int, world: int, cases: Sequence[tuple]) -> list[dict | None]:
+    """Each (plan data, schedule kind[, wire]): train STEPS steps, then one eval pass; the
+    largest difference from the single-process run."""
     failure = FailureChannel(rank, timeout_s=60)
     groups_of = GroupsPerLayout()
     ref_params, ref_losses, ref_eval = reference_run()
     out: list[dict | None] = []
-    for plan_data, kind in cases:
+    for plan_data, kind, *wire in cases:
         plan = plan_from_dict(plan_data)
         groups = groups_of(plan)
         if rank >= plan.world_size:
@@ -179,7 +179,9 @@ def run_cases(rank: int, world: int, cases: Sequence[tuple[dict, str]]) -> list[
             continue
         model = make_model()
         local = _local_layers(model, plan, rank)
-        runner = StageRunner.for_plan(plan, rank, local, torch.device("cpu"), failure, groups=groups, ties=(), schedule=schedule_of(plan, kind))
+        runner = StageRunner.for_plan(
+            plan, rank, local, torch.device("cpu"), failure, groups=groups, ties=(), schedule=schedule_of(plan, kind), wire=wire[0] if wire else "auto"
+        )
         opt = torch.optim.Adam(runner.parameters, lr=LR)
         replicas = plan.stages[plan.stages_of_rank(rank)[0]].replicas
         losses = []
@@ -242,3 +244,59 @@ def run_failure(rank: int, world: int, plan_data: dict, kind: str) -> dict:
     finally:
         failure.close()
     return {"type": "none", "message": "", "seconds": time.monotonic() - started}
+
+
+# --------------------------------------------------------------------------- a tied GPT across groups
+
+
+def run_tied_cases(rank: int, world: int, cases: Sequence[dict]) -> list[dict | None]:
+    """The tied GPT (embedding on layer 0, its weight the head's on layer 4) under chunked
+    plans whose tie spans two device groups: 3 Adam steps with clipping (the tie counted
+    once), each rank's largest parameter difference from one process, and its tied copy."""
+    from lightning_dapple.execute.tied import tied_groups
+    from lightning_dapple.profile.ties import tied_parameters
+    from lightning_dapple.strategy.tied_layers import KeptTensors, free_layer
+    from tied_models import gpt_batch, gpt_loss, tied_gpt_layers
+
+    class GPTCallbacks:
+        def make_input(self, batch: Any) -> Any:
+            return batch[0]
+
+        def compute_loss(self, batch: Any, forward: Any) -> torch.Tensor:
+            return gpt_loss(forward(batch[0]), batch[1])
+
+    reference = tied_gpt_layers()
+    opt = torch.optim.Adam(reference.parameters(), lr=LR)
+    for step in range(STEPS):
+        tokens, targets = gpt_batch(step)
+        opt.zero_grad()
+        gpt_loss(reference(tokens), targets).backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), CLIP)
+        opt.step()
+    failure = FailureChannel(rank, timeout_s=60)
+    ties = tied_parameters(list(tied_gpt_layers()))
+    groups_of = GroupsPerLayout()
+    out: list[dict | None] = []
+    for data in cases:
+        plan = plan_from_dict(data)
+        groups, tie_groups = groups_of(plan), tied_groups(plan, ties)  # collectives: every rank, every plan
+        if rank >= plan.world_size:
+            out.append(None)
+            continue
+        model = tied_gpt_layers()
+        held = [i for stage in plan.stages_of_rank(rank) for i in range(plan.stages[stage].start, plan.stages[stage].end)]
+        kept = KeptTensors(model[i] for i in held)
+        for other in [i for i in range(len(model)) if i not in held]:
+            free_layer(model[other], kept)
+        runner = StageRunner.for_plan(plan, rank, [model[i] for i in held], torch.device("cpu"), failure, groups=groups, ties=ties, tie_groups=tie_groups)
+        opt = torch.optim.Adam(runner.parameters, lr=LR)
+        replicas = plan.stages[plan.stages_of_rank(rank)[0]].replicas
+        for step in range(STEPS):
+            runner.train_step(gpt_batch(step), GPTCallbacks())
+            copies = runner.tied.copies if runner.tied is not None else None
+            clip_grad_norm_global(runner.parameters, CLIP, replicas, failure, group=groups.plan, copies=copies)
+            opt.step()
+        runner.finish()
+        diff = max(float((value - reference[i].state_dict()[key]).abs().max()) for i in held for key, value in model[i].state_dict().items())
+        out.append({"param_diff": diff, "tied_copies": len(runner.tied.params) if runner.tied is not None else 0})
+    return out

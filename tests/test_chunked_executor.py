@@ -8,6 +8,10 @@ inside the process), on 2 groups of 1 rank and 2 groups of 2 replicas, with reco
 never and always, under a breadth-first schedule written by hand (full backward, and split
 into I and W), and under the builders' ``interleaved`` and ``zbv`` schedules. The model
 passes a tuple across a boundary (over the wire under interleaving, in process under V).
+Each rank's most chunk micro-batches in flight is the memory model's
+(``group_stash_walk`` over its group's merged order). A tied embedding and head on two
+groups, a failure inside one chunk, and the set-up checks (merged orders, stream orders,
+NCCL, ties within one group) have tests of their own.
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ from lightning_dapple.execute.runner import StageRunner
 from lightning_dapple.execute.tied import check_ties_on_groups
 from lightning_dapple.plan.plan import plan_from_dict
 from lightning_dapple.profile.ties import TiedParameter
-from lightning_dapple.schedule.actions import Action, Kind
+from lightning_dapple.schedule.actions import Action, Kind, group_stash_walk
 from lightning_dapple.simulate.plans import schedule_for_plan
 
 CUTS = [[0, 2], [2, 3], [3, 5], [5, 8]]
@@ -42,18 +46,31 @@ def plan_data(schedule: str, layout: str, recompute: str = "never", micro_batche
     return {"global_batch_size": cw.ROWS, "micro_batches": micro_batches, "schedule": schedule, "stages": stages}
 
 
+def _expected_in_flight(plan_dict: dict, kind: str, stages: tuple[int, ...]) -> int:
+    """The most chunk micro-batches the memory model holds at once on these stages' group
+    (``group_stash_walk`` over the merged order): what the executor's ledger must count."""
+    plan = plan_from_dict(plan_dict)
+    schedule = cw.schedule_of(plan, kind)
+    compute = [a for a in schedule.group_actions(plan.placement[stages[0]]) if a.kind.is_compute]
+    ones = {stage: 1.0 for stage in stages}
+    return group_stash_walk(compute, {stage: schedule.recomputed(stage) for stage in stages}, ones, ones, ones)[1]
+
+
 def _check(results: dict, cases: list, names: list[str]) -> None:
     assert "__errors__" not in results, results.get("__errors__")
     for index, name in enumerate(names):
         per_rank = [results[rank][index] for rank in results if results[rank][index] is not None]
         assert per_rank, name
         for res in per_rank:
+            expected = _expected_in_flight(cases[index][0], cases[index][1], res["stages"])
+            assert res["peak_in_flight"] == expected, (name, res, expected)
             assert res["param_diff"] < 1e-10, (name, res)
             assert res["loss_diff"] < 1e-10, (name, res)
             assert res["eval_diff"] < 1e-10, (name, res)
-            recompute = cases[index][0]["stages"][0]["recompute"]
-            # each of a rank's 2 chunks replays every one of its M micro-batches in the last step
-            assert res["recomputed"] == (2 * cases[index][0]["micro_batches"] if recompute == "always" else 0), (name, res)
+            recompute = cases[index][0]["stages"][0].get("recompute", "never")
+            # each of a rank's chunks replays every one of its M micro-batches in the last step
+            replays = len(res["stages"]) * cases[index][0]["micro_batches"]
+            assert res["recomputed"] == (replays if recompute == "always" else 0), (name, res)
 
 
 @pytest.mark.timeout(600)
@@ -72,16 +89,45 @@ def test_hand_written_chunked_schedules_match_single_device() -> None:
 
 @pytest.mark.timeout(600)
 def test_interleaved_and_zbv_schedules_match_single_device() -> None:
-    """The builders' schedules (``schedule_for_plan``) at M = 4: interleaved 1F1B with 2
-    chunks per group, and ZB-V (its turn a hand-off in process, B split into I and W)."""
+    """The builders' schedules (``schedule_for_plan``): interleaved 1F1B with 2 chunks per
+    group and ZB-V (its turn a hand-off in process, B split into I and W) at M = 4, and on
+    six stages (3 chunks per group interleaved; ZB-V on 3 groups)."""
     cases, names = [], []
     for schedule in PLACEMENTS:
         for layout in GROUPS:
             for recompute in ("never", "always"):
                 cases.append((plan_data(schedule, layout, recompute, micro_batches=4), "built"))
                 names.append(f"{schedule}/{layout}/{recompute}")
+        # the staged wire's code path (host buffers; gloo with CUDA tensors) with tagged streams
+        cases.append((plan_data(schedule, "2x2", "never", micro_batches=4), "built", "staged"))
+        names.append(f"{schedule}/2x2/never/staged")
+    # six stages: interleaved with 3 chunks on 2 groups, ZB-V on 3 groups
+    six = [[0, 1], [1, 2], [2, 3], [3, 5], [5, 6], [6, 8]]
+    for schedule, placement in (("interleaved", [0, 1, 0, 1, 0, 1]), ("zbv", [0, 1, 2, 2, 1, 0])):
+        stages = [{"layers": cut, "devices": [group]} for cut, group in zip(six, placement)]
+        cases.append(({"global_batch_size": cw.ROWS, "micro_batches": 4, "schedule": schedule, "stages": stages}, "built"))
+        names.append(f"{schedule}/six stages")
     results = run_ranks(cw.run_cases, 4, cases, timeout_s=500)
     _check(results, cases, names)
+
+
+@pytest.mark.timeout(400)
+def test_a_tie_across_device_groups_trains_like_one_process() -> None:
+    """The tied GPT's embedding (stage 0, group 0) and head (stage 3, group 1) under
+    interleaving: one summed gradient over the ranks of both groups, counted once in clipping."""
+    gpt = [[0, 1], [1, 2], [2, 4], [4, 5]]
+    cases = [
+        {"global_batch_size": 12, "micro_batches": 4, "schedule": "interleaved", "stages": [{"layers": cut, "devices": GROUPS[layout][k % 2]} for k, cut in enumerate(gpt)]}
+        for layout in GROUPS
+    ]
+    results = run_ranks(cw.run_tied_cases, 4, cases, timeout_s=300)
+    assert "__errors__" not in results, results.get("__errors__")
+    for index, layout in enumerate(GROUPS):
+        per_rank = [results[rank][index] for rank in results if results[rank][index] is not None]
+        assert len(per_rank) == sum(len(devices) for devices in GROUPS[layout]), layout
+        for res in per_rank:
+            assert res["param_diff"] < 1e-10, (layout, res)
+            assert res["tied_copies"] == 1, (layout, res)  # each rank holds one copy: stage 0's or stage 3's
 
 
 @pytest.mark.timeout(240)

@@ -240,8 +240,8 @@ def test_schedule_for_plan_builds_the_plans_schedule() -> None:
     plan = chunked_plan("interleaved", 2, 2, 4, policy="PB")
     built = schedule_for_plan(plan)
     assert built == build_interleaved_schedule(2, 2, 4, policy="PB")
-    given = plan_from_dict({**plan.to_dict(), "stages": [{**s.to_dict(), "warmup": 2} for s in plan.stages]})
-    assert schedule_for_plan(given).warmups == (2, 2, 2, 2)
+    given = plan_from_dict({**plan.to_dict(), "stages": [{**s.to_dict(), "warmup": 3} for s in plan.stages]})
+    assert schedule_for_plan(given).warmups == (3, 3, 3, 3)
     recomputing = replace(chunked_plan("zbv", 3, 2, 5), stages=tuple(replace(s, recompute="always") for s in chunked_plan("zbv", 3, 2, 5).stages))
     built = schedule_for_plan(recomputing)
     assert built.orders == build_zbv_schedule(3, 5).orders
@@ -298,3 +298,32 @@ def test_stage_memory_reports_the_group_of_each_stage() -> None:
     result = simulate_plan(plan, profile, cluster)
     assert sorted(result.timelines) == [0, 1] and [s.devices for s in result.stages] == [(0,), (1,), (0,), (1,)]
     assert result.latency_ms == pytest.approx((4 + 1 / 2) * 6)  # (M + (P-1)/v)(F+B) for two layers per group
+
+
+def test_replicated_groups_share_one_timeline_and_sync_every_chunk() -> None:
+    schedule = build_interleaved_schedule(2, 2, 4)
+    devices = [(0, 1), (2, 3), (0, 1), (2, 3)]
+    result = simulate(schedule, [cost(1, 2, ar=0.5)] * 4, devices)
+    assert sorted(result.timelines) == [0, 1, 2, 3]
+    assert result.timelines[0] == result.timelines[1] and result.timelines[2] == result.timelines[3]
+    # chunk 2's gradients are final after 2B3, while group 0 still runs 0B2 and 0B3: its sync
+    # hides behind them (link AR2); only chunk 0's, after the last backward, adds to the step
+    exposed = [span for span in result.timelines[0] if span.kind == "AR"]
+    assert [span.stage for span in exposed] == [0]
+    last_backward_2 = max(span.end_ms for span in result.timelines[0] if span.stage == 2 and span.kind == "B")
+    assert [(span.start_ms, span.end_ms) for span in result.transfers["AR2"]] == [(last_backward_2, last_backward_2 + 0.5)]
+    assert last_backward_2 + 0.5 <= exposed[0].start_ms
+    assert result.latency_ms == pytest.approx(simulate(schedule, [cost(1, 2)] * 4).latency_ms + 0.5)
+    with pytest.raises(DappleConfigError, match="gives stage 2 devices \\[1, 0\\] but its device group runs on \\[0, 1\\]"):
+        simulate(schedule, [cost(1, 2)] * 4, [(0, 1), (2, 3), (1, 0), (2, 3)])
+
+
+def test_hand_given_k_that_would_deadlock_is_refused_before_anything_runs() -> None:
+    """Group 0 running all 8 forwards first needs stage 1's third micro-batch, which group 1
+    (K = 3) sends only after a backward that waits for group 0."""
+    plan = chunked_plan("interleaved", 2, 2, 4)
+    stuck = replace(plan, stages=tuple(replace(s, warmup=8 if s.devices == (0,) else 3) for s in plan.stages))
+    with pytest.raises(DappleConfigError, match=r"plan.stages\[\].warmup: K per device group \[8, 3\] cannot run the 'interleaved' schedule.*P_A count \[4, 3\]"):
+        schedule_for_plan(stuck)
+    fine = replace(plan, stages=tuple(replace(s, warmup=7 if s.devices == (0,) else 3) for s in plan.stages))
+    assert schedule_for_plan(fine).warmups == (7, 3, 7, 3)

@@ -190,7 +190,7 @@ def test_a_checkpoint_holds_the_tie_once_under_both_names() -> None:
     aliases = state_aliases(module, module.layers)
     assert aliases == {"layers.4.head.weight": "layers.0.tok.weight"}
     layout = CheckpointLayout(
-        key_owners(module, module.layers), [n for n, _ in module.named_parameters()], stage_leaders=(0,), global_rank=0, aliases=aliases, layers=(0, 5)
+        key_owners(module, module.layers), [n for n, _ in module.named_parameters()], stage_leaders=(0,), global_rank=0, aliases=aliases, layers=((0, 5),)
     )
     state = consolidated_state_dict(module, layout)
     assert list(state) == list(module.state_dict())  # original names, original order

@@ -176,7 +176,7 @@ def test_measured_timeline_is_drawn_by_draw_rows(tmp_path: Path, draw_calls: lis
 def test_measured_spans_are_the_simulator_spans() -> None:
     timeline = MeasuredTimeline.from_gathered(
         [{"spans": [(10.0, 10.002, "F", 0), (10.003, 10.007, "B", 0)], "reference": 0.0, "host": "h"}],
-        type("Plan", (), {"schedule": "gpipe", "micro_batches": 1, "stage_of_rank": staticmethod(lambda r: 0)})(),
+        type("Plan", (), {"schedule": "gpipe", "micro_batches": 1, "stages_of_rank": staticmethod(lambda r: (0,))})(),
     )
     first, second = timeline.spans[0]
     assert isinstance(first, Span) and first.kind == "F" and first.microbatch == 0

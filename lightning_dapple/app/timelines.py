@@ -29,7 +29,7 @@ class MeasuredTimeline:
 
     schedule: str
     micro_batches: int
-    stage_of_rank: dict[int, int]
+    stage_of_rank: dict[int, int | str]  # a stage, or a rank's chunks joined by ',' ('0,2'), as the simulated timeline names them
     spans: dict[int, list[MeasuredSpan]] = field(default_factory=dict)
     aligned_hosts: bool = False
 
@@ -65,7 +65,7 @@ class MeasuredTimeline:
                 )
                 for s in item["spans"]
             ]
-        stage_of = {rank: plan.stage_of_rank(rank) for rank in range(len(gathered))}
+        stage_of = {rank: _stages_label(plan.stages_of_rank(rank)) for rank in range(len(gathered))}
         return cls(plan.schedule, plan.micro_batches, stage_of, spans, aligned_hosts=len(hosts) > 1)
 
     def to_dict(self) -> dict[str, Any]:
@@ -83,6 +83,10 @@ class MeasuredTimeline:
                 for rank, spans in self.spans.items()
             },
         }
+
+
+def _stages_label(stages: Sequence[int]) -> int | str:
+    return stages[0] if len(stages) == 1 else ",".join(str(stage) for stage in stages)
 
 
 def draw_measured_timeline(timeline: MeasuredTimeline, path: str | Path, title: str | None = None) -> Path:

@@ -47,6 +47,7 @@ from lightning_dapple.execute.slicing import batch_size_of
 from lightning_dapple.execute.spans import span_clock
 from lightning_dapple.execute.stash_ledger import StashLedger
 from lightning_dapple.execute.stats import StageStats
+from lightning_dapple.execute.tied import TiedSync
 from lightning_dapple.execute.transport import Transport
 from lightning_dapple.plan.plan import Plan
 from lightning_dapple.schedule.actions import Action, Schedule
@@ -92,10 +93,11 @@ class ChunkedRunner:
 
     The public face is ``StageRunner``'s (``train_step``, ``forward_step``, ``parameters``,
     ``stats``, ``finish``, ...), so callers hold either. ``units`` are the rank's stage
-    runners in pipeline order, built with ``shared.of_stage(stage)``.
+    runners in pipeline order, built with ``shared.of_stage(stage)`` (``StageRunner.for_plan``
+    builds them; typed loosely here because ``runner.py`` imports this module).
     """
 
-    def __init__(self, plan: Plan, schedule: Schedule, rank: int, units: Sequence[Any], shared: RankShared, tied: Any) -> None:
+    def __init__(self, plan: Plan, schedule: Schedule, rank: int, units: Sequence[Any], shared: RankShared, tied: TiedSync | None) -> None:
         self.plan = plan
         self.schedule = schedule
         self.rank = rank

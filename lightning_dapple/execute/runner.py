@@ -24,6 +24,10 @@ simulator times) and hands each action to the collaborator that does it:
 * where the step ends, the stage's buffers to ``StageBuffers`` (``execute/batchnorm.py``):
   deferred BatchNorm statistics applied, replicas' buffers made the first replica's.
 
+A rank holding several stages (chunks of interleaved and V schedules) runs one such runner
+per stage, sharing the rank's transport and result channel, in its device group's merged
+order (``execute/chunked.py``); a boundary between two of them is a hand-off in process.
+
 Everything that depends on the plan only is decided once, in set-up: each action becomes an
 ``_Op`` (its handler, micro-batch, transfer key, the sends a receive settles, the layers of
 a W, whether W work follows, which parameters are final after it), and the receives posted
@@ -180,8 +184,12 @@ class StageRunner:
         tie_groups: dict[tuple[int, ...], Any] | None = None,
         schedule: Schedule | None = None,
         **options: Any,
-    ) -> "StageRunner":
+    ) -> "StageRunner | ChunkedRunner":
         """This rank's runner of ``plan``: the one way every caller builds one.
+
+        ``layers`` are the rank's layers: its stage's range, or, where the rank holds several
+        stages (chunks), their ranges in pipeline order; such a rank gets a ``ChunkedRunner``
+        with the same public face (``execute/chunked.py``).
 
         Process groups are collectives of the whole default group, so every rank calls this
         for every plan, in the same order: the replica and plan groups (``build_groups``)

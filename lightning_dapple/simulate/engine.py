@@ -9,20 +9,24 @@ W and AllReduce of every device starts and ends (the pictures of DAPPLE Fig. 3 a
 step latency, the bubble fraction and how many micro-batches each stage holds at once
 (DAPPLE 3.2 / 5.3: K_i under early backward, M under GPipe, gpipe.txt sec. 2).
 
-Model (one "clock" per stage; all replicas of a stage run the same list on equal slices,
-DAPPLE 5.2.2, so a stage is simulated once and its timeline copied to each of its devices):
+Model (one "clock" per device group; all replicas of a stage run the same list on equal
+slices, DAPPLE 5.2.2, so a group is simulated once and its timeline copied to each of its
+devices). A group runs one stage, or several (the chunks of interleaved 1F1B and ZB-V,
+``Schedule.placement``), in one merged order (``Schedule.orders``):
 
-* a stage executes its action list strictly in order; compute actions (F, B, W) and
-  ALLREDUCE occupy the stage, nothing else does;
+* a group executes its order strictly in order; compute actions (F, B, W) and ALLREDUCE
+  occupy the group, nothing else does;
 * F(mb) on stage s > 0 cannot start before the activation of mb has arrived; a backward
   B(mb) or I(mb) on a stage s < S-1 cannot start before the gradient of mb has arrived
   from stage s+1.
   RECV_ACT / RECV_GRAD block the stage until that arrival, and so does the compute itself;
-* SEND_ACT / SEND_GRAD are asynchronous: they issue a transfer at the stage's current time
-  and never block the sender. Each boundary has one link per direction that carries one
-  transfer at a time, first come first served in issue order; a boundary-s transfer takes
-  ``costs[s].send_ms`` in either direction. Transfers therefore overlap compute but not
-  each other on the same link;
+* SEND_ACT / SEND_GRAD are asynchronous: they issue a transfer at the group's current time
+  and never block the sender. Each ordered pair of groups that a boundary crosses has one
+  link that carries one transfer at a time, first come first served in issue order (the
+  boundaries of different chunks between the same two groups share it); a boundary-s
+  transfer takes ``costs[s].send_ms`` in either direction. Transfers therefore overlap
+  compute but not each other on the same link. A boundary between two stages of the same
+  group is a local hand-off: it arrives when it is sent and uses no link;
 * B (the full backward) takes ``backward_ms``; I (its input-gradient half, out-of-order
   backprop, ooo-backprop sec. 3) takes ``backward_input_ms`` and W ``backward_weight_ms``.
   The kind is the schedule builder's decision; it is drawn as a "B" block either way;
@@ -50,7 +54,10 @@ DAPPLE 5.2.2, so a stage is simulated once and its timeline copied to each of it
   of the profile's ``tied`` list, drawn as "TAR" spans on the stages and on the link
   ``tied<index>`` of ``transfers``;
 * a schedule that lists no communication action at all is read as "implicit communication":
-  each result is sent as soon as the compute producing it ends.
+  each result is sent as soon as the compute producing it ends;
+* results: a device's timeline is its group's (spans carry their ``stage`` where the group
+  runs several), and each stage's ``StageResult`` holds its own spans and busy time, its
+  group's end and its own stash walk. The bubble fraction counts every device once.
 
 A schedule whose order can never complete (e.g. a stage waiting for a gradient whose
 backward is queued behind a forward that needs this stage's own later work) raises

@@ -17,20 +17,21 @@ from dataclasses import replace
 from typing import Any
 
 from lightning_dapple.cluster import Cluster
-from lightning_dapple.errors import require
+from lightning_dapple.errors import DappleConfigError, require
 from lightning_dapple.plan.buckets import BUCKET_BYTES
 from lightning_dapple.plan.costs import StageCost, stage_costs, stage_memory_from_stash, synced_layer_bytes
 from lightning_dapple.plan.dapple_planner import plan_dapple
 from lightning_dapple.plan.options import with_weight_split
 from lightning_dapple.plan.pipedream_planner import plan_pipedream
-from lightning_dapple.plan.plan import CHUNKED_SCHEDULES, Plan
+from lightning_dapple.plan.plan import CHUNKED_SCHEDULES, POLICIES, Plan
+from lightning_dapple.plan.warmup import chunked_warmup_counts
 from lightning_dapple.profile.model_profile import ModelProfile
 from lightning_dapple.schedule.actions import Schedule, group_stash_walk, stash_walk
 from lightning_dapple.schedule.builders import build_schedule
 from lightning_dapple.schedule.interleaved import build_interleaved_schedule
 from lightning_dapple.schedule.ooo import build_ooo_schedule
 from lightning_dapple.schedule.zbv import build_zbv_schedule
-from lightning_dapple.simulate.engine import SimulationResult, simulate
+from lightning_dapple.simulate.engine import ScheduleDeadlock, SimulationResult, simulate
 
 __all__ = ["PLANNERS", "check_plan_fits", "make_plan", "schedule_for_plan", "simulate_plan", "stage_memory"]
 
@@ -83,8 +84,34 @@ def _chunked_schedule(plan: Plan, modes: tuple[str, ...]) -> Schedule:
     placement = plan.placement
     per_group = [plan.warmups[placement.index(group)] for group in range(len(plan.device_groups))]
     if plan.schedule == "zbv":
-        return build_zbv_schedule(len(per_group), plan.micro_batches, per_group, recompute=modes)
-    return build_interleaved_schedule(len(per_group), plan.chunks, plan.micro_batches, per_group, recompute=modes)
+        built = build_zbv_schedule(len(per_group), plan.micro_batches, per_group, recompute=modes)
+    else:
+        built = build_interleaved_schedule(len(per_group), plan.chunks, plan.micro_batches, per_group, recompute=modes)
+    policies = [chunked_warmup_counts(len(per_group), plan.chunks, plan.micro_batches, policy, plan.schedule) for policy in POLICIES]
+    if per_group not in policies:
+        _require_completes(built, per_group)
+    return built
+
+
+def _require_completes(schedule: Schedule, per_group: list[int]) -> None:
+    """Refuse hand-given K under which a group would wait for work queued behind itself.
+
+    Whether an order can complete does not depend on the actions' durations, so a dry run
+    with unit costs decides it before any rank starts (the policies' K always complete).
+    """
+    unit = StageCost(
+        forward_ms=1.0, backward_ms=2.0, backward_input_ms=1.0, backward_weight_ms=1.0, param_bytes=0.0,
+        stash_bytes=0.0, output_bytes=0.0, send_ms=0.0, allreduce_ms=0.0, slice_size=1.0,
+    )
+    try:
+        simulate(schedule, [unit] * schedule.num_stages)
+    except ScheduleDeadlock as error:
+        raise DappleConfigError(
+            "plan.stages[].warmup",
+            f"K per device group {per_group} cannot run the {schedule.name!r} schedule ({error})",
+            "leave warmup out to use the policy's K, or give each group at least its P_A count "
+            f"{chunked_warmup_counts(len(per_group), schedule.num_stages // len(per_group), schedule.micro_batches, 'PA', schedule.name)}",
+        ) from error
 
 
 def _priced(plan: Plan, profile: ModelProfile) -> ModelProfile:

@@ -43,8 +43,9 @@ class CheckpointLayout:
     ``stage_leaders``: each stage's first replica, the rank that contributes the stage's
     entries (replicas hold the same state after the synchronous update, DAPPLE 5.2.3);
     ``aliases``: each key whose tensor another key (its canonical key) also names -> that
-    key (tied weights, handles); ``layers``: this rank's stage's layer range (a tied
-    parameter's optimizer state comes from the stage of its first layer only).
+    key (tied weights, handles); ``layers``: the layer ranges of this rank's stages (one,
+    or a device group's chunks; a tied parameter's optimizer state comes from the stage of
+    its first layer only).
     """
 
     key_owner: dict[str, int | None]
@@ -52,7 +53,7 @@ class CheckpointLayout:
     stage_leaders: tuple[int, ...]
     global_rank: int
     aliases: dict[str, str] = field(default_factory=dict)
-    layers: tuple[int, int] | None = None
+    layers: tuple[tuple[int, int], ...] | None = None
 
     def canonical(self, key: str) -> str:
         """The key a tensor is held under (``key`` itself unless it is an alias)."""
@@ -62,7 +63,7 @@ class CheckpointLayout:
         """Whether this rank's stage contributes the optimizer state of parameter ``name``:
         the stage holding the first layer that uses it."""
         owner = self.key_owner.get(self.canonical(name))
-        return self.layers is None or owner is None or self.layers[0] <= owner < self.layers[1]
+        return self.layers is None or owner is None or any(start <= owner < end for start, end in self.layers)
 
     @property
     def stage_leader(self) -> bool:

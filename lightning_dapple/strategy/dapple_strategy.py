@@ -37,7 +37,7 @@ from __future__ import annotations
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Generator, Literal
+from typing import Any, Callable, ContextManager, Generator, Literal, Sequence
 
 import torch
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
@@ -57,6 +57,7 @@ from typing_extensions import override
 from lightning_dapple.cluster import detect_cluster, load_cluster
 from lightning_dapple.errors import DappleConfigError, require
 from lightning_dapple.execute.batchnorm import convert_batchnorm
+from lightning_dapple.execute.chunked import ChunkedRunner
 from lightning_dapple.execute.clipping import clip_grad_norm_global
 from lightning_dapple.execute.failure import FailureChannel
 from lightning_dapple.execute.groups import PlanGroups, build_groups
@@ -67,7 +68,7 @@ from lightning_dapple.execute.topology import report_placement
 from lightning_dapple.execute.wires import WIRES, choose_wire
 from lightning_dapple.plan.console import make_console, render_text
 from lightning_dapple.plan.explain import plan_summary, plan_table
-from lightning_dapple.plan.plan import Plan, PlanShape, StagePlan, atomic_write_text, load_plan_or_shape, plan_or_shape_from_dict
+from lightning_dapple.plan.plan import Plan, PlanShape, atomic_write_text, load_plan_or_shape, plan_or_shape_from_dict
 from lightning_dapple.profile.ties import TiedParameter, tied_parameters
 from lightning_dapple.profile.traced_layers import TracedLayers
 from lightning_dapple.strategy import checkpoint as ckpt
@@ -312,7 +313,7 @@ class DappleStrategy(DDPStrategy):
         self.timeout_s = timeout_s
         self.profile_cache = profile_cache
         self.plan: Plan | None = None
-        self.runner: StageRunner | None = None
+        self.runner: StageRunner | ChunkedRunner | None = None
         self.failure: FailureChannel | None = None
         self.groups: PlanGroups | None = None
         self._layer_container: nn.Module | None = None
@@ -354,9 +355,16 @@ class DappleStrategy(DDPStrategy):
         return {"num_replicas": 1, "rank": 0}
 
     @property
-    def stage(self) -> int:
+    def stages(self) -> tuple[int, ...]:
+        """The stages this rank runs: one, or its device group's chunks (interleaved, V)."""
         assert self.plan is not None
-        return self.plan.stage_of_rank(self.global_rank)
+        return self.plan.stages_of_rank(self.global_rank)
+
+    @property
+    def held_layers(self) -> list[int]:
+        """The layers of this rank's stages, in pipeline order (the runner's layer list)."""
+        assert self.plan is not None
+        return [index for stage in self.stages for index in range(self.plan.stages[stage].start, self.plan.stages[stage].end)]
 
     @override
     def _configure_launcher(self) -> None:
@@ -479,7 +487,7 @@ class DappleStrategy(DDPStrategy):
 
     def _clip_by_global_norm(self, params: list[torch.Tensor], max_norm: float) -> None:
         assert self.plan is not None
-        replicas = self.plan.stages[self.stage].replicas
+        replicas = self.plan.stages[self.stages[0]].replicas  # the rank's chunks share their devices
         group = self.groups.plan if self.groups else None
         tied = self.runner.tied if self.runner is not None else None  # tied copies count once
         copies = tied.copies if tied is not None else None
@@ -510,7 +518,7 @@ class DappleStrategy(DDPStrategy):
         self.plan = plan
         self._save_plan(trainer)
         report_placement(self.cluster_environment, self.num_nodes, self.num_processes, plan)  # every rank: the launch's nodes agree with the plan; rank 0 prints them
-        stage = plan.stages[self.stage]
+        held = self.held_layers
         self._ties = tied_parameters(container)
         aliases = state_aliases(module, container)
         self.checkpoint_layout = ckpt.CheckpointLayout(
@@ -519,18 +527,19 @@ class DappleStrategy(DDPStrategy):
             stage_leaders=tuple(each.devices[0] for each in plan.stages),
             global_rank=self.global_rank,
             aliases=aliases,
-            layers=(stage.start, stage.end),
+            layers=tuple((plan.stages[s].start, plan.stages[s].end) for s in self.stages),
         )
         self._layer_tensors = LayerTensors.of(module, container, keep_transient=self.global_rank == 0)
         # handles and traced layers' own paths first, while every tensor is still the original
-        self._detached = self._layer_tensors.detach(module, container, range(stage.start, stage.end), self._stage_of_layer)
-        self._free_other_stages(container, stage.start, stage.end)
+        self._detached = self._layer_tensors.detach(module, container, held, self._stage_of_layer)
+        self._free_other_stages(container, held)
         self._layer_container = container
         self._close_runner()
         self.failure = FailureChannel(self.global_rank, timeout_s=self.timeout_s)
         self.groups = build_groups(plan)  # a collective; BatchNorm's statistics use the replica groups
-        self._convert_batchnorm(module, container, stage)
-        local = [container[i] for i in range(stage.start, stage.end)]
+        for stage in self.stages:
+            self._convert_batchnorm(module, container, stage)
+        local = [container[i] for i in held]
         self.runner = StageRunner.for_plan(  # collectives: every rank makes every group
             plan,
             self.global_rank,
@@ -544,7 +553,7 @@ class DappleStrategy(DDPStrategy):
             wire=self.wire,
         )
 
-    def _convert_batchnorm(self, module: LightningModule, container: nn.Module, stage: StagePlan) -> None:
+    def _convert_batchnorm(self, module: LightningModule, container: nn.Module, index: int) -> None:
         """This stage's BatchNorm as asked (``execute/batchnorm.py``): statistics over the
         stage's replicas under ``Trainer(sync_batchnorm=True)`` (Lightning's DDP converts to
         ``nn.SyncBatchNorm`` instead, which would synchronise over the whole job and refuses
@@ -556,18 +565,20 @@ class DappleStrategy(DDPStrategy):
             f"include a {type(layer_sync).__name__} layer-sync plugin, which the dapple strategy cannot apply per pipeline stage",
             "use Trainer(sync_batchnorm=True) (BatchNorm statistics over each stage's replicas) or leave the plugin out",
         )
-        assert self.groups is not None
+        assert self.groups is not None and self.plan is not None
+        stage = self.plan.stages[index]
         scope = [container[i] for i in range(stage.start, stage.end)]
         replica = stage.devices.index(self.global_rank)
         sync = layer_sync is not None
-        convert_batchnorm(module, scope, self.groups.replicas.get(self.stage), replica, stage.replicas, sync, self.deferred_batchnorm)
+        convert_batchnorm(module, scope, self.groups.replicas.get(index), replica, stage.replicas, sync, self.deferred_batchnorm)
 
-    def _free_other_stages(self, container: nn.Module, start: int, end: int) -> None:
-        """Free every layer outside [start, end) to the meta device (structure kept, memory
-        released); what a kept layer shares with a freed one (a tied weight) stays real."""
-        kept = KeptTensors(container[i] for i in range(start, end))
+    def _free_other_stages(self, container: nn.Module, held: Sequence[int]) -> None:
+        """Free every layer but ``held`` (this rank's) to the meta device (structure kept,
+        memory released); what a kept layer shares with a freed one (a tied weight) stays real."""
+        kept = KeptTensors(container[i] for i in held)
+        mine = set(held)
         for index in range(len(container)):
-            if not (start <= index < end):
+            if index not in mine:
                 self._freed[index] = free_layer(container[index], kept)
                 container[index] = FreedLayer(index, self._stage_of_layer(index))
 

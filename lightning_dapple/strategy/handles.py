@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Collection, Iterator
 
 import torch
 from torch import nn
@@ -98,10 +98,12 @@ class LayerTensors:
             return None
         return entry[1]
 
-    def detach(self, module: nn.Module, layers: nn.Module, stage: range, stage_of: Callable[[int], int]) -> Detached:
+    def detach(self, module: nn.Module, layers: nn.Module, held: Collection[int], stage_of: Callable[[int], int]) -> Detached:
         """Empty, in ``module``, every path to a module or tensor of a layer outside
-        ``stage`` other than the layer sequence's own entries (which the caller frees)."""
-        kept = {id(part) for index in stage for part in layers[index].modules()}
+        ``held`` (this rank's layers: its stage's, or its chunks') other than the layer
+        sequence's own entries (which the caller frees)."""
+        mine = set(held)
+        kept = {id(part) for index in mine for part in layers[index].modules()}
         detached = Detached()
         seen: set[int] = {id(layers)}
         stack = [module]
@@ -109,14 +111,14 @@ class LayerTensors:
             parent = stack.pop()
             for kind, name, tensor in list(_slots(parent)):
                 owner = self._owner(tensor)
-                if owner is not None and not owner[0] & set(stage):
+                if owner is not None and not owner[0] & mine:
                     getattr(parent, kind)[name] = None
                     detached.slots.append((parent, kind, name, owner[1], owner[2]))
             for name, child in list(parent._modules.items()):
                 if child is None or id(child) in seen:
                     continue
                 index = self._layer_of(child, kept)
-                if index is not None and index not in stage:
+                if index is not None and index not in mine:
                     parent._modules[name] = FreedLayer(index, stage_of(index))
                     detached.references.append((parent, name, child))
                     continue

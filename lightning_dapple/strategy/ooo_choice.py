@@ -47,6 +47,8 @@ def decide_ooo(setting: OooSetting, plan: Plan, profile: Any = None, cluster: An
         return bool(setting), "as requested"
     if plan.num_stages == 1:
         return False, "auto: one stage has no pipeline bubble for deferred weight gradients to fill"
+    if plan.chunks > 1:
+        return False, f"auto: the {plan.schedule!r} schedule of several stages per device group places its own backward work"
     if profile is None or cluster is None:
         return True, f"auto: {plan.num_stages} stages; deferred weight gradients fill the pipeline bubbles (no profile to simulate)"
     times = {}
