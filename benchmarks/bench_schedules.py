@@ -1,7 +1,8 @@
 """Step time and peak stashed bytes of DAPPLE vs GPipe vs torch.distributed.pipelining vs DDP.
 
-Two modes. By default (``--ranks 2``), on two CPU ranks (gloo, 127.0.0.1, one thread each) and one 2-stage partition of an MLP
-(first half of the blocks on rank 0, second half on rank 1), for each micro-batch count M:
+Two modes. By default (``--ranks 2``), on two CPU ranks (gloo, 127.0.0.1, one thread
+each) and one 2-stage partition of an MLP (first half of the blocks on rank 0, second half
+on rank 1), for each micro-batch count M:
 
 * dapple / gpipe: lightning_dapple's executor (``StageRunner``) with that schedule;
 * dapple-ahead: the dapple schedule with receives posted one transfer ahead (an ablation);
@@ -61,7 +62,9 @@ PAIRS = {
     1: (("dapple", "torch-1F1B"), ("gpipe", "torch-GPipe")),
     2: (("interleaved", "torch-Interleaved1F1B"), ("zbv", "torch-ZBVZeroBubble"), ("dapple", "torch-1F1B")),
 }
-TARGET_RATIO = 0.95  # chunked mode: each of ours at most 0.95 x torch's step time
+# chunked mode: the most each of ours may take of torch's step time (the 1F1B reference:
+# no slower, the 2-rank mode's verdict)
+TARGET_RATIO = {"interleaved": 0.95, "zbv": 0.95, "dapple": 1.0}
 # per mode: defaults of the options that differ. Chunked: 16 blocks make 8 stages of 2; at
 # width 1024 and 32 rows per micro-batch the matrix products take most of a step's CPU time
 # (not so at width 512: benchmarks/README.md), and 15 blocks of 4 steps of 6 variants take
@@ -137,6 +140,7 @@ def compare_pairs(per: dict, rows: dict, cfg: dict) -> dict:
         a, b = rows[ours]["peak_stash_view_bytes_per_rank"], rows[theirs]["peak_stash_view_bytes_per_rank"]
         pairs[f"{ours}/{theirs}"] = {
             "ratio": per[ours]["median_s"] / per[theirs]["median_s"],
+            "target_ratio": TARGET_RATIO.get(ours, 1.0),
             "paired_ratio": statistics.median(paired),
             "paired_ratio_quartiles": [paired[len(paired) // 4], paired[(3 * len(paired)) // 4]],
             "cpu_ratio": per[ours]["median_cpu_s"] / per[theirs]["median_cpu_s"],
@@ -190,7 +194,7 @@ def print_table(summary: dict) -> None:
 
 def print_verdict(summary: dict) -> None:
     """The acceptance: the dapple schedule no slower than torch's Schedule1F1B (2 ranks);
-    each chunked schedule at most ``TARGET_RATIO`` x torch's, stashing no more per rank."""
+    each chunked schedule at most ``TARGET_RATIO`` of torch's, stashing no more per rank."""
     if summary["config"]["chunks"] > 1:
         print_chunked_verdict(summary)
         return
@@ -211,11 +215,12 @@ def print_chunked_verdict(summary: dict) -> None:
     for m, pairs in summary["pairs"].items():
         for name, pair in pairs.items():
             ours, theirs = name.split("/")
-            verdict = "meets" if pair["ratio"] <= TARGET_RATIO and pair["paired_ratio"] <= TARGET_RATIO else "MISSES"
+            target = pair["target_ratio"]
+            verdict = "meets" if pair["ratio"] <= target and pair["paired_ratio"] <= target else "MISSES"
             stash = pair["stash_bytes_per_rank"]
             print(
                 f"M={m}: {ours}/{theirs} step time {pair['ratio']:.3f} (per-round paired {pair['paired_ratio']:.3f} "
-                f"[{pair['paired_ratio_quartiles'][0]:.2f}-{pair['paired_ratio_quartiles'][1]:.2f}]; {verdict} <= {TARGET_RATIO}); "
+                f"[{pair['paired_ratio_quartiles'][0]:.2f}-{pair['paired_ratio_quartiles'][1]:.2f}]; {verdict} <= {target}); "
                 f"CPU time {pair['cpu_ratio']:.3f}; peak stashed MB per rank (views) "
                 f"{' / '.join(f'{b * mb:.2f}' for b in stash[ours])} vs {' / '.join(f'{b * mb:.2f}' for b in stash[theirs])}: "
                 f"{'same or less' if pair['stash_same_or_less'] else 'MORE'}"
