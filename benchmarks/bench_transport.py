@@ -126,7 +126,10 @@ def _python_only(cfg: dict) -> dict[str, list[float]]:
         if name == "nccl":
             continue  # its constructor creates process groups
         transport = _factory(name, cfg["baseline"])(Failure())
-        transport._layout_sent[(1, 0)] = transport._layout_received[(1, 0)] = layout  # the steady state (untagged)
+        # the steady state: layouts known per (peer, tag) (untagged: tag 0), or per peer in a
+        # baseline transport from before tagged streams
+        known = (1, 0) if hasattr(transport, "tagged") else 1
+        transport._layout_sent[known] = transport._layout_received[known] = layout
         variants.append((name, transport))
     times: dict[str, list[float]] = {name: [] for name, _ in variants}
     for index in range(cfg["rounds"] + cfg["warmup"]):

@@ -165,13 +165,13 @@ def _local_layers(model: nn.Sequential, plan: Plan, rank: int) -> list[nn.Module
 
 
 def run_cases(rank: int, world: int, cases: Sequence[tuple]) -> list[dict | None]:
-    """Each (plan data, schedule kind[, wire]): train STEPS steps, then one eval pass; the
-    largest difference from the single-process run."""
+    """Each (plan data, schedule kind[, runner options]): train STEPS steps, then one eval
+    pass; the largest difference from the single-process run."""
     failure = FailureChannel(rank, timeout_s=60)
     groups_of = GroupsPerLayout()
     ref_params, ref_losses, ref_eval = reference_run()
     out: list[dict | None] = []
-    for plan_data, kind, *wire in cases:
+    for plan_data, kind, *options in cases:
         plan = plan_from_dict(plan_data)
         groups = groups_of(plan)
         if rank >= plan.world_size:
@@ -180,7 +180,7 @@ def run_cases(rank: int, world: int, cases: Sequence[tuple]) -> list[dict | None
         model = make_model()
         local = _local_layers(model, plan, rank)
         runner = StageRunner.for_plan(
-            plan, rank, local, torch.device("cpu"), failure, groups=groups, ties=(), schedule=schedule_of(plan, kind), wire=wire[0] if wire else "auto"
+            plan, rank, local, torch.device("cpu"), failure, groups=groups, ties=(), schedule=schedule_of(plan, kind), **(options[0] if options else {})
         )
         opt = torch.optim.Adam(runner.parameters, lr=LR)
         replicas = plan.stages[plan.stages_of_rank(rank)[0]].replicas

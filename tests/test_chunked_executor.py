@@ -81,7 +81,8 @@ def test_hand_written_chunked_schedules_match_single_device() -> None:
             for recompute in ("never", "always"):
                 for kind in ("looped", "looped-split"):
                     micro_batches = 2 if kind == "looped" else 4
-                    cases.append((plan_data(schedule, layout, recompute, micro_batches), kind))
+                    # receives posted one ahead in the merged order, and when due
+                    cases.append((plan_data(schedule, layout, recompute, micro_batches), kind, {"post_ahead": recompute == "never"}))
                     names.append(f"{schedule}/{layout}/{recompute}/{kind}")
     results = run_ranks(cw.run_cases, 4, cases, timeout_s=500)
     _check(results, cases, names)
@@ -96,16 +97,16 @@ def test_interleaved_and_zbv_schedules_match_single_device() -> None:
     for schedule in PLACEMENTS:
         for layout in GROUPS:
             for recompute in ("never", "always"):
-                cases.append((plan_data(schedule, layout, recompute, micro_batches=4), "built"))
+                cases.append((plan_data(schedule, layout, recompute, micro_batches=4), "built", {"post_ahead": recompute == "never"}))
                 names.append(f"{schedule}/{layout}/{recompute}")
         # the staged wire's code path (host buffers; gloo with CUDA tensors) with tagged streams
-        cases.append((plan_data(schedule, "2x2", "never", micro_batches=4), "built", "staged"))
+        cases.append((plan_data(schedule, "2x2", "never", micro_batches=4), "built", {"wire": "staged", "post_ahead": True}))
         names.append(f"{schedule}/2x2/never/staged")
     # six stages: interleaved with 3 chunks on 2 groups, ZB-V on 3 groups
     six = [[0, 1], [1, 2], [2, 3], [3, 5], [5, 6], [6, 8]]
     for schedule, placement in (("interleaved", [0, 1, 0, 1, 0, 1]), ("zbv", [0, 1, 2, 2, 1, 0])):
         stages = [{"layers": cut, "devices": [group]} for cut, group in zip(six, placement)]
-        cases.append(({"global_batch_size": cw.ROWS, "micro_batches": 4, "schedule": schedule, "stages": stages}, "built"))
+        cases.append(({"global_batch_size": cw.ROWS, "micro_batches": 4, "schedule": schedule, "stages": stages}, "built", {"post_ahead": True}))
         names.append(f"{schedule}/six stages")
     results = run_ranks(cw.run_cases, 4, cases, timeout_s=500)
     _check(results, cases, names)

@@ -17,8 +17,11 @@ tagged per boundary and direction, each such stream in one order at both ends:
 ``ResultChannel`` (the loss comes from the last stage wherever it is placed: the last
 group under interleaving, group 0 under ZB-V), the one stash ledger (the rank's peak counts
 every chunk's stash, keyed (stage, micro-batch)) and the hand-offs. The ``ChunkedRunner``
-then strings the chunks' compiled ops together in the merged order, once, in set-up: a step
-only runs that list.
+then strings the chunks' compiled ops together in the merged order, once, in set-up (with
+the receives posted one transfer ahead where that pays, ``transport.receives_ahead_pay``): a
+step only runs that list. Sends are waited at the end of the step: ``schedule.settle``'s
+earlier waits are derived from one stage's list, and in a merged order such a wait could
+stand behind another chunk's work.
 
 A boundary between two stages on the same devices (ZB-V's turn, stage P-1 to P) is a
 hand-off inside the process (``Handoffs``): the stage output goes over cut from the
@@ -97,7 +100,16 @@ class ChunkedRunner:
     builds them; typed loosely here because ``runner.py`` imports this module).
     """
 
-    def __init__(self, plan: Plan, schedule: Schedule, rank: int, units: Sequence[Any], shared: RankShared, tied: TiedSync | None) -> None:
+    def __init__(
+        self,
+        plan: Plan,
+        schedule: Schedule,
+        rank: int,
+        units: Sequence[Any],
+        shared: RankShared,
+        tied: TiedSync | None,
+        post_ahead: bool = False,
+    ) -> None:
         self.plan = plan
         self.schedule = schedule
         self.rank = rank
@@ -115,15 +127,35 @@ class ChunkedRunner:
         self.parameters: list[nn.Parameter] = list({id(p): p for unit in self.units for p in unit.parameters}.values())
         self.stats = StageStats()
         self.steps_done = 0  # training steps run so far (part of every dropout seed; a resume sets it)
+        self.post_ahead = post_ahead
         self._program = self._compile()
 
     def _compile(self) -> list[tuple[Any, Any]]:
-        """The chunks' ops in the group's merged order, each with the runner that owns it."""
+        """The chunks' ops in the group's merged order, each with the runner that owns it;
+        with ``post_ahead``, before each compute the receive of the next receive action of
+        the merged order is posted (one transfer ahead, as ``StageRunner`` does for one
+        stage: each tagged stream's receives are then still posted in its order)."""
+        steps = self._merged_steps()
+        receives = [index for index, (action, unit, position) in enumerate(steps) if unit.post_ahead_op(position) is not None]
+        program: list[tuple[Any, Any]] = []
+        ops = {unit.stage: unit.ops_by_position() for unit in self.units}
+        upcoming = 0  # index into receives of the first receive after the current step
+        for index, (action, unit, position) in enumerate(steps):
+            while upcoming < len(receives) and receives[upcoming] <= index:
+                upcoming += 1
+            if self.post_ahead and action.kind.is_compute and upcoming < len(receives):
+                _, owner, at = steps[receives[upcoming]]
+                program.append((owner.post_ahead_op(at), owner))
+            program.extend((op, unit) for op in ops[action.stage].get(position, ()))
+        return program
+
+    def _merged_steps(self) -> list[tuple[Action, Any, int]]:
+        """The group's merged order as (action, the runner of its stage, its position in
+        that stage's list), checked to interleave the stages' lists, each in its order."""
         group = self.plan.placement[self.stages[0]]
         units = {unit.stage: unit for unit in self.units}
-        ops = {unit.stage: unit.ops_by_position() for unit in self.units}
         cursor = dict.fromkeys(units, 0)
-        program: list[tuple[Any, Any]] = []
+        steps: list[tuple[Action, Any, int]] = []
         for action in self.schedule.group_actions(group):
             unit = units.get(action.stage)
             position = cursor.get(action.stage, 0)
@@ -135,7 +167,7 @@ class ChunkedRunner:
                     "give each group an order that interleaves its stages' lists, each kept in its order",
                 )
             cursor[action.stage] = position + 1
-            program.extend((op, unit) for op in ops[action.stage].get(position, ()))
+            steps.append((action, unit, position))
         for stage, unit in units.items():
             if cursor[stage] != len(unit.actions):
                 raise DappleConfigError(
@@ -143,7 +175,7 @@ class ChunkedRunner:
                     f"the merged order of device group {group} runs {cursor[stage]} of stage {stage}'s {len(unit.actions)} actions",
                     "list every action of every stage of the group in its merged order",
                 )
-        return program
+        return steps
 
     # -- training ----------------------------------------------------------------
     def train_step(self, batch: Any, callbacks: Any, extras: Callable[[], Any] | None = None) -> tuple[torch.Tensor, list[Any]]:

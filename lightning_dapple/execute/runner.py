@@ -230,10 +230,10 @@ class StageRunner:
         """A rank holding several stages: one runner per stage over its share of ``layers``
         (the rank's layers, its stages' ranges in pipeline order), driven in the group's merged
         order by a ``ChunkedRunner`` (``execute/chunked.py``), over one transport that tags
-        each boundary and direction apart (``links``). Receives are posted when due and sends
-        waited at the end of the step: ``schedule.settle``'s waits and the one-ahead posting
-        are derived from one stage's list, and in a merged order a wait could stand behind
-        another chunk's work."""
+        each boundary and direction apart (``links``). The ``ChunkedRunner`` posts receives
+        ahead in the merged order (``post_ahead`` as for one stage); sends are waited at the
+        end of the step: ``schedule.settle``'s waits are derived from one stage's list, and in
+        a merged order such a wait could stand behind another chunk's work."""
         check_stream_orders(plan, schedule)
         wire = options.pop("wire", "auto")
         require(
@@ -242,7 +242,7 @@ class StageRunner:
             f"is NCCL's, which this executor does not run for plans with several stages per device group (schedule {plan.schedule!r})",
             "train chunked plans with the gloo backend, or use schedule 'dapple' on NCCL",
         )
-        options.pop("post_ahead", None)
+        post_ahead = options.pop("post_ahead", None)
         options.pop("settle_sends", None)
         # one transport and result channel per rank (collective under NCCL: every rank, once)
         shared = RankShared(
@@ -254,7 +254,8 @@ class StageRunner:
             own = layers[offset : offset + count]
             offset += count
             units.append(cls(plan, schedule, rank, own, device, failure, groups, tied=tied, chunk=shared.of_stage(stage), post_ahead=False, settle_sends=False, **options))
-        return ChunkedRunner(plan, schedule, rank, units, shared, tied)
+        posts = shared.transport.posts_ahead and (receives_ahead_pay(device) if post_ahead is None else post_ahead)
+        return ChunkedRunner(plan, schedule, rank, units, shared, tied, post_ahead=posts)
 
     # -- set-up: everything decided once per plan ----------------------------------
     def _build_stage(
@@ -492,6 +493,15 @@ class StageRunner:
         for op in self._program:
             out.setdefault(op.position, []).append(op)
         return out
+
+    def post_ahead_op(self, position: int) -> "_Op | None":
+        """An op posting the receive at ``position`` before its action, for a driver that
+        posts ahead in a merged order (None: not a receive, or a hand-off with nothing to post)."""
+        action = self._actions[position]
+        if action.kind not in (Kind.RECV_ACT, Kind.RECV_GRAD) or self._is_local(action.kind) or action.microbatch is None:
+            return None
+        run = self._post_activation if action.kind is Kind.RECV_ACT else self._post_gradient
+        return _Op(run, action.microbatch, transfer_key(action.kind, self.stage, action.microbatch), position=position)
 
     def finish_sizes(self) -> None:
         """The step ran to its end: keep the stash sizes it measured."""
