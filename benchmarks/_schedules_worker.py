@@ -1,16 +1,30 @@
-"""Worker side of ``bench_schedules.py``: every variant on the same two spawned gloo ranks.
+"""Worker side of ``bench_schedules.py``: every variant on the same spawned gloo ranks.
 
-Each rank builds, for one micro-batch count M, five trainers of the same MLP from the same
-seed (so their first-step losses must agree), then runs them round-robin so that machine
-noise hits all variants alike:
+Each rank builds, for one micro-batch count M, trainers of the same MLP from the same seed
+(so their first-step losses must agree), then runs them round-robin so that machine noise
+hits all variants alike. Two modes:
 
-* ``dapple`` / ``gpipe``: lightning_dapple's ``StageRunner`` with that schedule (receives
-  posted where ``transport.receives_ahead_pay`` says, as users get it);
-* ``dapple-ahead``: the dapple schedule with every receive posted one transfer ahead (the
-  ablation behind that rule);
-* ``torch-1F1B`` / ``torch-GPipe``: ``torch.distributed.pipelining`` ``PipelineStage`` with
-  ``Schedule1F1B`` / ``ScheduleGPipe``;
-* ``ddp``: ``DistributedDataParallel`` of the whole model, each rank half the batch.
+* 2 ranks, one stage each (``run``'s default, ``cfg["chunks"] == 1``):
+
+  * ``dapple`` / ``gpipe``: lightning_dapple's ``StageRunner`` with that schedule (receives
+    posted where ``transport.receives_ahead_pay`` says, as users get it);
+  * ``dapple-ahead``: the dapple schedule with every receive posted one transfer ahead (the
+    ablation behind that rule);
+  * ``torch-1F1B`` / ``torch-GPipe``: ``torch.distributed.pipelining`` ``PipelineStage`` with
+    ``Schedule1F1B`` / ``ScheduleGPipe``;
+  * ``ddp``: ``DistributedDataParallel`` of the whole model, each rank half the batch.
+
+* P ranks, 2 stages (chunks) each (``cfg["chunks"] == 2``), 2P stages of equal layers:
+
+  * ``interleaved`` / ``zbv``: lightning_dapple's executor running the chunked plan (stage k
+    on rank k mod P, Megatron's interleaved placement; or on rank k for k < P and 2P-1-k
+    after, ZB-V's V), ``StageRunner.for_plan`` as the strategy builds it;
+  * ``torch-Interleaved1F1B`` / ``torch-ZBVZeroBubble``: two ``PipelineStage``s per rank with
+    the same placement under ``ScheduleInterleaved1F1B`` / ``ScheduleZBVZeroBubble``;
+  * ``dapple`` / ``torch-1F1B``: one stage per rank, the 1F1B reference.
+
+  After the first step every variant's parameters are compared with one SGD step of the
+  whole model in one process (``parameter_diff``).
 
 Peak stashed bytes are measured the same way for every variant by ``LiveStash`` (see its
 docstring) in one extra, untimed step; for the lightning_dapple variants
@@ -20,14 +34,13 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-import lightning_dapple.execute.runner as runner_module
 from lightning_dapple.execute.failure import FailureChannel
 from lightning_dapple.execute.runner import StageRunner
 from lightning_dapple.plan.plan import plan_from_dict
@@ -35,6 +48,27 @@ from lightning_dapple.plan.plan import plan_from_dict
 LR = 1e-3
 SEED = 1234
 VARIANTS = ("dapple", "dapple-ahead", "gpipe", "torch-1F1B", "torch-GPipe", "ddp")
+CHUNKED_VARIANTS = ("interleaved", "zbv", "torch-Interleaved1F1B", "torch-ZBVZeroBubble", "dapple", "torch-1F1B")
+
+
+def stage_ranks(placement: str, ranks: int, chunks: int = 1) -> tuple[int, ...]:
+    """The rank of each of ``ranks * chunks`` stages: ``straight`` (one stage per rank),
+    ``interleaved`` (stage k on rank k mod P: Megatron's placement, Narayanan et al. 2021
+    section 2.2) or ``v`` (ranks 0..P-1 then back P-1..0: ZB-V's, Qi et al. 2024 section 6)."""
+    stages = range(ranks * chunks)
+    if placement == "straight":
+        assert chunks == 1, "a straight pipeline has one stage per rank"
+        return tuple(stages)
+    if placement == "interleaved":
+        return tuple(k % ranks for k in stages)
+    assert placement == "v" and chunks == 2, "the V placement has exactly 2 stages per rank"
+    return tuple(k if k < ranks else 2 * ranks - 1 - k for k in stages)
+
+
+def stage_layers(layers: int, stages: int) -> list[tuple[int, int]]:
+    """Equal cuts of ``layers`` blocks into ``stages`` consecutive ranges."""
+    per = layers // stages
+    return [(k * per, (k + 1) * per) for k in range(stages)]
 
 
 # -- model and data ------------------------------------------------------------------
@@ -158,6 +192,7 @@ class Variant:
     name: str
     params: list[torch.Tensor]
     optimizer: torch.optim.Optimizer
+    held: dict[int, nn.Module]  # global block index -> this rank's copy of it
 
     def forward_backward(self, batch: tuple[torch.Tensor, torch.Tensor]) -> Any:
         """Forward and backward of the global batch; returns what ``global_loss`` needs."""
@@ -198,29 +233,34 @@ class DappleVariant(Variant):
         post_ahead: bool | None = None,
         settle_sends: bool = True,
         ooo: bool = False,
+        placement: Sequence[int] = (0, 1),
     ) -> None:
         # post_ahead None: the executor decides (what a user gets); True: the ablation row;
         # settle_sends False: every send waited only at the end of the step (ablation);
-        # ooo: out-of-order backprop, what DappleStrategy runs by default (ooo=True)
+        # ooo: out-of-order backprop, what DappleStrategy runs by default (ooo=True);
+        # placement: the rank of each stage (equal cuts of the blocks), several stages per
+        # rank for the chunked schedules
         self.name = (
             schedule + ("" if post_ahead is None else "-ahead") + ("" if settle_sends else "-nosettle") + ("-ooo" if ooo else "")
         )
-        half = cfg["layers"] // 2
+        cuts = stage_layers(cfg["layers"], len(placement))
         plan = plan_from_dict(
             {
                 "global_batch_size": cfg["batch"],
                 "micro_batches": micro_batches,
                 "schedule": schedule,
                 "ooo": ooo,
-                "stages": [{"layers": [0, half], "devices": [0]}, {"layers": [half, cfg["layers"]], "devices": [1]}],
+                "stages": [{"layers": list(cut), "devices": [r]} for cut, r in zip(cuts, placement)],
             }
         )
         blocks = make_blocks(cfg["width"], cfg["layers"])
-        local = blocks[:half] if rank == 0 else blocks[half:]
+        # the rank's blocks, its stages' ranges in pipeline order (what for_plan expects)
+        indices = [i for stage in plan.stages_of_rank(rank) for i in range(*cuts[stage])]
+        self.held = {i: blocks[i] for i in indices}
         self.runner = StageRunner.for_plan(
             plan,
             rank,
-            local,
+            [blocks[i] for i in indices],
             torch.device("cpu"),
             failure,
             post_ahead=post_ahead,
@@ -239,68 +279,64 @@ class DappleVariant(Variant):
         return float(handle)  # already the same on every rank
 
     def measure_stash(self, batch: Any) -> dict[str, int]:
-        tracker = LiveStash(_param_keys(self.params))
-        # The executor measures its own stash with saved-tensor hooks around its layers,
-        # which shadow outer hooks there; chain ours behind its meter class so both see
-        # every saved tensor (outside its hooks, e.g. in the loss, ours apply directly).
-        name = next((n for n in ("StashMeter", "_StashCounter") if hasattr(runner_module, n)), None)
-        base = getattr(runner_module, name) if name else None
-        if base is not None:
-
-            class Chained(base):  # type: ignore[misc, valid-type]
-                def pack(self, tensor: torch.Tensor) -> Any:
-                    return tracker.pack(super().pack(tensor))
-
-                def unpack(self, obj: Any) -> Any:  # type: ignore[override]
-                    return tracker.unpack(obj)
-
-            setattr(runner_module, name, Chained)
-        try:
-            with tracker.hooks():
-                self.step(batch)
-        finally:
-            if base is not None:
-                setattr(runner_module, name, base)
+        # The executor meters its layers' saves (with hooks that would shadow ours) only in
+        # the first step of a batch layout; this step comes after the warm-up, so ours see
+        # every saved tensor.
         return {
-            **tracker.report(),
+            **super().measure_stash(batch),
             "runner_peak_stash_bytes": self.runner.stats.peak_stash_bytes,
             "runner_peak_in_flight": self.runner.stats.peak_in_flight,
         }
 
 
 class TorchPipeVariant(Variant):
-    def __init__(self, kind: str, rank: int, cfg: dict, micro_batches: int) -> None:
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    """``torch.distributed.pipelining``: one ``PipelineStage`` per stage this rank holds,
+    under the schedule class ``Schedule<kind>`` (single-stage kinds ``1F1B``, ``GPipe``;
+    multi-stage ``Interleaved1F1B``, ``ZBVZeroBubble``, whose own stage-to-rank rules match
+    ``placement``)."""
+
+    def __init__(self, kind: str, rank: int, cfg: dict, micro_batches: int, placement: Sequence[int] = (0, 1)) -> None:
+        from torch.distributed import pipelining
+        from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
         self.name = f"torch-{kind}"
         self.rank = rank
-        half = cfg["layers"] // 2
+        self.last_rank = placement[-1]
+        cuts = stage_layers(cfg["layers"], len(placement))
         blocks = make_blocks(cfg["width"], cfg["layers"])
-        submodule = nn.Sequential(*(blocks[:half] if rank == 0 else blocks[half:]))
+        mine = [stage for stage, r in enumerate(placement) if r == rank]
+        self.holds_first, self.holds_last = 0 in mine, len(placement) - 1 in mine
+        self.held = {i: blocks[i] for stage in mine for i in range(*cuts[stage])}
         example = torch.empty(cfg["batch"] // micro_batches, cfg["width"])
-        self.stage = PipelineStage(submodule, rank, 2, torch.device("cpu"), input_args=(example,))
-        cls = Schedule1F1B if kind == "1F1B" else ScheduleGPipe
+        stages = [
+            pipelining.PipelineStage(
+                nn.Sequential(*blocks[slice(*cuts[stage])]), stage, len(placement), torch.device("cpu"), input_args=(example,)
+            )
+            for stage in mine
+        ]
+        self.stages = stages
+        self.stage = stages[0]  # the rank's only stage under the single-stage schedules
+        cls = getattr(pipelining, f"Schedule{kind}")
         # loss_fn is a mean over the micro-batch; scale_grads (default) divides the
         # accumulated gradients by M, so they are those of the mean over the global batch.
-        self.schedule = cls(self.stage, n_microbatches=micro_batches, loss_fn=F.mse_loss)
-        self.params = [p for p in submodule.parameters() if p.requires_grad]
+        single = issubclass(cls, PipelineScheduleSingle)
+        self.schedule = cls(stages[0] if single else stages, n_microbatches=micro_batches, loss_fn=F.mse_loss)
+        self.params = [p for block in self.held.values() for p in block.parameters() if p.requires_grad]
         self.optimizer = torch.optim.SGD(self.params, lr=LR)
 
     def forward_backward(self, batch: Any) -> Any:
         self.optimizer.zero_grad(set_to_none=True)
         x, y = batch
-        if self.rank == 0:
-            self.schedule.step(x, return_outputs=False)
-            return None
+        args = (x,) if self.holds_first else ()
         losses: list[torch.Tensor] = []
-        self.schedule.step(target=y, losses=losses, return_outputs=False)
+        self.schedule.step(*args, target=y if self.holds_last else None, losses=losses, return_outputs=False)
         return losses
 
     def global_loss(self, handle: Any) -> float:
         value = torch.zeros((), dtype=torch.float64)
-        if self.rank == 1:  # equal micro-batches: the mean of their means is the batch mean
+        if self.holds_last:  # equal micro-batches: the mean of their means is the batch mean
             value += sum(float(loss.detach()) for loss in handle) / len(handle)
-        dist.broadcast(value, src=1)
+        dist.broadcast(value, src=self.last_rank)
         return float(value)
 
 
@@ -309,6 +345,7 @@ class DDPVariant(Variant):
         self.name = "ddp"
         self.rank, self.world = rank, world
         model = nn.Sequential(*make_blocks(cfg["width"], cfg["layers"]))
+        self.held = dict(enumerate(model))
         self.model = nn.parallel.DistributedDataParallel(model)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.SGD(self.params, lr=LR)
@@ -355,12 +392,35 @@ def _timed(variant: Variant, batches: list[Any], first: int = 0, count: int = 1)
     return float(slowest), float(busy), loss
 
 
-def run(rank: int, world: int, cfg: dict) -> dict:
-    torch.set_num_threads(1)
-    failure = FailureChannel(rank, timeout_s=120)
-    results: dict[str, Any] = {}
-    for m in cfg["micro_batches"]:
-        variants: list[Variant] = [
+def reference_step(cfg: dict, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[nn.Sequential, float, float]:
+    """The whole model after one SGD step on ``batch`` in one process, the step's largest
+    parameter change and the largest parameter (the scales the variants' differences are
+    read against: a gradient summed in another order moves the rounding of ``p - lr * g``
+    by an ulp of ``p``)."""
+    model = nn.Sequential(*make_blocks(cfg["width"], cfg["layers"]))
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    F.mse_loss(model(batch[0]), batch[1]).backward()
+    optimizer.step()
+    change = max(float((p.detach() - b).abs().max()) for p, b in zip(model.parameters(), before))
+    return model, change, max(float(p.detach().abs().max()) for p in model.parameters())
+
+
+def parameter_diff(variant: Variant, reference: nn.Sequential) -> float:
+    """Largest |parameter - reference| over every block, whichever rank holds it (collective)."""
+    diff = 0.0
+    for index, block in variant.held.items():
+        for ours, theirs in zip(block.parameters(), reference[index].parameters()):
+            diff = max(diff, float((ours.detach() - theirs.detach()).abs().max()))
+    worst = torch.tensor([diff], dtype=torch.float64)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return float(worst)
+
+
+def make_variants(rank: int, world: int, cfg: dict, m: int, failure: FailureChannel) -> list[Variant]:
+    """The variants of ``cfg``'s mode, in ``VARIANTS`` / ``CHUNKED_VARIANTS`` order."""
+    if cfg.get("chunks", 1) == 1:
+        return [
             DappleVariant("dapple", rank, cfg, m, failure),
             DappleVariant("dapple", rank, cfg, m, failure, post_ahead=True),
             DappleVariant("gpipe", rank, cfg, m, failure),
@@ -368,13 +428,38 @@ def run(rank: int, world: int, cfg: dict) -> dict:
             TorchPipeVariant("GPipe", rank, cfg, m),
             DDPVariant(rank, world, cfg),
         ]
-        per: dict[str, dict[str, Any]] = {v.name: {"times_s": [], "cpu_s": []} for v in variants}
+    interleaved, v = stage_ranks("interleaved", world, cfg["chunks"]), stage_ranks("v", world, cfg["chunks"])
+    straight = stage_ranks("straight", world)
+    return [
+        DappleVariant("interleaved", rank, cfg, m, failure, placement=interleaved),
+        DappleVariant("zbv", rank, cfg, m, failure, placement=v),
+        TorchPipeVariant("Interleaved1F1B", rank, cfg, m, placement=interleaved),
+        TorchPipeVariant("ZBVZeroBubble", rank, cfg, m, placement=v),
+        DappleVariant("dapple", rank, cfg, m, failure, placement=straight),
+        TorchPipeVariant("1F1B", rank, cfg, m, placement=straight),
+    ]
+
+
+def run(rank: int, world: int, cfg: dict) -> dict:
+    torch.set_num_threads(1)
+    failure = FailureChannel(rank, timeout_s=120)
+    results: dict[str, Any] = {}
+    chunked = cfg.get("chunks", 1) > 1
+    for m in cfg["micro_batches"]:
+        variants = make_variants(rank, world, cfg, m, failure)
+        per: dict[str, dict[str, Any]] = {v.name: {"times_s": [], "cpu_s": [], "blocks": sorted(v.held)} for v in variants}
         batches = [make_batch(step, cfg["batch"], cfg["width"]) for step in range(4)]
         # step 0 (identical weights and batch everywhere): the correctness check
         for v in variants:
             seconds, _, loss = _timed(v, batches)
             per[v.name]["first_loss"] = loss
             per[v.name]["first_step_s"] = seconds
+        if chunked:  # the gradients of step 0, read in the parameters it updated
+            reference, change, largest = reference_step(cfg, batches[0])
+            for v in variants:
+                per[v.name]["param_diff_after_one_step"] = parameter_diff(v, reference)
+                per[v.name]["largest_param_change"] = change
+                per[v.name]["largest_param"] = largest
         # warm-up, then one untimed step with the stash hooks
         # step 1 checks the gradients of step 0 (same SGD update everywhere); then warm-up
         for step in range(cfg["warmup"]):

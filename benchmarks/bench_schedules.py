@@ -1,7 +1,8 @@
 """Step time and peak stashed bytes of DAPPLE vs GPipe vs torch.distributed.pipelining vs DDP.
 
-On two CPU ranks (gloo, 127.0.0.1, one thread each) and one 2-stage partition of an MLP
-(first half of the blocks on rank 0, second half on rank 1), for each micro-batch count M:
+Two modes. By default (``--ranks 2``), on two CPU ranks (gloo, 127.0.0.1, one thread
+each) and one 2-stage partition of an MLP (first half of the blocks on rank 0, second half
+on rank 1), for each micro-batch count M:
 
 * dapple / gpipe: lightning_dapple's executor (``StageRunner``) with that schedule;
 * dapple-ahead: the dapple schedule with receives posted one transfer ahead (an ablation);
@@ -21,8 +22,17 @@ the CPU time of both ranks' processes. Peak
 stashed bytes come from one extra untimed step per variant, measured identically for all
 (``_schedules_worker.LiveStash``); for lightning_dapple ``runner.stats`` is shown too.
 
+With ``--ranks P --chunks 2`` (P >= 2), the chunked schedules on P ranks holding 2 stages
+each, 2P stages of equal blocks: lightning_dapple's ``interleaved`` and ``zbv`` against
+``ScheduleInterleaved1F1B`` and ``ScheduleZBVZeroBubble`` with the same placements, and
+``dapple`` against ``Schedule1F1B`` (P stages) as the 1F1B reference. Besides the losses,
+every variant's parameters after the first step must match one SGD step of the whole model
+in one process. Reported per pair: ours / torch's step time (median, and median of
+per-round ratios) and peak stashed bytes per rank.
+
     python benchmarks/bench_schedules.py                      # M = 4 and 8, width 1024
     python benchmarks/bench_schedules.py --width 512 --out benchmarks/results/schedules_w512.json
+    python benchmarks/bench_schedules.py --ranks 4 --chunks 2  # M = 8, width 1024, 16 blocks, batch 256
 """
 from __future__ import annotations
 
@@ -42,6 +52,27 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 LOSS_TOL = 1e-5
+# after one step, |parameter - one process's| may be a rounding of p - lr * g (an ulp of the
+# largest parameter) plus float32 sums of g in another order (a few ulps of the update); a
+# gradient off by a factor (e.g. not divided by M) differs by a large fraction of the update
+PARAM_TOL = 1e-4  # of the largest parameter change of the step, plus FLOAT32_EPS of the largest parameter
+FLOAT32_EPS = 2.0**-23
+# (ours, torch's) run the same schedule; in the chunked mode the acceptance compares them
+PAIRS = {
+    1: (("dapple", "torch-1F1B"), ("gpipe", "torch-GPipe")),
+    2: (("interleaved", "torch-Interleaved1F1B"), ("zbv", "torch-ZBVZeroBubble"), ("dapple", "torch-1F1B")),
+}
+# chunked mode: the most each of ours may take of torch's step time (the 1F1B reference:
+# no slower, the 2-rank mode's verdict)
+TARGET_RATIO = {"interleaved": 0.95, "zbv": 0.95, "dapple": 1.0}
+# per mode: defaults of the options that differ. Chunked: 16 blocks make 8 stages of 2; at
+# width 1024 and 32 rows per micro-batch the matrix products take most of a step's CPU time
+# (not so at width 512: benchmarks/README.md), and 15 blocks of 4 steps of 6 variants take
+# a few minutes on 2 cores
+DEFAULTS = {
+    1: {"steps": 25, "block": 8, "micro_batches": [4, 8], "width": 1024, "layers": 8, "batch": 64, "out": HERE / "results" / "schedules.json"},
+    2: {"steps": 15, "block": 4, "micro_batches": [8], "width": 1024, "layers": 16, "batch": 256, "out": HERE / "results" / "schedules_chunked.json"},
+}
 
 
 def _rank_main(rank: int, world: int, cfg: dict) -> Any:
@@ -83,14 +114,40 @@ def summarize(by_rank: dict[int, Any], cfg: dict) -> dict:
                 "peak_stash_view_bytes_per_rank": [r["peak_stash_view_bytes"] for r in ranks],
                 "peak_stash_view_bytes": max(r["peak_stash_view_bytes"] for r in ranks),
                 "leftover_stash_bytes_per_rank": [r["leftover_bytes"] for r in ranks],
+                "blocks_per_rank": [r["blocks"] for r in ranks],
             }
+            if "param_diff_after_one_step" in item:
+                row["param_diff_after_one_step"] = item["param_diff_after_one_step"]
+                row["largest_param_change"] = item["largest_param_change"]
+                row["param_tolerance"] = PARAM_TOL * item["largest_param_change"] + FLOAT32_EPS * item["largest_param"]
             if "runner_peak_stash_bytes" in item:
                 row["runner_peak_stash_bytes_per_rank"] = [r["runner_peak_stash_bytes"] for r in ranks]
                 row["runner_peak_stash_bytes"] = max(row["runner_peak_stash_bytes_per_rank"])
                 row["runner_peak_in_flight_per_rank"] = [r["runner_peak_in_flight"] for r in ranks]
             rows[name] = row
         summary["results"][m] = rows
+    summary["pairs"] = {m: compare_pairs(by_rank[0][m], rows, cfg) for m, rows in summary["results"].items()}
     return summary
+
+
+def compare_pairs(per: dict, rows: dict, cfg: dict) -> dict:
+    """Ours against torch's on the same schedule: step-time ratios, and peak stashed bytes
+    per rank counted by distinct views (a micro-batch slice counts its rows, as the stash
+    rule of ``lightning_dapple.profile.stash`` does; ``check_stash`` uses the same count)."""
+    pairs = {}
+    for ours, theirs in PAIRS[cfg["chunks"]]:
+        paired = sorted(a / b for a, b in zip(per[ours]["times_s"], per[theirs]["times_s"]))
+        a, b = rows[ours]["peak_stash_view_bytes_per_rank"], rows[theirs]["peak_stash_view_bytes_per_rank"]
+        pairs[f"{ours}/{theirs}"] = {
+            "ratio": per[ours]["median_s"] / per[theirs]["median_s"],
+            "target_ratio": TARGET_RATIO.get(ours, 1.0),
+            "paired_ratio": statistics.median(paired),
+            "paired_ratio_quartiles": [paired[len(paired) // 4], paired[(3 * len(paired)) // 4]],
+            "cpu_ratio": per[ours]["median_cpu_s"] / per[theirs]["median_cpu_s"],
+            "stash_bytes_per_rank": {ours: a, theirs: b},
+            "stash_same_or_less": all(x <= y for x, y in zip(a, b)),
+        }
+    return pairs
 
 
 def print_table(summary: dict) -> None:
@@ -98,17 +155,20 @@ def print_table(summary: dict) -> None:
     from rich.table import Table
 
     cfg = summary["config"]
+    ranks = cfg["ranks"]
+    shape = "2-stage MLP" if cfg["chunks"] == 1 else f"{ranks * cfg['chunks']}-stage MLP ({cfg['chunks']} stages per rank; dapple 1)"
     table = Table(
         title=(
-            f"2-stage MLP, {cfg['layers']} x Linear({cfg['width']})+ReLU, global batch {cfg['batch']}, "
-            f"{cfg['steps']} timed blocks of {cfg['block']} steps (median per step), 2 gloo ranks x 1 thread"
+            f"{shape}, {cfg['layers']} x Linear({cfg['width']})+ReLU, global batch {cfg['batch']}, "
+            f"{cfg['steps']} timed blocks of {cfg['block']} steps (median per step), {ranks} gloo ranks x 1 thread"
         )
     )
+    names = " / ".join(f"r{r}" for r in range(ranks))
     for col, justify in [
         ("variant", "left"), ("M", "right"), ("median step ms", "right"), ("ratio vs dapple", "right"),
-        ("paired ratio [IQR]", "right"), ("CPU ms (2 ranks)", "right"),
-        ("peak stashed MB storages (r0 / r1)", "right"), ("views (r0 / r1)", "right"),
-        ("runner.stats MB (r0 / r1)", "right"),
+        ("paired ratio [IQR]", "right"), (f"CPU ms ({ranks} ranks)", "right"),
+        (f"peak stashed MB storages ({names})", "right"), (f"views ({names})", "right"),
+        (f"runner.stats MB ({names})", "right"),
         ("step-0 loss", "right"),
     ]:
         table.add_column(col, justify=justify)  # type: ignore[arg-type]
@@ -133,7 +193,11 @@ def print_table(summary: dict) -> None:
 
 
 def print_verdict(summary: dict) -> None:
-    """The issue's acceptance: the dapple schedule no slower than torch's Schedule1F1B."""
+    """The acceptance: the dapple schedule no slower than torch's Schedule1F1B (2 ranks);
+    each chunked schedule at most ``TARGET_RATIO`` of torch's, stashing no more per rank."""
+    if summary["config"]["chunks"] > 1:
+        print_chunked_verdict(summary)
+        return
     for m, rows in summary["results"].items():
         ours, theirs = rows["dapple"], rows["torch-1F1B"]
         ratio = ours["median_step_ms"] / theirs["median_step_ms"]
@@ -146,10 +210,28 @@ def print_verdict(summary: dict) -> None:
         )
 
 
+def print_chunked_verdict(summary: dict) -> None:
+    mb = 1 / 2**20
+    for m, pairs in summary["pairs"].items():
+        for name, pair in pairs.items():
+            ours, theirs = name.split("/")
+            target = pair["target_ratio"]
+            verdict = "meets" if pair["ratio"] <= target and pair["paired_ratio"] <= target else "MISSES"
+            stash = pair["stash_bytes_per_rank"]
+            print(
+                f"M={m}: {ours}/{theirs} step time {pair['ratio']:.3f} (per-round paired {pair['paired_ratio']:.3f} "
+                f"[{pair['paired_ratio_quartiles'][0]:.2f}-{pair['paired_ratio_quartiles'][1]:.2f}]; {verdict} <= {target}); "
+                f"CPU time {pair['cpu_ratio']:.3f}; peak stashed MB per rank (views) "
+                f"{' / '.join(f'{b * mb:.2f}' for b in stash[ours])} vs {' / '.join(f'{b * mb:.2f}' for b in stash[theirs])}: "
+                f"{'same or less' if pair['stash_same_or_less'] else 'MORE'}"
+            )
+
+
 def check_stash(summary: dict) -> None:
     """The same schedule must stash the same bytes whoever runs it (a check of the meter)."""
+    same_schedule = PAIRS[summary["config"]["chunks"]] if summary["config"]["chunks"] == 1 else (("dapple", "torch-1F1B"),)
     for m, rows in summary["results"].items():
-        for ours, theirs in (("dapple", "torch-1F1B"), ("gpipe", "torch-GPipe")):
+        for ours, theirs in same_schedule:
             a, b = rows[ours]["peak_stash_view_bytes_per_rank"], rows[theirs]["peak_stash_view_bytes_per_rank"]
             verdict = "same" if a == b else "DIFFERENT"
             print(f"M={m}: peak stashed bytes per rank (views) {ours} {a} vs {theirs} {b}: {verdict}")
@@ -170,37 +252,70 @@ def check_losses(summary: dict) -> None:
             )
 
 
-def main(argv: list[str] | None = None) -> int:
+def check_parameters(summary: dict) -> None:
+    """Chunked mode: after one step, every variant's parameters are one process's."""
+    for m, rows in summary["results"].items():
+        change, tol = rows["dapple"]["largest_param_change"], rows["dapple"]["param_tolerance"]
+        worst = max(row["param_diff_after_one_step"] for row in rows.values())
+        print(
+            f"M={m}: after one step, max |parameter - single process| across variants {worst:.2e} "
+            f"(tol {tol:.2e}; largest change of the step {change:.2e})"
+        )
+        for name, row in rows.items():
+            assert row["param_diff_after_one_step"] <= tol, (
+                f"M={m}: after one step the parameters of {name} differ from one process's by "
+                f"{row['param_diff_after_one_step']:.3e}, over {tol:.3e} (the step changed them by up to {change:.3e})"
+            )
+
+
+def parse_config(argv: list[str] | None) -> tuple[dict, Path]:
+    """The run's configuration (the mode's defaults where an option is not given) and its
+    JSON path; bad values are refused here, before any rank starts."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=25, help="timed blocks per variant (median reported; >= 7)")
-    parser.add_argument("--block", type=int, default=8, help="consecutive training steps per timed block (1: isolated steps)")
+    parser.add_argument("--ranks", type=int, default=2, help="ranks (processes); 2 unless --chunks 2")
+    parser.add_argument("--chunks", type=int, default=1, choices=(1, 2), help="stages per rank: 1 (2 ranks) or 2 (chunked schedules)")
+    parser.add_argument("--steps", type=int, help="timed blocks per variant (median reported; >= 7; default 25; chunked: 15)")
+    parser.add_argument("--block", type=int, help="consecutive training steps per timed block (1: isolated steps; default 8; chunked: 4)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed warm-up steps per variant after the first (>= 1)")
-    parser.add_argument("--micro-batches", type=int, nargs="+", default=[4, 8], help="values of M")
-    parser.add_argument("--width", type=int, default=1024, help="Linear width")
-    parser.add_argument("--layers", type=int, default=8, help="Linear+ReLU blocks (split in half over 2 stages)")
-    parser.add_argument("--batch", type=int, default=64, help="global batch size")
+    parser.add_argument("--micro-batches", type=int, nargs="+", help="values of M (default 4 8; chunked: 8)")
+    parser.add_argument("--width", type=int, help="Linear width (default 1024)")
+    parser.add_argument("--layers", type=int, help="Linear+ReLU blocks, cut equally over the stages (default 8; chunked: 16)")
+    parser.add_argument("--batch", type=int, help="global batch size (default 64; chunked: 256)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds before the run is abandoned")
-    parser.add_argument("--out", type=Path, default=HERE / "results" / "schedules.json", help="JSON results path")
+    parser.add_argument("--out", type=Path, help="JSON results path (default results/schedules.json; chunked: results/schedules_chunked.json)")
     args = parser.parse_args(argv)
+    for key, value in DEFAULTS[args.chunks].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     if args.steps < 7:
         parser.error("--steps must be at least 7")
     if args.warmup < 1:
         parser.error("--warmup must be at least 1")
     if args.block < 1:
         parser.error("--block must be at least 1")
-    if args.layers < 2 or args.layers % 2:
-        parser.error("--layers must be an even number >= 2")
-    if args.batch % 2:
+    if args.chunks == 1 and args.ranks != 2:
+        parser.error("--ranks must be 2 with one stage per rank; give --chunks 2 for more ranks")
+    if args.ranks < 2:
+        parser.error("--ranks must be at least 2")
+    stages = args.ranks * args.chunks
+    if args.layers < stages or args.layers % stages:
+        parser.error(f"--layers must be a positive multiple of the {stages} stages")
+    if args.chunks == 1 and args.batch % 2:
         parser.error("--batch must be even (DDP gives each of the 2 ranks half)")
     for m in args.micro_batches:
-        if m < 2 or args.batch % m:
-            parser.error(f"M={m}: need M >= 2 (Schedule1F1B wants M >= stages) dividing --batch into equal micro-batches")
+        if m < args.ranks or args.batch % m:
+            parser.error(f"M={m}: need M >= {args.ranks} (torch's schedules want M >= ranks) dividing --batch into equal micro-batches")
     cfg = {
         "steps": args.steps, "block": args.block, "warmup": args.warmup, "micro_batches": args.micro_batches, "width": args.width,
-        "layers": args.layers, "batch": args.batch, "timeout": args.timeout,
+        "layers": args.layers, "batch": args.batch, "timeout": args.timeout, "ranks": args.ranks, "chunks": args.chunks,
     }
+    return cfg, args.out
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg, out = parse_config(argv)
     started, load_before = time.perf_counter(), os.getloadavg()
-    by_rank = run_ranks(_rank_main, 2, cfg, timeout_s=cfg["timeout"], raise_on_error=True)
+    by_rank = run_ranks(_rank_main, cfg["ranks"], cfg, timeout_s=cfg["timeout"], raise_on_error=True)
     summary = summarize(by_rank, cfg)
     summary["wall_s"] = time.perf_counter() - started
     # other processes on the machine skew step times: keep the load next to the numbers
@@ -209,16 +324,18 @@ def main(argv: list[str] | None = None) -> int:
 
     summary["torch"] = torch.__version__
     print_table(summary)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(summary, indent=2))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(summary, indent=2))
     load = summary["load_average_1m"]
     print(
-        f"results written to {args.out} ({summary['wall_s']:.0f} s; 1-min load average {load['before']:.1f} -> "
+        f"results written to {out} ({summary['wall_s']:.0f} s; 1-min load average {load['before']:.1f} -> "
         f"{load['after']:.1f} on {load['cpus']} CPUs)"
     )
     print_verdict(summary)
     check_stash(summary)
     check_losses(summary)
+    if cfg["chunks"] > 1:
+        check_parameters(summary)
     return 0
 
 
