@@ -50,7 +50,10 @@ DAPPLE 5.2.2, so a stage is simulated once and its timeline copied to each of it
   of the profile's ``tied`` list, drawn as "TAR" spans on the stages and on the link
   ``tied<index>`` of ``transfers``;
 * a schedule that lists no communication action at all is read as "implicit communication":
-  each result is sent as soon as the compute producing it ends.
+  each result is sent as soon as the compute producing it ends;
+* every action also costs the executor's own time (``StageCost.overhead``, measured at
+  profile time): a compute action takes that much longer, a send holds the stage that long
+  before its transfer is issued, and a receive holds it that long after its data arrived.
 
 A schedule whose order can never complete (e.g. a stage waiting for a gradient whose
 backward is queued behind a forward that needs this stage's own later work) raises
@@ -76,6 +79,13 @@ __all__ = [
 
 _COMM_KINDS = (Kind.RECV_ACT, Kind.SEND_ACT, Kind.RECV_GRAD, Kind.SEND_GRAD)
 _COMPUTE_SPANS = ("F", "B", "W")  # what counts as busy (AllReduces and waits are idle)
+
+
+# the kind of ``ActionOverhead`` each action pays (ALLREDUCE pays none)
+_OVERHEAD_KIND = {
+    Kind.F: "F", Kind.B: "B", Kind.I: "I", Kind.W: "W",
+    Kind.SEND_ACT: "send", Kind.SEND_GRAD: "send", Kind.RECV_ACT: "recv", Kind.RECV_GRAD: "recv",
+}
 
 
 class ScheduleDeadlock(ValueError):
@@ -408,27 +418,31 @@ class _Run:
         return True
 
     def execute(self, st: _Stage, action: Action, mb: int, arrival: float) -> None:
-        """Run one non-AllReduce action whose inputs are there."""
+        """Run one non-AllReduce action whose inputs are there; each pays its kind's
+        overhead (``StageCost.overhead``) on top of its compute or before its transfer."""
         s, kind, cost = st.index, action.kind, self.costs[st.index]
+        own = cost.overhead.of(_OVERHEAD_KIND[kind])
         if kind in (Kind.RECV_ACT, Kind.RECV_GRAD):
-            st.clock = max(st.clock, arrival)
+            st.clock = max(st.clock, arrival) + own
         elif kind is Kind.F:
-            self.compute(st, kind, mb, cost.forward_ms, arrival)
+            self.compute(st, kind, mb, cost.forward_ms + own, arrival)
             if self.implicit and s < self.num_stages - 1:
                 self.send_act(s, mb, st.clock)
         elif kind.is_backward:
             extra = cost.recompute_ms if mb in self.recomputed[s] else 0.0
-            self.compute(st, kind, mb, (cost.backward_input_ms if kind is Kind.I else cost.backward_ms) + extra, arrival)
+            self.compute(st, kind, mb, (cost.backward_input_ms if kind is Kind.I else cost.backward_ms) + extra + own, arrival)
             if self.implicit and s > 0:
                 self.send_grad(s, mb, st.clock)
         elif kind is Kind.W and action.layers is not None:
             parts = self.w_parts[s].get(mb, 1)
-            self.compute(st, kind, mb, self.part_ms(cost.layer_weight_ms, cost.backward_weight_ms, action.layers, parts), 0.0)
+            self.compute(st, kind, mb, self.part_ms(cost.layer_weight_ms, cost.backward_weight_ms, action.layers, parts) + own, 0.0)
         elif kind is Kind.W:
-            self.compute(st, kind, mb, cost.backward_weight_ms, 0.0)
+            self.compute(st, kind, mb, cost.backward_weight_ms + own, 0.0)
         elif kind is Kind.SEND_ACT:
+            st.clock += own
             self.send_act(s, mb, st.clock)
         elif kind is Kind.SEND_GRAD:
+            st.clock += own
             self.send_grad(s, mb, st.clock)
 
     def to_fixpoint(self) -> None:
