@@ -192,3 +192,13 @@ def test_loopback_wire_delivers_what_was_sent() -> None:
         expected = value if isinstance(value, tuple) else (value,)
         received = got if isinstance(got, tuple) else (got,)
         assert all(torch.equal(a, b) for a, b in zip(expected, received))
+
+
+def test_a_hand_off_within_a_device_group_pays_no_transport_overhead() -> None:
+    """Stages 0 and 1 on one device group: the boundary between them is an in-process
+    hand-off, so only the compute actions pay; the step grows by 2 (F + B)."""
+    schedule = replace(build_schedule("dapple", 2, 1), placement=(0, 0))
+    costs = [_cost(1.0, 1.0, send=0.0), _cost(1.0, 1.0)]
+    base = simulate(schedule, costs).latency_ms
+    priced = simulate(schedule, [replace(cost, overhead=OVERHEAD) for cost in costs]).latency_ms
+    assert priced == pytest.approx(base + 2 * (OVERHEAD.forward + OVERHEAD.backward), abs=1e-12)

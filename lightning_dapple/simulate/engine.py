@@ -345,6 +345,7 @@ class _Run:
         self.bucket_parts = [sum(1 for a in schedule.actions[s] if a.kind is Kind.ALLREDUCE and a.layers is not None) for s in range(n)]
         self.bucket_links = [_Link(f"AR{s}", 0.0) for s in range(n)]
         self.buckets_seen = [0] * n
+        self.own = [_own_ms(schedule, s, costs[s]) for s in range(n)]
 
     def send_act(self, s: int, mb: int, at: float) -> None:
         self.act_arrival[s + 1][mb] = self.act_links[s].transfer(at, "act", mb)
@@ -421,7 +422,7 @@ class _Run:
         """Run one non-AllReduce action whose inputs are there; each pays its kind's
         overhead (``StageCost.overhead``) on top of its compute or before its transfer."""
         s, kind, cost = st.index, action.kind, self.costs[st.index]
-        own = cost.overhead.of(_OVERHEAD_KIND[kind])
+        own = self.own[s][kind]
         if kind in (Kind.RECV_ACT, Kind.RECV_GRAD):
             st.clock = max(st.clock, arrival) + own
         elif kind is Kind.F:
@@ -568,6 +569,18 @@ def _overlapped_allreduce(st: _Stage, cost: StageCost, link: _Link) -> float:
     if finish > end:
         st.spans.append(Span(end, finish, "AR", None))
     return finish
+
+
+def _own_ms(schedule: Schedule, s: int, cost: StageCost) -> dict[Kind, float]:
+    """The executor's own time of each action kind of stage ``s`` (``StageCost.overhead``);
+    a transfer to or from a stage of the same device group is handed over in-process and
+    pays no transport overhead."""
+    own = {kind: cost.overhead.of(key) for kind, key in _OVERHEAD_KIND.items()}
+    for kind in _COMM_KINDS:
+        peer = s + 1 if kind in (Kind.SEND_ACT, Kind.RECV_GRAD) else s - 1
+        if 0 <= peer < schedule.num_stages and schedule.group_of(peer) == schedule.group_of(s):
+            own[kind] = 0.0
+    return own
 
 
 def _w_part_counts(actions: Sequence[Action]) -> dict[int, int]:
