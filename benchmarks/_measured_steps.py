@@ -8,6 +8,10 @@ and ``bench_ooo_choice.py``.
   simulated on that profile (``timeline_simulated.json``) and the measured step times
   (``step_times.json``: per step the slowest rank, median after the warm-up steps). The
   simulated step is re-run here without the overhead too, to show what pricing it changes.
+  ``measured_busy_ms`` is the F/B/W time of the busiest rank in the run's last step
+  (``timeline_measured.json``), against ``simulated_busy_ms``, the busiest simulated stage:
+  how much slower the compute itself ran than the profile says (other processes on the
+  same cores), apart from waits and the per-step work outside the pipeline.
 * The benchmark MLP (``_schedules_worker.make_blocks``: Linear + ReLU blocks) as four
   single-rank stages, DAPPLE schedule: profiled here (layers and overhead), simulated, and
   timed on four spawned gloo ranks through ``StageRunner`` (median of ``steps`` steps of the
@@ -57,6 +61,9 @@ def train(recipe: str, run_dir: Path, steps: int, overrides: tuple[str, ...] = (
         "plan": plan.kind(), "micro_batches": plan.micro_batches, "ooo": bool(plan.ooo),
         "ooo_choice": plan.extra.get("ooo_choice", ""), "measured_ms": times["median_step_ms"],
     }
+    measured = json.loads((run_dir / "timeline_measured.json").read_text()) if (run_dir / "timeline_measured.json").is_file() else None
+    if measured is not None:  # the last step's F/B/W work of the busiest rank: compute without the waits
+        record["measured_busy_ms"] = max(sum(end - start for start, end, *_ in rank["spans"]) for rank in measured["ranks"].values())
     profile_file = run_dir / "dapple_profile.json"
     if profile_file.is_file():  # plan="auto" measured it; an explicit plan file has none
         profile = profile_from_dict(json.loads(profile_file.read_text()))
@@ -67,8 +74,10 @@ def train(recipe: str, run_dir: Path, steps: int, overrides: tuple[str, ...] = (
 def simulated_pair(plan: Any, profile: ModelProfile, cluster: Any) -> dict[str, Any]:
     """The plan's simulated step on ``profile`` with its executor overhead and without it."""
     cluster = load_cluster(cluster) if cluster is not None else detect_cluster(1, WORLD, "cpu")  # as the strategy detects it
+    result = simulate_plan(plan, profile, cluster)
     return {
-        "simulated_ms": simulate_plan(plan, profile, cluster).latency_ms,
+        "simulated_ms": result.latency_ms,
+        "simulated_busy_ms": max(stage.busy_ms for stage in result.stages),
         "simulated_no_overhead_ms": simulate_plan(plan, replace(profile, action_overhead_ms=NO_OVERHEAD), cluster).latency_ms,
         "action_overhead_ms": profile.action_overhead_ms.to_dict(),
     }
@@ -105,12 +114,14 @@ def mlp(cfg: dict[str, Any]) -> dict[str, Any]:
     record = {"recipe": "mlp", "plan": plan.kind(), "micro_batches": plan.micro_batches, "ooo": cfg["ooo"]}
     record.update(simulated_pair(plan, profile, None))
     by_rank = run_ranks(_mlp_rank, WORLD, cfg, timeout_s=600, raise_on_error=True)
-    record["measured_ms"] = 1e3 * statistics.median(max(by_rank[r][i] for r in by_rank) for i in range(cfg["steps"]))
+    record["measured_ms"] = 1e3 * statistics.median(max(by_rank[r][0][i] for r in by_rank) for i in range(cfg["steps"]))
+    record["measured_busy_ms"] = 1e3 * max(busy for _, busy in by_rank.values())
     return record
 
 
-def _mlp_rank(rank: int, world: int, cfg: dict[str, Any]) -> list[float]:
-    """This rank's wall seconds per timed step (each step starts at a barrier)."""
+def _mlp_rank(rank: int, world: int, cfg: dict[str, Any]) -> tuple[list[float], float]:
+    """This rank's wall seconds per timed step (each step starts at a barrier), and its F/B/W
+    seconds in the last step."""
     import torch
     import torch.distributed as dist
 
@@ -137,9 +148,10 @@ def _mlp_rank(rank: int, world: int, cfg: dict[str, Any]) -> list[float]:
         optimizer.step()
         if step >= cfg["warmup"]:
             times.append(time.perf_counter() - start)
+    busy = sum(span[1] - span[0] for span in runner.stats.timeline)
     runner.finish()
     failure.close()
-    return times
+    return times, busy
 
 
 def ratio_text(record: dict[str, Any]) -> str:

@@ -355,13 +355,14 @@ def measured_rows(steps: int) -> list[dict[str, Any]]:
         for recipe in _measured_steps.TINY_RECIPES:
             rows.append(_measured_steps.train(recipe, Path(tmp) / recipe, steps))
     rows.append(_measured_steps.mlp({**MLP, "steps": steps}))
-    print("| model | plan | M | ooo | simulated ms | simulated without overhead ms | measured ms | measured / simulated | within 15 % |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| model | plan | M | ooo | simulated ms | without overhead ms | measured ms | measured / simulated | within 15 % | compute, measured / simulated |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         ratio = row["measured_ms"] / row["simulated_ms"]
+        busy = f"{row['measured_busy_ms'] / row['simulated_busy_ms']:.2f}" if row.get("measured_busy_ms") and row.get("simulated_busy_ms") else "-"
         print(
             f"| {row['recipe']} | {row['plan']} | {row['micro_batches']} | {'on' if row['ooo'] else 'off'} | {row['simulated_ms']:.1f} | "
-            f"{row['simulated_no_overhead_ms']:.1f} | {row['measured_ms']:.1f} | {ratio:.2f} | {'yes' if abs(ratio - 1) <= 0.15 else 'no'} |"
+            f"{row['simulated_no_overhead_ms']:.1f} | {row['measured_ms']:.1f} | {ratio:.2f} | {'yes' if abs(ratio - 1) <= 0.15 else 'no'} | {busy} |"
         )
     return rows
 
