@@ -197,7 +197,9 @@ def test_loopback_wire_delivers_what_was_sent() -> None:
 def test_a_hand_off_within_a_device_group_pays_no_transport_overhead() -> None:
     """Stages 0 and 1 on one device group: the boundary between them is an in-process
     hand-off, so only the compute actions pay; the step grows by 2 (F + B)."""
-    schedule = replace(build_schedule("dapple", 2, 1), placement=(0, 0))
+    straight = build_schedule("dapple", 2, 1)
+    first, second = straight.actions  # F0 SEND_F0 RECV_B0 B0 / RECV_F0 F0 B0 SEND_B0
+    schedule = replace(straight, placement=(0, 0), orders=((*first[:2], *second, *first[2:]),))
     costs = [_cost(1.0, 1.0, send=0.0), _cost(1.0, 1.0)]
     base = simulate(schedule, costs).latency_ms
     priced = simulate(schedule, [replace(cost, overhead=OVERHEAD) for cost in costs]).latency_ms
