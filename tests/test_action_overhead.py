@@ -169,7 +169,9 @@ def test_ooo_auto_turns_off_when_the_weight_actions_cost_more_than_they_save() -
 
 
 def test_probe_measures_every_kind_finite_and_positive() -> None:
+    state = torch.get_rng_state()
     overhead = measure_action_overhead(repeats=5, warmup=1)
+    assert torch.equal(torch.get_rng_state(), state)  # profiling leaves the training's random stream alone
     values = overhead.to_dict()
     assert set(values) == set(OVERHEAD_KINDS)
     assert all(math.isfinite(ms) and ms >= 0 for ms in values.values()), values
