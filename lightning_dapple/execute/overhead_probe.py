@@ -54,28 +54,28 @@ class _Done:
 
 
 class LoopbackWire(Wire):
-    """gloo's message policy without the network: a message sent to a peer is what the next
-    receive from that peer gets, copied into the receive's buffer (gloo accepts a message
-    shorter than its receive, and so does this)."""
+    """gloo's message policy without the network: a message sent to a peer (with a tag) is
+    what the next receive from that peer (with that tag) gets, copied into the receive's
+    buffer (gloo accepts a message shorter than its receive, and so does this)."""
 
     name = "loopback"
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device, failure=None)  # type: ignore[arg-type]  # nothing here ever waits
-        self._queues: dict[int, deque[torch.Tensor]] = defaultdict(deque)
+        self._queues: dict[tuple[int, int], deque[torch.Tensor]] = defaultdict(deque)
 
-    def send_one(self, tensor: torch.Tensor, peer: int) -> tuple[Any, Any]:
-        self._queues[peer].append(tensor)
+    def send_one(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> tuple[Any, Any]:
+        self._queues[(peer, tag)].append(tensor)
         return _Done(), tensor
 
     def wait_sends(self, works: Sequence[Any], what: str) -> None:
         """Loopback sends are complete when issued."""
 
-    def post(self, specs: Sequence[tuple[int, Any, bool]], direction: str, control: bool = False) -> list[Incoming]:
+    def post(self, specs: Sequence[tuple[int, Any, bool]], direction: str, control: bool = False, tag: int = 0) -> list[Incoming]:
         out = []
         for peer, spec, flagged in specs:
             buffer = spec.make(self.device, self.zero_flags)
-            message = self._queues[peer].popleft().reshape(-1).view(torch.uint8)
+            message = self._queues[(peer, tag)].popleft().reshape(-1).view(torch.uint8)
             buffer.reshape(-1).view(torch.uint8)[: message.numel()].copy_(message)
             out.append(Incoming(peer, _Done(), buffer, spec.shape, spec.dtype, flagged))
         return out
