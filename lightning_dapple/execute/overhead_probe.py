@@ -15,7 +15,9 @@ measures for the same layer, so what is left is exactly what the model was missi
   to the next receive from the same peer in this process: the transport's own work with the
   wire taken out (the wire's time is the cluster's ``p2p_ms``).
 
-Each is the median of ``repeats`` timed calls after ``warmup`` untimed ones; one call of
+Each is the median of ``repeats`` timed calls after ``warmup`` untimed ones, and a compute
+kind's difference is floored at 0 (B, I and W do little beyond the profiler's own autograd
+call, so noise can put the executor's median below it); one call of
 ``measure_action_overhead`` takes well under a second on a CPU and runs in one process, so
 rank 0 measures it beside the layer profile, before any stage exists.
 """
