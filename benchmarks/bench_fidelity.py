@@ -3,6 +3,7 @@
     python benchmarks/bench_fidelity.py                      # 240 random instances + every profile x paper-a/b/c
     python benchmarks/bench_fidelity.py --budget-s 120 --clusters paper-a
     python benchmarks/bench_fidelity.py --out benchmarks/results/fidelity.json --md benchmarks/results/fidelity.md
+    python benchmarks/bench_fidelity.py --measured           # simulated vs measured on 4 CPU processes (~3 min)
 
 The planner ranks plans by DAPPLE's closed formula L = T_w + T_s + T_e (sec. 4.1, formulas
 1-2, pivot Q from Algorithm 1 of sec. 4.3); the simulator (``lightning_dapple.simulate``)
@@ -40,6 +41,12 @@ deeper warm-up (5.3), which the paper introduces to overlap communication.
 
 Profiles are planned under a wall-clock budget (``--budget-s``); what does not fit is listed
 as skipped in the table, the JSON and the markdown, never dropped.
+
+``--measured`` sets the simulator against the executor instead (``_measured_steps``): each
+tiny recipe trained by ``dapple-train`` for ``--steps`` steps on 4 CPU processes (its plan
+simulated on the profile that run measured, the executor's overhead per action included, and
+without it), and the benchmark MLP as 4 single-rank stages at M = 8; measured step = median
+over the steps after warm-up of the slowest rank. Target: measured within 15 % of simulated.
 """
 from __future__ import annotations
 
@@ -333,8 +340,37 @@ def _rounded(value: Any) -> Any:
     return value
 
 
+MLP = {"width": 512, "layers": 8, "batch": 256, "micro_batches": 8, "ooo": False, "warmup": 5}
+
+
+def measured_rows(steps: int) -> list[dict[str, Any]]:
+    """Simulated against measured steps (module docstring, ``--measured``)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import _measured_steps
+
+    import tempfile
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="fidelity_measured_") as tmp:
+        for recipe in _measured_steps.TINY_RECIPES:
+            rows.append(_measured_steps.train(recipe, Path(tmp) / recipe, steps))
+    rows.append(_measured_steps.mlp({**MLP, "steps": steps}))
+    print("| model | plan | M | ooo | simulated ms | without overhead ms | measured ms | measured / simulated | within 15 % | compute, measured / simulated |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        ratio = row["measured_ms"] / row["simulated_ms"]
+        busy = f"{row['measured_busy_ms'] / row['simulated_busy_ms']:.2f}" if row.get("measured_busy_ms") and row.get("simulated_busy_ms") else "-"
+        print(
+            f"| {row['recipe']} | {row['plan']} | {row['micro_batches']} | {'on' if row['ooo'] else 'off'} | {row['simulated_ms']:.1f} | "
+            f"{row['simulated_no_overhead_ms']:.1f} | {row['measured_ms']:.1f} | {ratio:.2f} | {'yes' if abs(ratio - 1) <= 0.15 else 'no'} | {busy} |"
+        )
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--measured", action="store_true", help="simulated vs measured steps of the tiny recipes and the MLP (4 CPU processes)")
+    parser.add_argument("--steps", type=int, default=60, help="--measured: training steps per run")
     parser.add_argument("--instances", type=int, default=240, help="random instances drawn (the optimality test's 240)")
     parser.add_argument("--seed", type=int, default=SEED)
     parser.add_argument("--budget-s", type=float, default=600.0, help="wall-clock budget for planning the profiles")
@@ -342,6 +378,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="write every row as JSON")
     parser.add_argument("--md", default=None, help="write the markdown summary")
     args = parser.parse_args(argv)
+    if args.measured:
+        rows = measured_rows(args.steps)
+        if args.out:
+            Path(args.out).write_text(json.dumps(_rounded(rows), indent=1) + "\n")
+        return 0
     console = make_console()
     start = time.perf_counter()
     random_, unplannable = random_rows(args.instances, args.seed)

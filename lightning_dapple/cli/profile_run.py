@@ -18,6 +18,7 @@ from torch import nn
 
 from lightning_dapple.errors import DappleConfigError, require
 from lightning_dapple.plan.console import make_console
+from lightning_dapple.execute.overhead_probe import with_action_overhead
 from lightning_dapple.profile.model_profile import ModelProfile
 from lightning_dapple.profile.profiler import iter_tensors, map_tensors, profile_layers
 from lightning_dapple.profile.traced_layers import finds_layers_from_forward, traced_layers
@@ -99,7 +100,7 @@ def profile_model(args: Any, say: Callable[[str], Any] = print) -> ModelProfile:
     on ``example_input_array`` resized to ``args.batch_size``."""
     model = load_model(args.model)
     layers = layers_of(model, args.layers, say)
-    return profile_layers(
+    profile = profile_layers(
         layers,
         sample_input_of(model, args.batch_size),
         device=args.device,
@@ -108,6 +109,7 @@ def profile_model(args: Any, say: Callable[[str], Any] = print) -> ModelProfile:
         cache_dir=args.cache_dir,
         name=args.name or args.model.split(":", 1)[1],
     )
+    return with_action_overhead(profile, args.device)  # the executor's own cost per action here
 
 
 def sample_input_of(model: nn.Module, batch_size: int | None = None) -> Any:
@@ -159,6 +161,9 @@ def print_profile(profile: ModelProfile) -> None:
             _human_bytes(layer.stash_for(1.0)),
         )
     make_console().print(table)
+    if not profile.action_overhead_ms.is_zero:
+        own = ", ".join(f"{kind} {ms * 1000:.0f} us" for kind, ms in profile.action_overhead_ms.to_dict().items())
+        make_console().print(f"executor overhead per action: {own}")
 
 
 def run(args: Any) -> int:

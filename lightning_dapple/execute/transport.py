@@ -78,7 +78,7 @@ from lightning_dapple.errors import DappleConfigError, require
 from lightning_dapple.execute.failure import FailureChannel
 from lightning_dapple.execute.keys import Direction, TransferKey
 from lightning_dapple.execute.slicing import flatten, overlap, unflatten
-from lightning_dapple.execute.wires import Incoming, make_wire
+from lightning_dapple.execute.wires import Incoming, Wire, make_wire
 from lightning_dapple.profile.sample_rows import is_whole
 
 HEADER_INTS = 512
@@ -374,7 +374,7 @@ class Transport:
         failure: FailureChannel,
         device: torch.device,
         short_messages: bool | None = None,
-        wire: str = "auto",
+        wire: str | Wire = "auto",
         links: Sequence[tuple[int, int]] | None = None,
         tagged: bool = False,
     ) -> None:
@@ -383,7 +383,8 @@ class Transport:
         # several boundaries with one peer, whose messages its peer takes in another order
         self.tagged = tagged
         self.device = device
-        self.wire = make_wire(wire, device, failure, links)
+        # a Wire instance is used as it is (the overhead probe's loopback, no process group)
+        self.wire = wire if isinstance(wire, Wire) else make_wire(wire, device, failure, links)
         # whether a known layout's activation may travel without its flag byte (see
         # ``short_messages_match``); None: what the wire allows
         self.short = self.wire.short_messages if short_messages is None else short_messages

@@ -28,6 +28,7 @@ from typing import Iterable, Sequence
 from lightning_dapple.cluster import Cluster
 from lightning_dapple.plan.buckets import bucket_layers
 from lightning_dapple.plan.plan import Prediction, StagePlan
+from lightning_dapple.profile.action_overhead import NO_OVERHEAD, ActionOverhead
 from lightning_dapple.profile.model_profile import LayerProfile, ModelProfile, stash_span_bytes
 
 
@@ -61,7 +62,11 @@ class StageCost:
       (index into ``ModelProfile.tied``, its time on the ring of every device of the
       stages holding it). Each runs after the stage's buckets, once every holding stage
       has got there (the executor issues it after its buckets); ``param_bytes`` includes
-      the copy and ``allreduce_ms`` / ``buckets`` leave the tied bytes out.
+      the copy and ``allreduce_ms`` / ``buckets`` leave the tied bytes out;
+    * ``overhead``: the executor's own time per action (``ModelProfile.action_overhead_ms``),
+      the same for every stage and slice. The times above are the layers' compute only;
+      the simulator adds ``overhead`` to every action it runs and DAPPLE's formula to every
+      phase (``pipeline_phases``), so each charges it once.
     """
 
     forward_ms: float
@@ -81,6 +86,7 @@ class StageCost:
     layer_allreduce_ms: tuple[float, ...] = ()
     buckets: tuple[tuple[float, float], ...] = ()
     tied: tuple[tuple[int, float], ...] = ()
+    overhead: ActionOverhead = NO_OVERHEAD
 
     @property
     def compute_ms(self) -> float:
@@ -241,7 +247,8 @@ def stage_costs(
                 send_ms=send_ms,
                 allreduce_ms=cluster.allreduce_ms(sync_bytes, stage.devices),
                 slice_size=slice_size(micro_batch_size, stage.replicas) / 1.0,
-                recompute_ms=forward_ms if stage.recompute != "never" else 0.0,
+                # the replay is a forward again, with a forward's own overhead
+                recompute_ms=forward_ms + profile.action_overhead_ms.forward if stage.recompute != "never" else 0.0,
                 input_bytes=input_bytes,
                 wgrad_bytes=_wgrad_bytes(
                     [layer for position, layer in enumerate(layers) if layer.param_bytes > 0 or stage.start + position in uses_tied], per_device
@@ -250,6 +257,7 @@ def stage_costs(
                 layer_allreduce_ms=layer_ar,
                 buckets=stage_buckets(profile, cluster, stage, per_device, synced[index]),
                 tied=tied[index],
+                overhead=profile.action_overhead_ms,
             )
         )
     return costs
@@ -314,11 +322,15 @@ def pipeline_phases(costs: Sequence[StageCost]) -> list[tuple[float, float, floa
     4.1: "we consider inter-stage communication as an independent stage alongside the
     computation stages"; its AR is 0 and its F and B are the transfer times.
     The backward of a stage that recomputes includes its ``recompute_ms`` (charged for
-    every micro-batch: an upper bound for ``except_last``).
+    every micro-batch: an upper bound for ``except_last``). Each computation phase also pays
+    the executor's own time per micro-batch (``ActionOverhead.per_microbatch``: the F or B
+    and the receive and send around it), as the simulator charges it action by action.
     """
     phases: list[tuple[float, float, float]] = []
     for index, cost in enumerate(costs):
-        phases.append((cost.forward_ms, cost.backward_ms + cost.recompute_ms, cost.exposed_allreduce_ms))
+        forward_extra, backward_extra = cost.overhead.per_microbatch(receives=index > 0, sends=index + 1 < len(costs))
+        backward = cost.backward_ms + cost.recompute_ms + backward_extra
+        phases.append((cost.forward_ms + forward_extra, backward, cost.exposed_allreduce_ms))
         if index + 1 < len(costs) and cost.send_ms > 0:
             phases.append((cost.send_ms, cost.send_ms, 0.0))
     return phases

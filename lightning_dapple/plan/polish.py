@@ -14,6 +14,7 @@ from lightning_dapple.plan.costs import dapple_latency, slice_size
 from lightning_dapple.plan.evaluate import Scored, memory_per_stage, score_stages
 from lightning_dapple.plan.plan import StagePlan
 from lightning_dapple.plan.search_tables import RangeTables, p2p_ms_fast
+from lightning_dapple.profile.action_overhead import ActionOverhead
 from lightning_dapple.profile.model_profile import ModelProfile
 
 __all__ = ["polish", "consecutive"]
@@ -34,14 +35,18 @@ class _QuickCost:
     field (recomputation time, ...) reads as 0, which is what a plan without
     recomputation has."""
 
-    __slots__ = ("forward_ms", "backward_ms", "exposed_allreduce_ms", "send_ms", "param_bytes", "stash_bytes")
+    __slots__ = ("forward_ms", "backward_ms", "exposed_allreduce_ms", "send_ms", "param_bytes", "stash_bytes", "overhead")
 
     def __getattr__(self, name: str) -> float:
         if name.startswith("__"):
             raise AttributeError(name)
         return 0.0
 
-    def __init__(self, forward_ms: float, backward_ms: float, exposed_allreduce_ms: float, send_ms: float, param_bytes: float, stash_bytes: float) -> None:
+    def __init__(
+        self, forward_ms: float, backward_ms: float, exposed_allreduce_ms: float, send_ms: float, param_bytes: float, stash_bytes: float,
+        overhead: ActionOverhead,
+    ) -> None:
+        self.overhead = overhead
         self.forward_ms = forward_ms
         self.backward_ms = backward_ms
         self.exposed_allreduce_ms = exposed_allreduce_ms
@@ -78,6 +83,7 @@ def _quick_latency(tables: RangeTables, cluster: Cluster, stages: Sequence[Stage
                 send,
                 params,
                 float(tables.stash_bytes(a, b, per_device)),
+                tables.overhead,
             )
         )
     memory = memory_per_stage(costs, m, cluster, policy, schedule)  # type: ignore[arg-type]

@@ -28,6 +28,7 @@ class RangeTables:
         n = len(layers)
         self.n = n
         self.pbs = profile.micro_batch_size
+        self.overhead = profile.action_overhead_ms  # per action, whatever the range
         self.forward = self._range_sums([layer.forward_ms for layer in layers])
         self.backward = self._range_sums([layer.backward_ms for layer in layers])
         self.params = self._range_sums([layer.param_bytes for layer in layers])

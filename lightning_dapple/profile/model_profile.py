@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
 from lightning_dapple.errors import DappleConfigError, require
+from lightning_dapple.profile.action_overhead import NO_OVERHEAD, ActionOverhead, overhead_from_dict
 
 
 def cut_bytes(per_sample: Any, whole: Any, scale: Any) -> Any:
@@ -116,7 +117,9 @@ class ModelProfile:
     ``input_bytes`` is the size of the model input for one micro-batch (what the first
     stage receives from the data loader); it is not communicated between devices.
     ``input_whole_bytes`` is its part that is not per-sample (``sample_rows``): every slice
-    of the first stage holds it once.
+    of the first stage holds it once. ``action_overhead_ms`` is the executor's own time per
+    action on the machine the profile was taken on (``profile/action_overhead.py``); none in
+    a profile that does not say.
     """
 
     micro_batch_size: int
@@ -128,6 +131,7 @@ class ModelProfile:
     estimated: bool = False
     meta: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
     tied: tuple[TiedParams, ...] = ()
+    action_overhead_ms: ActionOverhead = NO_OVERHEAD
 
     def __post_init__(self) -> None:
         validate_profile(self)
@@ -172,6 +176,8 @@ class ModelProfile:
             out["estimated"] = True
         if self.tied:
             out["tied"] = [tie.to_dict() for tie in self.tied]
+        if not self.action_overhead_ms.is_zero:
+            out["action_overhead_ms"] = self.action_overhead_ms.to_dict()
         if self.meta:
             out["meta"] = self.meta
         return out
@@ -275,6 +281,7 @@ def profile_from_dict(data: Any, source: str = "profile") -> ModelProfile:
         estimated=bool(data.get("estimated", False)),
         meta=dict(data.get("meta", {})),
         tied=_ties_from_list(data.get("tied", []), f"{source}.tied"),
+        action_overhead_ms=overhead_from_dict(data.get("action_overhead_ms", {}), f"{source}.action_overhead_ms"),
     )
 
 

@@ -58,6 +58,9 @@ devices). A group runs one stage, or several (the chunks of interleaved 1F1B and
 * results: a device's timeline is its group's (spans carry their ``stage`` where the group
   runs several), and each stage's ``StageResult`` holds its own spans and busy time, its
   group's end and its own stash walk. The bubble fraction counts every device once.
+* every action also costs the executor's own time (``StageCost.overhead``, measured at
+  profile time): a compute action takes that much longer, a send holds the stage that long
+  before its transfer is issued, and a receive holds it that long after its data arrived.
 
 A schedule whose order can never complete (e.g. a stage waiting for a gradient whose
 backward is queued behind a forward that needs this stage's own later work) raises
@@ -83,6 +86,13 @@ __all__ = [
 
 _COMM_KINDS = (Kind.RECV_ACT, Kind.SEND_ACT, Kind.RECV_GRAD, Kind.SEND_GRAD)
 _COMPUTE_SPANS = ("F", "B", "W")  # what counts as busy (AllReduces and waits are idle)
+
+
+# the kind of ``ActionOverhead`` each action pays (ALLREDUCE pays none)
+_OVERHEAD_KIND = {
+    Kind.F: "F", Kind.B: "B", Kind.I: "I", Kind.W: "W",
+    Kind.SEND_ACT: "send", Kind.SEND_GRAD: "send", Kind.RECV_ACT: "recv", Kind.RECV_GRAD: "recv",
+}
 
 
 class ScheduleDeadlock(ValueError):
@@ -391,6 +401,7 @@ class _Run:
         self.bucket_parts = [sum(1 for a in schedule.actions[s] if a.kind is Kind.ALLREDUCE and a.layers is not None) for s in range(n)]
         self.bucket_links = [_Link(f"AR{s}", 0.0) for s in range(n)]
         self.buckets_seen = [0] * n
+        self.own = [_own_ms(schedule, s, costs[s]) for s in range(n)]
 
     def _links(self) -> dict[tuple[int, int], _Link]:
         """One link per direction per pair of device groups that a boundary crosses
@@ -482,27 +493,31 @@ class _Run:
         return True
 
     def execute(self, st: _Stage, action: Action, mb: int, arrival: float) -> None:
-        """Run one non-AllReduce action whose inputs are there."""
+        """Run one non-AllReduce action whose inputs are there; each pays its kind's
+        overhead (``StageCost.overhead``) on top of its compute or before its transfer."""
         s, kind, cost = action.stage, action.kind, self.costs[action.stage]
+        own = self.own[s][kind]
         if kind in (Kind.RECV_ACT, Kind.RECV_GRAD):
-            st.clock = max(st.clock, arrival)
+            st.clock = max(st.clock, arrival) + own
         elif kind is Kind.F:
-            self.compute(st, action, mb, cost.forward_ms, arrival)
+            self.compute(st, action, mb, cost.forward_ms + own, arrival)
             if self.implicit and s < self.num_stages - 1:
                 self.send_act(s, mb, st.clock)
         elif kind.is_backward:
             extra = cost.recompute_ms if mb in self.recomputed[s] else 0.0
-            self.compute(st, action, mb, (cost.backward_input_ms if kind is Kind.I else cost.backward_ms) + extra, arrival)
+            self.compute(st, action, mb, (cost.backward_input_ms if kind is Kind.I else cost.backward_ms) + extra + own, arrival)
             if self.implicit and s > 0:
                 self.send_grad(s, mb, st.clock)
         elif kind is Kind.W and action.layers is not None:
             parts = self.w_parts[s].get(mb, 1)
-            self.compute(st, action, mb, self.part_ms(cost.layer_weight_ms, cost.backward_weight_ms, action.layers, parts), 0.0)
+            self.compute(st, action, mb, self.part_ms(cost.layer_weight_ms, cost.backward_weight_ms, action.layers, parts) + own, 0.0)
         elif kind is Kind.W:
-            self.compute(st, action, mb, cost.backward_weight_ms, 0.0)
+            self.compute(st, action, mb, cost.backward_weight_ms + own, 0.0)
         elif kind is Kind.SEND_ACT:
+            st.clock += own
             self.send_act(s, mb, st.clock)
         elif kind is Kind.SEND_GRAD:
+            st.clock += own
             self.send_grad(s, mb, st.clock)
 
     def to_fixpoint(self) -> None:
@@ -634,6 +649,18 @@ def _overlapped_allreduce(st: _Stage, cost: StageCost, link: _Link, stage: int |
     if finish > end:
         st.spans.append(Span(end, finish, "AR", None, stage))
     return finish
+
+
+def _own_ms(schedule: Schedule, s: int, cost: StageCost) -> dict[Kind, float]:
+    """The executor's own time of each action kind of stage ``s`` (``StageCost.overhead``);
+    a transfer to or from a stage of the same device group is handed over in-process and
+    pays no transport overhead."""
+    own = {kind: cost.overhead.of(key) for kind, key in _OVERHEAD_KIND.items()}
+    for kind in _COMM_KINDS:
+        peer = s + 1 if kind in (Kind.SEND_ACT, Kind.RECV_GRAD) else s - 1
+        if 0 <= peer < schedule.num_stages and schedule.group_of(peer) == schedule.group_of(s):
+            own[kind] = 0.0
+    return own
 
 
 def _w_part_counts(actions: Sequence[Action]) -> dict[int, int]:

@@ -12,7 +12,9 @@ memory per CPU process). The plan records the cluster it was made for in
 
 Profiling runs layer by layer (only one layer on the device at a time) on one
 micro-batch slice that stays where the module lives, under autocast when the Trainer
-trains in mixed precision, so the times are those of the precision that will run.
+trains in mixed precision, so the times are those of the precision that will run. The
+executor's own time per action is measured beside it (``execute/overhead_probe.py``), so
+the simulator that picks M and ``ooo="auto"`` prices it.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from torch import nn
 
 from lightning_dapple.cluster import Cluster
 from lightning_dapple.errors import DappleConfigError
+from lightning_dapple.execute.overhead_probe import with_action_overhead
 from lightning_dapple.execute.slicing import batch_size_of, take_rows
 from lightning_dapple.plan.plan import Plan, PlanShape, atomic_write_text, load_plan, plan_from_dict
 from lightning_dapple.plan.schedule_choice import RUNNABLE_SCHEDULES, Finisher
@@ -127,6 +130,7 @@ def _plan_on_rank_zero(context: PlanningContext, module: LightningModule, contai
         name=type(module).__name__,
         autocast_dtype=context.autocast_dtype,
     )
+    profile = with_action_overhead(profile, context.device)  # priced by the simulator that picks M and ooo
     cluster, arguments = context.cluster, context.arguments
     finish = run_finisher(arguments, profile, cluster)
     if shape is None:
