@@ -96,7 +96,7 @@ class Sabotage(Callback):
         if not kill or trainer.global_rank != kill["rank"]:
             return
         strategy = trainer.strategy
-        layer = pl_module.layers[strategy.plan.stages[strategy.stage].start]
+        layer = pl_module.layers[strategy.held_layers[0]]
 
         def hook(module, args):
             if trainer.global_step == kill["step"]:
