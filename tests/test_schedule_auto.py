@@ -288,3 +288,15 @@ def test_the_hydra_strategy_group_asks_for_auto() -> None:
     assert _plan_arguments(cfg, int(cfg.data.batch_size)).planner_kwargs()["schedule"] == "auto"
     named = compose_recipe("vgg_tiny", ["strategy.schedule=zbv"])
     assert _plan_arguments(named, int(named.data.batch_size)).schedule == "zbv"
+
+
+def test_auto_leaves_chunked_schedules_out_where_cpu_processes_share_cores() -> None:
+    from lightning_dapple.plan.plan import CHUNKED_SCHEDULES
+    from lightning_dapple.strategy.auto_plan import schedules_for_cores
+
+    shared, why = schedules_for_cores("cpu", local_processes=4, cores=2)
+    assert not set(shared) & set(CHUNKED_SCHEDULES) and "dapple" in shared
+    assert "4 CPU processes share 2 cores" in why
+    for device_type, processes, cores in (("cpu", 4, 4), ("cuda", 4, 2), ("cpu", 1, 1)):
+        kept, reason = schedules_for_cores(device_type, processes, cores)
+        assert set(CHUNKED_SCHEDULES) <= set(kept) and reason == ""

@@ -18,6 +18,7 @@ the simulator that picks M and ``ooo="auto"`` prices it.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,7 @@ from lightning_dapple.cluster import Cluster
 from lightning_dapple.errors import DappleConfigError
 from lightning_dapple.execute.overhead_probe import with_action_overhead
 from lightning_dapple.execute.slicing import batch_size_of, take_rows
-from lightning_dapple.plan.plan import Plan, PlanShape, atomic_write_text, load_plan, plan_from_dict
+from lightning_dapple.plan.plan import CHUNKED_SCHEDULES, Plan, PlanShape, atomic_write_text, load_plan, plan_from_dict
 from lightning_dapple.plan.schedule_choice import RUNNABLE_SCHEDULES, Finisher
 from lightning_dapple.plan.shape_plan import plan_shape
 from lightning_dapple.profile.model_profile import ModelProfile
@@ -58,6 +59,31 @@ class PlanningContext:
     resuming: bool
     profile_cache: str | None = None
     autocast_dtype: torch.dtype | None = None
+    local_processes: int = 1
+
+
+def schedules_for_cores(device_type: str, local_processes: int, cores: int) -> tuple[tuple[str, ...], str]:
+    """The schedules ``schedule="auto"`` may choose on this machine, and why some are left out.
+
+    The simulator gives every rank a device of its own, so a rank waiting in a bubble is
+    idle time the schedule should remove. CPU processes that outnumber the cores they share
+    are different: a rank's bubble is another rank's compute, so interleaving and ZB-V,
+    which shrink bubbles by running more actions (more transfers, chunk hand-offs), only add
+    CPU work there. Measured on 4 processes sharing 2 cores, the interleaved plan the
+    simulator preferred for the quick start ran slower than its 1F1B plan (README,
+    "Schedules beyond 1F1B"). They stay candidates on GPUs and on CPUs with a core per rank.
+    """
+    if device_type != "cpu" or local_processes <= cores:
+        return RUNNABLE_SCHEDULES, ""
+    kept = tuple(name for name in RUNNABLE_SCHEDULES if name not in CHUNKED_SCHEDULES)
+    return kept, (
+        f"Interleaved and ZB-V were not tried: {local_processes} CPU processes share {cores} cores, "
+        "so a rank's bubble is another rank's compute, which the simulator (a core per rank) does not see."
+    )
+
+
+def _usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 @dataclass(frozen=True)
@@ -134,7 +160,11 @@ def _plan_on_rank_zero(context: PlanningContext, module: LightningModule, contai
     cluster, arguments = context.cluster, context.arguments
     finish = run_finisher(arguments, profile, cluster)
     if shape is None:
-        plan = make_plan(profile, cluster, rows, num_devices=context.world_size, schedules=RUNNABLE_SCHEDULES, finish=finish, **arguments.planner_kwargs())
+        named = arguments.fixed_schedule is not None
+        schedules, left_out = (RUNNABLE_SCHEDULES, "") if named else schedules_for_cores(context.device.type, context.local_processes, _usable_cores())
+        plan = make_plan(profile, cluster, rows, num_devices=context.world_size, schedules=schedules, finish=finish, **arguments.planner_kwargs())
+        if left_out:
+            plan = replace(plan, reason=f"{plan.reason.rstrip()} {left_out}")
     else:
         plan = finish(plan_shape(profile, cluster, shape, simulate=simulate_plan))
     plan = replace(plan, extra={**plan.extra, "cluster": cluster.to_dict()})

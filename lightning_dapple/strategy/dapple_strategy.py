@@ -679,6 +679,7 @@ class DappleStrategy(DDPStrategy):
             resuming=bool(trainer.ckpt_path),
             profile_cache=self.profile_cache,
             autocast_dtype=self.autocast_dtype(),
+            local_processes=max(1, self.num_processes),
         )
 
     def _resolve_plan(self, trainer: Trainer, module: LightningModule, container: nn.Module, sample: Any) -> Plan:
