@@ -73,6 +73,12 @@ def test_setup_runs_its_checks_where_the_module_lives_not_on_the_device(tmp_path
             return real(layers, x, device="cpu", **kwargs)
 
         monkeypatch.setattr(auto_plan, "profile_layers", recording_profile)
+
+        def recording_overhead(profile, device):  # the executor's overhead probe runs on the device too
+            strategy_profile["overhead device"] = str(device)
+            return profile
+
+        monkeypatch.setattr(auto_plan, "with_action_overhead", recording_overhead)
     trainer = quiet_trainer(
         strategy=strategy,
         accelerator="cpu",
@@ -86,7 +92,7 @@ def test_setup_runs_its_checks_where_the_module_lives_not_on_the_device(tmp_path
         trainer.fit(MLPModule().double(), mlp_loader(2))
     assert stop.devices == {"meta"}  # model_to_device moved the stage afterwards
     if plan == "auto":
-        assert strategy_profile["device"] == "meta"
+        assert strategy_profile["device"] == strategy_profile["overhead device"] == "meta"
 
 
 @pytest.mark.timeout(300)
