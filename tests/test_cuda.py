@@ -60,18 +60,27 @@ def test_mixed_precision_on_one_gpu_matches_plain_lightning(tmp_path: Path, prec
     assert _diff(got, reference) < 1e-6
 
 
-def test_profiling_holds_one_layer_on_the_gpu_at_a_time() -> None:
-    """Eight 64 MiB layers: the profile's peak GPU memory stays near one layer's (plus its
-    gradients and activations), far below the 512 MiB of the whole model."""
+def _profile_peak_bytes(layers: nn.Sequential) -> int:
+    """Peak GPU memory above what was allocated before, while ``layers`` are profiled."""
     from lightning_dapple.profile.profiler import profile_layers
 
-    layers = nn.Sequential(*(nn.Linear(4096, 4096, bias=False) for _ in range(8)))
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     profile = profile_layers(layers, torch.randn(8, 4096), device="cuda", repeats=1, warmup=0)
-    peak = torch.cuda.max_memory_allocated() - base
-    assert len(profile.layers) == 8 and peak < 3 * 64 * 2**20
+    assert len(profile.layers) == len(layers)
+    return torch.cuda.max_memory_allocated() - base
+
+
+def test_profiling_holds_one_layer_on_the_gpu_at_a_time() -> None:
+    """Eight 64 MiB layers: the profile's peak GPU memory is that of profiling one such layer
+    (its weight, gradients, activations and cuBLAS's workspace), not a second layer more,
+    and far below the 512 MiB of the whole model."""
+    _profile_peak_bytes(nn.Sequential(nn.Linear(4096, 4096, bias=False)))  # cuBLAS and the allocator warm
+    one = _profile_peak_bytes(nn.Sequential(nn.Linear(4096, 4096, bias=False)))
+    layers = nn.Sequential(*(nn.Linear(4096, 4096, bias=False) for _ in range(8)))
+    eight = _profile_peak_bytes(layers)
+    assert eight < one + 16 * 2**20 and eight < 256 * 2**20, (one, eight)
     assert all(p.device.type == "cpu" for p in layers.parameters())  # each went back
 
 

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, Callable, ContextManager, Generator, Literal, Sequence
 
 import torch
+from lightning.fabric.utilities.distributed import _init_dist_connection
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
@@ -50,6 +51,7 @@ from lightning.pytorch.trainer.connectors.data_connector import _request_dataloa
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.fabric.utilities.seed import reset_seed
 from torch import nn
 from torch.utils import _pytree as pytree
 from typing_extensions import override
@@ -391,6 +393,23 @@ class DappleStrategy(DDPStrategy):
         if self.runner is not None:
             trainer = self.lightning_module.trainer
             self.runner.steps_done = trainer.global_step * trainer.accumulate_grad_batches
+
+    @override
+    def setup_distributed(self) -> None:
+        """Lightning's DDP set-up, except that a gloo default group binds no device. Bound to
+        a GPU (``init_process_group(device_id=...)``, which DDP passes for CUDA), torch makes
+        every later ``new_group`` split from the default group, and a gloo group cannot split
+        for the ranks left out of the new group (torch 2.11: no ``perform_nocolor_split``):
+        ranks sharing one GPU over the staged wire would fail at their first replica group.
+        Under NCCL the binding stays (eager communicators, split from the default one)."""
+        if self._get_process_group_backend() != "gloo":
+            super().setup_distributed()
+            return
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = "gloo"
+        assert self.cluster_environment is not None
+        _init_dist_connection(self.cluster_environment, "gloo", timeout=self._timeout)
 
     @override
     def setup_environment(self) -> None:
