@@ -4,8 +4,9 @@ report of the one-command GPU check (``gpu_report``; ``scripts/gpu_check.sh`` wr
 Runs ``bench_overhead.py --part single --device cuda`` for BERT and VGG-19 in bf16
 (``--precision``, default bf16-true), M = 4 for the pipeline variants, one stage: plain,
 accumulate (M micro-batches, as Lightning's ``accumulate_grad_batches``), dapple M=1 and
-M, with ooo, with recompute="always"; each variant timed alone with its peak allocated
-memory. ``--size`` picks the models:
+M, with ooo, with recompute="always"; at full size each variant timed alone with its peak
+allocated memory, at the smaller sizes all built at once and timed in rotating blocks
+(``--side-by-side``), so that clock drift falls on every variant alike. ``--size`` picks the models:
 
 * ``full``: BERT-48 (DAPPLE Table 1: hidden 1024, 16 heads, 48 blocks; sequence 128, global
   batch 64) and VGG-19 (224 x 224 images, 1000 classes, global batch 128);
@@ -78,6 +79,7 @@ def benchmark(model: str, size: str, precision: str = "bf16-true", rounds: int =
     bench_overhead.main([
         "--part", "single", "--device", device, "--precision", precision, *SIZES[size][model],
         "--rounds", str(rounds), "--block", str(block), "--out", str(out),
+        *([] if size == "full" else ["--side-by-side"]),  # small models fit together: timed in rotating blocks
     ])
     return json.loads(out.read_text())
 

@@ -20,7 +20,9 @@ there is no pipeline to gain from.
 
 ``--device cuda`` runs on a GPU (``--precision bf16-mixed``/``bf16-true``; ``--model vgg``
 for VGG-19): there each variant is built and timed alone, one after the other (full-size
-models do not fit side by side), with its peak allocated memory.
+models do not fit side by side), with its peak allocated memory; ``--side-by-side`` times
+them in rotating blocks as on the CPU, for models that fit together. ``--trace-dir`` writes
+where each variant's host time goes (torch.profiler's operators, cProfile's functions).
 ``benchmarks/bench_gpu.py`` runs the GPU comparisons with the paper's BERT-48 and VGG-19.
 
 ``--part dp`` (two processes): a data-parallel plan of the executor (one stage on both
@@ -215,24 +217,77 @@ def _timed_block(step: Callable[[Any], None], batches: list[Any], cfg: dict) -> 
 
 
 def _round_robin(rank: int, world: int, cfg: dict) -> dict[str, Any]:
-    """Every variant built at once and timed in rotating blocks (CPU: noisy, so paired)."""
+    """Every variant built at once and timed in rotating blocks, so that drift (clocks,
+    other load) falls on all of them alike. On a GPU each variant's peak is what it holds
+    (its model, optimizer state and buffers: allocated memory gained while it was built and
+    warmed up) plus the most it allocated above that during its blocks."""
     import torch
 
+    cuda = cfg["device"] == "cuda"
     torch.set_num_threads(1)
-    variants = [(name, *_variant(name, rank, world, cfg)) for name in cfg["variants"]]
     batches = _batches(cfg)
-    for _, _, step in variants:
+    variants, held = [], {}
+    for name in cfg["variants"]:
+        before = torch.cuda.memory_allocated() if cuda else 0
+        runner, step = _variant(name, rank, world, cfg)
         for index in range(cfg["warmup"]):
             step(batches[index % len(batches)])
+        variants.append((name, runner, step))
+        held[name] = torch.cuda.memory_allocated() - before if cuda else 0
     times: dict[str, list[float]] = {name: [] for name, _, _ in variants}
+    above: dict[str, int] = dict.fromkeys(times, 0)
     for round_ in range(cfg["rounds"]):
         shift = round_ % len(variants)
         for name, _, step in variants[shift:] + variants[:shift]:
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                start = torch.cuda.memory_allocated()
             times[name].append(_timed_block(step, batches, cfg))
+            if cuda:
+                above[name] = max(above[name], torch.cuda.max_memory_allocated() - start)
+    if cfg.get("trace_dir"):
+        for name, _, step in variants:
+            _trace(name, step, batches, cfg)
     for _, runner, _ in variants:
         if runner is not None:
             runner.finish()
-    return {"times": times}
+    if not cuda:
+        return {"times": times}
+    return {"times": times, "peak_gib": {name: (held[name] + above[name]) / 2**30 for name in times}}
+
+
+def _trace(name: str, step: Callable[[Any], None], batches: list[Any], cfg: dict) -> None:
+    """Where one variant's host time goes over a block of steps, written under
+    ``cfg["trace_dir"]``: ``<model>_<variant>_ops.txt`` (torch.profiler's operators, by self
+    CPU time, with the device's time beside them) and ``<model>_<variant>_python.txt``
+    (cProfile's Python functions, by own time)."""
+    import cProfile
+    import io
+    import pstats
+
+    import torch
+
+    folder = Path(cfg["trace_dir"])
+    folder.mkdir(parents=True, exist_ok=True)
+    stem = folder / f"{cfg['model']}_{name}"
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if cfg["device"] == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as profiler:
+        for index in range(cfg["block"]):
+            step(batches[index % len(batches)])
+        _sync(cfg)
+    stem.with_name(stem.name + "_ops.txt").write_text(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
+    python = cProfile.Profile()
+    python.enable()
+    for index in range(cfg["block"]):
+        step(batches[index % len(batches)])
+    _sync(cfg)
+    python.disable()
+    text = io.StringIO()
+    pstats.Stats(python, stream=text).sort_stats("tottime").print_stats(40)
+    stem.with_name(stem.name + "_python.txt").write_text(text.getvalue())
 
 
 def _one_at_a_time(rank: int, world: int, cfg: dict) -> dict[str, Any]:
@@ -254,6 +309,8 @@ def _one_at_a_time(rank: int, world: int, cfg: dict) -> dict[str, Any]:
             step(batches[index % len(batches)])
         times[name] = [_timed_block(step, batches, cfg) for _ in range(cfg["rounds"])]
         peaks[name] = torch.cuda.max_memory_allocated() / 2**30
+        if cfg.get("trace_dir"):
+            _trace(name, step, batches, cfg)
         if runner is not None:
             runner.finish()
         del runner, step
@@ -322,13 +379,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20, help="--part memory: steps per variant")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    parser.add_argument("--side-by-side", action="store_true", help="--device cuda: build every variant at once and time them in rotating blocks, as on the CPU (for models small enough to fit together)")
+    parser.add_argument("--variants", nargs="+", choices=SINGLE, default=list(SINGLE), help="--part single: the variants to run")
+    parser.add_argument("--trace-dir", type=Path, default=None, help="--device cuda: each variant's operators and Python functions profiled over a block of steps, written here")
     args = parser.parse_args(argv)
     keys = ("model", "device", "precision", "hidden", "blocks", "heads", "seq", "vocab", "width", "image", "fc", "batch", "block", "rounds", "warmup", "steps")
     cfg = {k: getattr(args, k) for k in keys}
     cfg["micro_batches"] = args.micro_batches
     if args.part == "single":
-        cfg["variants"] = list(SINGLE)
-        measure = _one_at_a_time if args.device == "cuda" else _round_robin
+        cfg["variants"] = list(args.variants)
+        cfg["trace_dir"] = str(args.trace_dir) if args.trace_dir else None
+        measure = _one_at_a_time if args.device == "cuda" and not args.side_by_side else _round_robin
         result = _report(run_ranks(measure, 1, cfg, timeout_s=3600, raise_on_error=True)[0], PAIRS)
     elif args.part == "dp":
         cfg["variants"] = ["ddp", "dapple-dp"]

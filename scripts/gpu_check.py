@@ -24,14 +24,22 @@ import time
 import xml.etree.ElementTree as ElementTree
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import bench_gpu  # noqa: E402
 
-CUDA_TESTS = "tests/test_cuda*.py"
+# every test that needs CUDA: the CUDA files, and the CUDA cases of the files that test a
+# feature on the CPU first (a pytest node id, or a file with ``-k``-style selection by name)
+CUDA_TESTS = (
+    "tests/test_cuda*.py",
+    "tests/test_batchnorm.py::test_one_gpu_with_recomputation_moves_statistics_as_one_process",
+    "tests/test_tied_weights.py::test_tied_gpt_on_ranks_sharing_one_gpu_keeps_its_copies_identical",
+    "tests/test_traced_layers.py::test_traced_layers_follow_the_module_to_the_gpu",
+    "tests/test_weight_grad_memory.py::*cuda*",
+)
 STAGED_PLAN = {"global_batch_size": 8, "micro_batches": 2, "stages": [{"layers": [0, 2], "devices": [0]}, {"layers": [2, 4], "devices": [1]}]}
 STAGED_STEPS = 3
 STAGED_TOLERANCE = 1e-8  # float64 on the GPU; the micro-batches sum in another order than one batch
@@ -65,23 +73,61 @@ def parse_junit(path: Path) -> list[dict[str, str]]:
     return out
 
 
-def run_tests(pattern: str, seconds: float) -> list[dict[str, str]]:
-    """The test files matching ``pattern`` under pytest, one entry per test."""
-    files = sorted(glob.glob(str(ROOT / pattern)))
-    if not files:
-        return [{"test": pattern, "outcome": "error", "message": "no test file matches"}]
+def pytest_targets(patterns: Sequence[str]) -> tuple[list[str], list[str]]:
+    """pytest's node ids for ``patterns``: a file glob expands to its files, ``file::name``
+    stays a node id, and ``file::*part*`` becomes the file's tests whose ids hold ``part``
+    (collected here, so that the selection applies to that file alone). Returns (node ids,
+    patterns that match nothing)."""
+    targets: list[str] = []
+    missing = []
+    for pattern in patterns:
+        path, _, name = pattern.partition("::")
+        found = sorted(glob.glob(str(ROOT / path)))
+        if found and name.startswith("*") and name.endswith("*"):
+            found = [node for node in _collect(found) if name.strip("*") in node.partition("::")[2]]
+        elif name:
+            found = [f"{file}::{name}" for file in found]
+        targets += found
+        if not found:
+            missing.append(pattern)
+    return targets, missing
+
+
+def _collect(files: Sequence[str]) -> list[str]:
+    """The node ids pytest collects from ``files``, as absolute paths."""
+    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *files], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    return [str(ROOT / line) for line in done.stdout.splitlines() if "::" in line]
+
+
+def run_tests(patterns: Sequence[str], seconds: float, log: Path | None = None, workers: int = 1) -> list[dict[str, str]]:
+    """The tests ``patterns`` name (``pytest_targets``) under pytest, one entry per test, in
+    ``workers`` processes (pytest-xdist) when more than one; pytest's whole output goes to
+    ``log`` when given."""
+    targets, missing = pytest_targets(patterns)
+    if missing:
+        return [{"test": pattern, "outcome": "error", "message": "no test file matches"} for pattern in missing]
     with tempfile.TemporaryDirectory() as folder:
         junit = Path(folder) / "tests.xml"
         # a hanging test fails alone (pytest-timeout) instead of costing the whole run its report
-        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout=150", f"--junitxml={junit}", *files]
+        command = [sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", "--timeout=150", f"--junitxml={junit}", *targets]
+        if workers > 1:
+            command[3:3] = ["-n", str(workers)]
         try:
             done = subprocess.run(command, cwd=ROOT, timeout=seconds, env={**os.environ, "PYTHONFAULTHANDLER": "1"}, capture_output=True, text=True)
-        except subprocess.TimeoutExpired:
-            return [{"test": pattern, "outcome": "error", "message": f"pytest ran past {seconds:.0f} s"}]
+        except subprocess.TimeoutExpired as exc:
+            if log is not None:
+                log.write_text(_text(exc.stdout) + _text(exc.stderr))
+            return [{"test": " ".join(patterns), "outcome": "error", "message": f"pytest ran past {seconds:.0f} s"}]
+        if log is not None:
+            log.write_text(done.stdout + done.stderr)
         sys.stdout.write(done.stdout[-4000:])
         if not junit.is_file():
             return [{"test": pattern, "outcome": "error", "message": (done.stderr.strip().splitlines() or ["pytest wrote no report"])[-1][:300]}]
         return parse_junit(junit)
+
+
+def _text(output: bytes | str | None) -> str:
+    return output.decode(errors="replace") if isinstance(output, bytes) else (output or "")
 
 
 def run_benchmark(model: str, size: str, device: str, seconds: float, out_dir: Path) -> dict[str, Any]:
@@ -228,18 +274,29 @@ def versions() -> dict[str, str]:
     return out
 
 
+def default_workers() -> int:
+    """Test processes: 4 where pytest-xdist is installed (the tests share the GPU, each one
+    small; most of their time is process start-up), else 1."""
+    try:
+        import xdist  # noqa: F401
+    except ImportError:
+        return 1
+    return 4
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--report", type=Path, default=ROOT / "gpu_report.json")
     parser.add_argument("--size", choices=sorted(bench_gpu.SIZES), default="small")
     parser.add_argument("--device", default="cuda", help="cuda (the check); cpu runs the same path on a CPU")
-    parser.add_argument("--tests", default=CUDA_TESTS, help="test files to run (a glob under the repository)")
+    parser.add_argument("--tests", nargs="+", default=list(CUDA_TESTS), help="tests to run: file globs under the repository, node ids, or file::*part* for the file's tests named with part")
+    parser.add_argument("--workers", type=int, default=None, help="test processes (default: 4 with pytest-xdist, else 1)")
     parser.add_argument("--budget-s", type=float, default=465.0, help="the whole check's time limit")
     args = parser.parse_args(argv)
     deadline = Deadline(args.budget_s)
     device_name = "cuda:0" if args.device == "cuda" else args.device
     started = time.monotonic()
-    tests = run_tests(args.tests, deadline.limit(270))
+    tests = run_tests(args.tests, deadline.limit(270), log=args.report.with_name(args.report.stem + "_pytest.txt"), workers=args.workers or default_workers())
     with tempfile.TemporaryDirectory() as folder:
         benchmarks = {model: run_benchmark(model, args.size, args.device, deadline.limit(75), Path(folder)) for model in bench_gpu.MODELS}
     staged = staged_two_ranks(device_name, deadline.limit(60))

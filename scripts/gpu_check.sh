@@ -5,7 +5,8 @@
 # (device, versions, each test's result, the ratios). Exit status 1 when anything failed;
 # under 8 minutes on one H100.
 #
-#   bash scripts/gpu_check.sh [REPORT]       # REPORT: default gpu_report.json in the repository
+#   bash scripts/gpu_check.sh [REPORT [OPTION...]]   # REPORT: default gpu_report.json in the repository;
+#                                                    # options go to scripts/gpu_check.py (e.g. --budget-s 300)
 #
 # It installs nothing into the machine's Python (its torch stays): the repository goes on
 # PYTHONPATH, and Hydra, which GPU images lack, is installed from wheels carried beside the
@@ -41,4 +42,4 @@ if ! "$PYTHON" -c 'import hydra, omegaconf' 2>/dev/null; then
   "$PYTHON" -m pip install --quiet --no-index --no-deps --no-compile --upgrade --target "$SITE" "$WHEELS"/*.whl || exit 1
   export PYTHONPATH="$PYTHONPATH:$PWD/$SITE"
 fi
-exec "$PYTHON" scripts/gpu_check.py --report "${1:-gpu_report.json}"
+exec "$PYTHON" scripts/gpu_check.py --report "${1:-gpu_report.json}" "${@:2}"
