@@ -13,6 +13,11 @@ transfer the same way:
   machine are charged per device against the intra-machine link.
 * ``allreduce_ms`` -- ring AllReduce of a stage's gradients among its replicas (DAPPLE 4.1,
   AR(P_s, g_s)): 2(r-1)/r of the bytes over the slowest link of the ring.
+
+``shared_cores`` describes CPU processes: the cores that all devices (processes) of one
+machine share. The paper's devices are GPUs, each computing on its own; processes that
+outnumber their cores compute in turns, which the simulator prices
+(``simulate.cores``).
 """
 from __future__ import annotations
 
@@ -42,6 +47,8 @@ class Cluster:
     optimizer_state_factor: float = 2.0
     latency_ms: float = 0.0
     name: str = "custom"
+    # CPU cores the devices of one machine share (CPU processes); None: each device computes on its own
+    shared_cores: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("machines", "devices_per_machine"):
@@ -60,6 +67,13 @@ class Cluster:
                 f"must be a positive number, got {value!r}",
                 "set a positive bandwidth (Gbit/s) or memory size (GiB)",
             )
+        value = self.shared_cores
+        require(
+            value is None or (isinstance(value, int) and not isinstance(value, bool) and value > 0),
+            "cluster.shared_cores",
+            f"must be a positive integer or null, got {value!r}",
+            "give the number of CPU cores the processes of one machine share, or null for devices with their own compute (GPUs)",
+        )
         for name in ("optimizer_state_factor", "latency_ms"):
             value = getattr(self, name)
             require(
@@ -231,8 +245,8 @@ def detect_cluster(machines: int, devices_per_machine: int, accelerator: str = "
 
     With CUDA (``accelerator`` "gpu"/"cuda", or "auto" when CUDA is available) the
     device memory is the smallest total memory among the GPUs the run uses and the name
-    says which GPU it is; otherwise each CPU process gets an equal share of the host's
-    memory. Link speeds are assumptions (``GPU_LINKS``/``CPU_LINKS``): the planner
+    says which GPU it is; otherwise the CPU processes share the host's cores
+    (``shared_cores``) and each gets an equal share of its memory. Link speeds are assumptions (``GPU_LINKS``/``CPU_LINKS``): the planner
     (DAPPLE 4) needs them, the driver does not report them.
     """
     import torch  # only here: the planning CLIs read clusters without loading torch
@@ -247,4 +261,11 @@ def detect_cluster(machines: int, devices_per_machine: int, accelerator: str = "
         name = torch.cuda.get_device_name(0)
         return Cluster(machines, devices_per_machine, device_memory_gib=round(memory, 2), name=f"local-{name}", **GPU_LINKS)
     memory = _host_memory_gib() / devices_per_machine
-    return Cluster(machines, devices_per_machine, device_memory_gib=round(max(memory, 0.5), 2), name="local-cpu", **CPU_LINKS)
+    return Cluster(
+        machines, devices_per_machine, device_memory_gib=round(max(memory, 0.5), 2), name="local-cpu", shared_cores=usable_cores(), **CPU_LINKS
+    )
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity), which its sibling processes share."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

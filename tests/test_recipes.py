@@ -193,6 +193,38 @@ def test_bad_configuration_from_the_console_script(tmp_path) -> None:
     assert not (tmp_path / "run").exists()
 
 
+def _shape_file(path: Path, batch: int) -> Path:
+    """A plan shape: four single-process stages, M=8, the layer cut left to the planner."""
+    path.write_text(json.dumps({"global_batch_size": batch, "micro_batches": 8, "stages": [{"devices": [rank]} for rank in range(4)]}))
+    return path
+
+
+def test_a_plan_shape_file_is_checked_before_the_run(tmp_path, monkeypatch, capsys) -> None:
+    run_dir = tmp_path / "run"
+    shape = _shape_file(tmp_path / "shape.json", batch=64)
+    code, _, err = _app_here(["recipe=vgg_tiny", f"strategy.plan={shape}", f"hydra.run.dir={run_dir}"], monkeypatch, capsys)
+    assert code == 2 and "strategy.plan.global_batch_size: is 64 but data.batch_size is 32" in err, err
+    assert not run_dir.exists()
+
+
+@pytest.mark.timeout(300)
+def test_a_plan_shape_file_is_cut_by_the_planner_and_trains(tmp_path: Path) -> None:
+    """Stages given by their devices alone: the run profiles, cuts the layers for that shape
+    and decides ooo by simulating it (on CPU processes sharing fewer cores, their compute)."""
+    from lightning_dapple.cluster import usable_cores
+
+    run_dir = tmp_path / "run"
+    shape = _shape_file(tmp_path / "shape.json", batch=32)
+    result = _app(["recipe=vgg_tiny", f"strategy.plan={shape}", "trainer.max_steps=3", "trainer.enable_progress_bar=false", f"hydra.run.dir={run_dir}"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    plan = json.loads((run_dir / "dapple_plan.json").read_text())
+    assert [stage["devices"] for stage in plan["stages"]] == [[0], [1], [2], [3]] and plan["micro_batches"] == 8
+    assert plan["stages"][0]["layers"][0] == 0 and plan["stages"][-1]["layers"][1] > plan["stages"][-1]["layers"][0]
+    assert "simulated step" in plan["extra"]["ooo_choice"]
+    if usable_cores() < 4:
+        assert "4 CPU processes share" in plan["extra"]["ooo_choice"]
+
+
 # --------------------------------------------------------------------------- training
 
 

@@ -74,12 +74,12 @@ from lightning_dapple.errors import DappleConfigError, require
 from lightning_dapple.execute.slicing import take_rows
 from lightning_dapple.models import MODELS
 from lightning_dapple.plan.console import make_console
-from lightning_dapple.plan.plan import Plan, plan_from_dict
+from lightning_dapple.plan.plan import Plan, PlanShape, plan_from_dict, plan_or_shape_from_dict
 from lightning_dapple.profile.profiler import profile_layers
 from lightning_dapple.strategy import DappleStrategy
 from lightning_dapple.strategy.module_adapter import LogRecorder, capture_input, find_layers
 from lightning_dapple.strategy.ooo_choice import check_ooo
-from lightning_dapple.strategy.resolve import PlanArguments, resolve_plan
+from lightning_dapple.strategy.resolve import PlanArguments, resolve_plan, shape_with_arguments
 
 __all__ = ["main", "prepare", "run_job"]
 
@@ -453,18 +453,29 @@ def _model_and_data(cfg: DictConfig, model_cls: Any, model_kwargs: dict, data_cl
     return model, datamodule
 
 
-def _checked_plan(plan_dict: dict[str, Any], arguments: PlanArguments, model: Any, layers_path: str, world: int, batch: int) -> Plan:
+def _checked_plan(plan_dict: dict[str, Any], arguments: PlanArguments, model: Any, layers_path: str, world: int, batch: int) -> Plan | None:
     """An explicit plan as the strategy will run it (``resolve_plan``), checked against the
-    model's layers, the world size and the global batch before anything starts."""
-    plan = resolve_plan(plan_from_dict(plan_dict, source="strategy.plan"), arguments)
+    model's layers, the world size and the global batch before anything starts. A plan shape
+    (stages giving devices alone) is checked for the world size and the batch and gives
+    None: the strategy's planner cuts it on the profile it measures, as for plan="auto"."""
+    given = plan_or_shape_from_dict(plan_dict, source="strategy.plan")
+    if isinstance(given, PlanShape):
+        shape_with_arguments(given, arguments).validate(world_size=world)
+        _check_global_batch(given.global_batch_size, batch)
+        return None
+    plan = resolve_plan(given, arguments)
     plan.validate(num_layers=len(find_layers(model, layers_path)), world_size=world)
+    _check_global_batch(plan.global_batch_size, batch)
+    return plan
+
+
+def _check_global_batch(planned: int, batch: int) -> None:
     require(
-        plan.global_batch_size == batch,
+        planned == batch,
         "strategy.plan.global_batch_size",
-        f"is {plan.global_batch_size} but data.batch_size is {batch}",
+        f"is {planned} but data.batch_size is {batch}",
         "make them equal: the DataLoader's batch is the global batch of one step",
     )
-    return plan
 
 
 def _trainer_options(cfg: DictConfig, where: _Devices, data_kwargs: dict[str, Any], batch: int) -> dict[str, Any]:

@@ -85,7 +85,7 @@ __all__ = [
 ]
 
 _COMM_KINDS = (Kind.RECV_ACT, Kind.SEND_ACT, Kind.RECV_GRAD, Kind.SEND_GRAD)
-_COMPUTE_SPANS = ("F", "B", "W")  # what counts as busy (AllReduces and waits are idle)
+COMPUTE_SPANS = ("F", "B", "W")  # what counts as busy (AllReduces and waits are idle)
 
 
 # the kind of ``ActionOverhead`` each action pays (ALLREDUCE pays none)
@@ -186,6 +186,8 @@ class SimulationResult:
     timelines: dict[int, list[Span]]
     stages: list[StageResult]
     transfers: dict[str, list[Span]] = field(default_factory=dict)
+    # the least step the machines' shared cores allow (simulate.cores); None: not bound
+    core_bound_ms: float | None = None
 
     @property
     def num_devices(self) -> int:
@@ -201,6 +203,8 @@ class SimulationResult:
             "bubble_fraction": self.bubble_fraction,
             "stages": [stage.to_dict(self.latency_ms) for stage in self.stages],
         }
+        if self.core_bound_ms is not None:
+            out["core_bound_ms"] = self.core_bound_ms
         if spans:
             out["timelines"] = {str(device): [s.to_dict() for s in items] for device, items in self.timelines.items()}
             out["transfers"] = {link: [s.to_dict() for s in items] for link, items in self.transfers.items()}
@@ -556,7 +560,7 @@ class _Run:
         """Stage ``s``'s part of its group's timeline (all of it with one stage per group)."""
         cost = self.costs[s]
         spans = [span for span in self.stages[self.group[s]].spans if span.stage in (None, s)]
-        busy = sum(span.end_ms - span.start_ms for span in spans if span.kind in _COMPUTE_SPANS)
+        busy = sum(span.end_ms - span.start_ms for span in spans if span.kind in COMPUTE_SPANS)
         actions = self.schedule.actions[s]
         recomputed = self.recomputed[s]
         stash, peak = stash_walk([a for a in actions if a.kind.is_compute], recomputed, cost.stash_bytes, cost.input_bytes, cost.wgrad_bytes)

@@ -37,6 +37,7 @@ from lightning_dapple.plan.costs import dapple_latency
 from lightning_dapple.plan.plan import RECOMPUTE_MODES, Plan
 from lightning_dapple.profile.model_profile import ModelProfile
 from lightning_dapple.schedule.ooo import default_caps
+from lightning_dapple.simulate.cores import bound_by_shared_cores
 from lightning_dapple.simulate.engine import simulate
 from lightning_dapple.simulate.plans import stage_memory
 
@@ -111,7 +112,7 @@ def apply_ooo_recompute(
         for i in movable:
             position[i] += 1
     plan = candidate
-    result = simulate(schedule, costs, [stage.devices for stage in plan.stages])
+    result = bound_by_shared_cores(simulate(schedule, costs, [stage.devices for stage in plan.stages]), cluster)
     formula = dapple_latency(costs, plan.micro_batches, memory)
     predicted = replace(formula, simulated_latency_ms=result.latency_ms, bubble_fraction=result.bubble_fraction)
     explanation = _explain(plan, memory, never_memory or memory, stashes, budget)

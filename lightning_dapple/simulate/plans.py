@@ -32,6 +32,7 @@ from lightning_dapple.schedule.builders import build_schedule
 from lightning_dapple.schedule.interleaved import build_interleaved_schedule
 from lightning_dapple.schedule.ooo import build_ooo_schedule
 from lightning_dapple.schedule.zbv import build_zbv_schedule
+from lightning_dapple.simulate.cores import bound_by_shared_cores
 from lightning_dapple.simulate.engine import ScheduleDeadlock, SimulationResult, simulate
 
 __all__ = ["PLANNERS", "check_plan_fits", "make_plan", "price_plan", "schedule_for_plan", "simulate_plan", "stage_memory"]
@@ -153,6 +154,8 @@ def simulate_plan(
     or, for profiles without one, the estimate of ``plan.options.with_weight_split``;
     each stage's ``recompute`` mode adds the recomputed forwards. A plan with several
     stages per device group is simulated with one clock per group (``simulate.engine``).
+    On CPU processes sharing fewer cores than they are (``cluster.shared_cores``) the step
+    is no shorter than the machine's compute on those cores (``simulate.cores``).
     """
     check_plan_fits(plan, profile, cluster)
     if schedule is not None and schedule != plan.schedule:
@@ -161,7 +164,7 @@ def simulate_plan(
     plan = plan.with_warmups()
     built = schedule_for_plan(plan, profile)
     costs = stage_costs(_priced(plan, profile), cluster, plan.stages, plan.micro_batch_size)
-    return simulate(built, costs, [stage.devices for stage in plan.stages])
+    return bound_by_shared_cores(simulate(built, costs, [stage.devices for stage in plan.stages]), cluster)
 
 
 def stage_memory(plan: Plan, profile: ModelProfile, cluster: Cluster) -> tuple[list[float], list[float], Any, list[StageCost]]:

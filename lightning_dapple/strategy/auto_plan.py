@@ -18,7 +18,6 @@ the simulator that picks M and ``ooo="auto"`` prices it.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,7 @@ import torch.distributed as dist
 from lightning.pytorch import LightningModule
 from torch import nn
 
-from lightning_dapple.cluster import Cluster
+from lightning_dapple.cluster import Cluster, usable_cores
 from lightning_dapple.errors import DappleConfigError
 from lightning_dapple.execute.overhead_probe import with_action_overhead
 from lightning_dapple.execute.slicing import batch_size_of, take_rows
@@ -80,10 +79,6 @@ def schedules_for_cores(device_type: str, local_processes: int, cores: int) -> t
         f"Interleaved and ZB-V were not tried: {local_processes} CPU processes share {cores} cores, "
         "so a rank's bubble is another rank's compute, which the simulator (a core per rank) does not see."
     )
-
-
-def _usable_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 @dataclass(frozen=True)
@@ -161,7 +156,7 @@ def _plan_on_rank_zero(context: PlanningContext, module: LightningModule, contai
     finish = run_finisher(arguments, profile, cluster)
     if shape is None:
         named = arguments.fixed_schedule is not None
-        schedules, left_out = (RUNNABLE_SCHEDULES, "") if named else schedules_for_cores(context.device.type, context.local_processes, _usable_cores())
+        schedules, left_out = (RUNNABLE_SCHEDULES, "") if named else schedules_for_cores(context.device.type, context.local_processes, usable_cores())
         plan = make_plan(profile, cluster, rows, num_devices=context.world_size, schedules=schedules, finish=finish, **arguments.planner_kwargs())
         if left_out:
             plan = replace(plan, reason=f"{plan.reason.rstrip()} {left_out}")

@@ -7,7 +7,10 @@ stage sooner. A single stage has no bubble to fill, and there the split only add
 
 * with a profile (``plan="auto"``), the simulator prices the plan with and without
   out-of-order backprop (``simulate.memory_fit.apply_ooo_recompute``: deferral caps and
-  reverse first-k chosen for the plan) and ooo is on when it is faster;
+  reverse first-k chosen for the plan) and ooo is on when it is faster. On CPU processes
+  that share fewer cores than they are, a bubble is another process's compute time, so
+  the step is bound by the machine's compute (``simulate.cores``): ooo, whose split
+  backward costs more than one backward (the profile's I + W against B), is then slower;
 * without one (an explicit plan), ooo is on when the plan has more than one stage;
 * a plan with several stages per device group is off: ZB-V splits every backward into I
   and W and places the W itself, and interleaved 1F1B has no deferred-W variant (the
@@ -54,12 +57,16 @@ def decide_ooo(setting: OooSetting, plan: Plan, profile: Any = None, cluster: An
         return False, f"auto: the {plan.schedule!r} schedule of several stages per device group places its own backward work"
     if profile is None or cluster is None:
         return True, f"auto: {plan.num_stages} stages; deferred weight gradients fill the pipeline bubbles (no profile to simulate)"
-    times = {}
+    times, bound = {}, False
     for ooo in (False, True):
         priced = apply_ooo_recompute(plan, profile, cluster, ooo=ooo, recompute=recompute)
-        times[ooo] = simulate_plan(priced, profile, cluster).latency_ms
+        result = simulate_plan(priced, profile, cluster)
+        times[ooo], bound = result.latency_ms, bound or result.core_bound_ms == result.latency_ms
     on = times[True] < times[False] * (1 - MIN_GAIN)
-    return on, f"auto: simulated step {times[True]:.2f} ms with ooo, {times[False]:.2f} ms without"
+    why = f"auto: simulated step {times[True]:.2f} ms with ooo, {times[False]:.2f} ms without"
+    if bound:  # simulate.cores: the shared cores, not the bubbles, set the step
+        why += f" ({cluster.devices_per_machine} CPU processes share {cluster.shared_cores} cores: the step is their compute, which ooo's split backward adds to)"
+    return on, why
 
 
 def with_ooo_choice(plan: Plan, on: bool, why: str) -> Plan:
