@@ -18,6 +18,7 @@ another on the same machine; on a loaded machine single runs swing by more than 
 
     python benchmarks/bench_ooo_choice.py                       # 4 recipes, 60 steps, 1 round
     python benchmarks/bench_ooo_choice.py --recipes vgg_tiny --rounds 3 --out /tmp/ooo_choice.json
+    python benchmarks/bench_ooo_choice.py --recipes vgg_tiny --rounds 3 --overrides strategy.plan=benchmarks/plans/straight_4x1_m8.json
 """
 from __future__ import annotations
 
@@ -35,9 +36,10 @@ import _measured_steps  # noqa: E402  (beside this script)
 TARGET = 1.03
 
 
-def recipe_choice(recipe: str, work: Path, steps: int, rounds: int) -> dict[str, Any]:
-    """Runs 1-3 of the module docstring for one recipe."""
-    auto = _measured_steps.train(recipe, work / f"{recipe}-auto", steps)
+def recipe_choice(recipe: str, work: Path, steps: int, rounds: int, overrides: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Runs 1-3 of the module docstring for one recipe; ``overrides`` go to run 1 (e.g. a
+    plan shape file: ``strategy.plan=benchmarks/plans/straight_4x1_m8.json``)."""
+    auto = _measured_steps.train(recipe, work / f"{recipe}-auto", steps, overrides)
     plan_file = Path(auto["run_dir"]) / "dapple_plan.json"
     chosen, other = auto["ooo"], not auto["ooo"]
     pairs = []
@@ -75,9 +77,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=60, help="training steps per run (the first few are warm-up)")
     parser.add_argument("--rounds", type=int, default=1, help="pairs of forced runs per recipe")
     parser.add_argument("--out", help="write the rows as JSON here")
+    parser.add_argument("--overrides", nargs="*", default=[], help="Hydra overrides for each recipe's own run (run 1), e.g. strategy.plan=SHAPE.json")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="ooo_choice_") as tmp:
-        rows = [recipe_choice(recipe, Path(tmp), args.steps, args.rounds) for recipe in args.recipes]
+        rows = [recipe_choice(recipe, Path(tmp), args.steps, args.rounds, tuple(args.overrides)) for recipe in args.recipes]
     print_table(rows)
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=2) + "\n")

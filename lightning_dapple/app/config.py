@@ -148,6 +148,7 @@ class ClusterConfig:
     device_memory_gib: float = 16.0
     optimizer_state_factor: float = 2.0
     latency_ms: float = 0.0
+    shared_cores: Optional[int] = None  # CPU processes: the cores they share (cluster=auto detects them)
 
 
 @dataclass
