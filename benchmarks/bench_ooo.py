@@ -164,7 +164,7 @@ def worker(rank: int, world: int, cfg: dict) -> dict:
         runner.finish()
     params = {name: torch.cat([p.detach().reshape(-1) for p in runner.parameters]).tolist()[:4096] for name, runner in runners.items()}
     origin = runners["ooo"].stats.timeline[0][0]
-    timeline = [(round((s - origin) * 1000, 3), round((e - origin) * 1000, 3), k, mb) for s, e, k, mb in runners["ooo"].stats.timeline]
+    timeline = [(round((s - origin) * 1000, 3), round((e - origin) * 1000, 3), k, mb) for s, e, k, mb, *_ in runners["ooo"].stats.timeline]
     return {"times": times, "cpu": cpu, "stash": stash, "params": params, "timeline": timeline, "stage": rank}
 
 

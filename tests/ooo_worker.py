@@ -112,7 +112,7 @@ def run_cases(rank: int, world: int, cases: list[tuple[str, dict]]) -> list[dict
             stash.append(runner.stats.peak_stash_bytes)
             recomputed.append(runner.stats.recomputed)
         runner.finish()
-        kinds = sorted({kind for _, _, kind, _ in runner.stats.timeline})
+        kinds = sorted({kind for _, _, kind, *_ in runner.stats.timeline})
         result: dict[str, Any] = {
             "losses": losses,
             "peak_in_flight": max(peaks),

@@ -71,9 +71,13 @@ def test_a_chunked_plan_trains_checkpoints_and_resumes_like_one_device(tmp_path:
 
     timeline = json.loads((first / "timeline_measured.json").read_text())
     assert {rank: entry["stage"] for rank, entry in timeline["ranks"].items()} == {"0": "0,2", "1": "1,3"}
-    for entry in timeline["ranks"].values():  # each rank's 2 chunks: a forward and a backward per micro-batch
+    for rank, entry in timeline["ranks"].items():  # each rank's 2 chunks: a forward and a backward per micro-batch
         kinds = sorted(span[2] for span in entry["spans"])
         assert kinds == ["B"] * 8 + ["F"] * 8, kinds
+        chunks = [int(stage) for stage in entry["stage"].split(",")]  # every span names its chunk
+        assert sorted((span[4], span[2], span[3]) for span in entry["spans"]) == sorted(
+            (stage, kind, mb) for stage in chunks for kind in "BF" for mb in range(4)
+        ), entry["spans"]
 
     checkpoint = next(p for p in (first / "ckpt").iterdir() if "step=3" in p.name)
     saved = torch.load(checkpoint, weights_only=False)

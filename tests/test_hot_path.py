@@ -389,9 +389,10 @@ def test_host_timeline_spans_every_compute_action(tmp_path: Path) -> None:
     runner.finish()
     failure.close()
     timeline = runner.stats.timeline
-    assert sorted((kind, mb) for _, _, kind, mb in timeline) == [("B", 0), ("B", 1), ("B", 2), ("F", 0), ("F", 1), ("F", 2)]
-    ends = [before] + [end for _, end, _, _ in timeline]
-    for (start, end, _, _), previous_end in zip(timeline, ends):
+    assert sorted((kind, mb) for _, _, kind, mb, _ in timeline) == [("B", 0), ("B", 1), ("B", 2), ("F", 0), ("F", 1), ("F", 2)]
+    assert {stage for *_, stage in timeline} == {0}
+    ends = [before] + [end for _, end, *_ in timeline]
+    for (start, end, *_), previous_end in zip(timeline, ends):
         assert previous_end <= start <= end <= after
 
 
@@ -401,13 +402,13 @@ def test_device_spans_are_placed_where_the_device_caught_up_with_the_host() -> N
     the first event): the first event ran at host time 10.0, although it was queued at
     9.7 (the device was still busy then)."""
     spans = [
-        DeviceSpan(0.0, 0.3, 9.7, 9.71, "F", 0),  # queued ahead of the device
-        DeviceSpan(0.5, 0.6, 10.5, 10.51, "F", 1),  # the device waited for the host here
-        DeviceSpan(0.6, 0.9, 10.52, 10.53, "B", 1),
+        DeviceSpan(0.0, 0.3, 9.7, 9.71, "F", 0, 2),  # queued ahead of the device
+        DeviceSpan(0.5, 0.6, 10.5, 10.51, "F", 1, 2),  # the device waited for the host here
+        DeviceSpan(0.6, 0.9, 10.52, 10.53, "B", 1, 2),
     ]
     placed = on_host_clock(spans)
-    assert placed == [(10.0, 10.3, "F", 0), (10.5, 10.6, "F", 1), (10.6, 10.9, "B", 1)]
-    assert all(start >= span.queued_start and end >= span.queued_end for (start, end, _, _), span in zip(placed, spans))
+    assert placed == [(10.0, 10.3, "F", 0, 2), (10.5, 10.6, "F", 1, 2), (10.6, 10.9, "B", 1, 2)]
+    assert all(start >= span.queued_start and end >= span.queued_end for (start, end, *_), span in zip(placed, spans))
 
 
 # -- the fp16 inf/nan flag of a rank without gradients ------------------------------------------

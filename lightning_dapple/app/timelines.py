@@ -1,8 +1,10 @@
 """The measured timeline of a pipeline step: what each rank's executor really did, drawn
 by the simulator's drawing function (``lightning_dapple.simulate.timeline_png.draw_rows``).
 
-Each rank's ``StageRunner`` records ``(start, end, kind, micro-batch)`` in
-``time.perf_counter`` seconds for every F, B and W of the last step. On one host these
+Each rank's ``StageRunner`` records ``(start, end, kind, micro-batch, stage)`` in
+``time.perf_counter`` seconds for every F, B and W of the last step. A rank that holds
+several stages (interleaved 1F1B, ZB-V) keeps each span's stage, labelled
+``stage:micro-batch`` as in the simulated picture. On one host these
 clocks are the same monotonic clock; across hosts each rank's times are shifted by the
 difference of ``perf_counter()`` readings taken right after a common barrier.
 """
@@ -46,7 +48,7 @@ class MeasuredTimeline:
 
     @classmethod
     def from_gathered(cls, gathered: Sequence[dict[str, Any]], plan: Any) -> "MeasuredTimeline":
-        """Build from ``[{"spans": [(start, end, kind, mb), ...], "reference": t, "host": h}]`` by rank."""
+        """Build from ``[{"spans": [(start, end, kind, mb, stage), ...], "reference": t, "host": h}]`` by rank."""
         hosts = {item.get("host") for item in gathered}
         shift = [0.0] * len(gathered)
         if len(hosts) > 1:  # different machines: align on the barrier readings
@@ -56,12 +58,14 @@ class MeasuredTimeline:
         origin = min(starts) if starts else 0.0
         spans: dict[int, list[MeasuredSpan]] = {}
         for rank, item in enumerate(gathered):
+            chunked = len(plan.stages_of_rank(rank)) > 1  # the stage tells the rank's chunks apart
             spans[rank] = [
                 MeasuredSpan(
                     1e3 * (float(s[0]) + shift[rank] - origin),
                     1e3 * (float(s[1]) + shift[rank] - origin),
                     str(s[2]),
                     None if s[3] is None else int(s[3]),
+                    int(s[4]) if chunked and len(s) > 4 else None,
                 )
                 for s in item["spans"]
             ]
@@ -78,7 +82,7 @@ class MeasuredTimeline:
             "ranks": {
                 str(rank): {
                     "stage": self.stage_of_rank.get(rank),
-                    "spans": [[s.start_ms, s.end_ms, s.kind, s.microbatch] for s in spans],
+                    "spans": [[s.start_ms, s.end_ms, s.kind, s.microbatch, *(() if s.stage is None else (s.stage,))] for s in spans],
                 }
                 for rank, spans in self.spans.items()
             },

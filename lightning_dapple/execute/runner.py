@@ -535,13 +535,13 @@ class StageRunner:
     def _forward(self, op: _Op) -> None:
         begun = self.stats.spans.begin()
         self.ledger.forwarded(op.mb, self._step_sizes.forward(self.pipeline_stage.forward, op.mb))
-        self.stats.spans.end(begun, "F", op.mb)
+        self.stats.spans.end(begun, "F", op.mb, self.stage)
 
     def _forward_keeping_input(self, op: _Op) -> None:
         begun = self.stats.spans.begin()
         kept = self.pipeline_stage.forward_keeping_input(op.mb)
         self.ledger.forwarded(op.mb, self._step_sizes.kept(op.mb, kept))
-        self.stats.spans.end(begun, "F", op.mb)
+        self.stats.spans.end(begun, "F", op.mb, self.stage)
 
     def _backward(self, op: _Op) -> None:
         begun = self.stats.spans.begin()
@@ -563,12 +563,12 @@ class StageRunner:
             self.ledger.hold(mb, kept)  # the output gradients its W needs
         else:
             self.ledger.drop(mb)
-        self.stats.spans.end(begun, "B", mb)
+        self.stats.spans.end(begun, "B", mb, self.stage)
 
     def _weight(self, op: _Op) -> None:
         begun = self.stats.spans.begin()
         self.pipeline_stage.backward_weight(op.mb, op.span)
-        self.stats.spans.end(begun, "W", op.mb)
+        self.stats.spans.end(begun, "W", op.mb, self.stage)
         if not op.pending_w:
             self.ledger.drop(op.mb)
 

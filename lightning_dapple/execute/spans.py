@@ -11,7 +11,8 @@ a mark means depends on where the work runs, so the clock is chosen once per dev
   first asked for: one wait for the last event, then event-to-event times (which need no
   further waiting). Nothing in the step itself waits for the device.
 
-Both give ``(start, end, kind, micro-batch)`` in ``time.perf_counter`` seconds, so the ranks
+Both give ``(start, end, kind, micro-batch, stage)`` in ``time.perf_counter`` seconds (the
+stage tells a rank's chunks apart under interleaving and ZB-V), so the ranks
 of one host share a clock (``app/timelines.py`` aligns hosts). For CUDA the step's first
 event is placed on that clock by the host times at which the events were recorded: an
 event completes no earlier than it was queued, so ``queued_i - offset_i`` is a lower
@@ -28,7 +29,7 @@ import torch
 
 __all__ = ["CudaSpans", "DeviceSpan", "HostSpans", "Span", "on_host_clock", "span_clock"]
 
-Span = tuple[float, float, str, int]
+Span = tuple[float, float, str, int, int]  # start, end, kind, micro-batch, stage
 
 
 class HostSpans:
@@ -40,8 +41,8 @@ class HostSpans:
     def begin(self) -> float:
         return time.perf_counter()
 
-    def end(self, begun: float, kind: str, microbatch: int) -> None:
-        self._spans.append((begun, time.perf_counter(), kind, microbatch))
+    def end(self, begun: float, kind: str, microbatch: int, stage: int) -> None:
+        self._spans.append((begun, time.perf_counter(), kind, microbatch, stage))
 
     def read(self) -> list[Span]:
         return self._spans
@@ -57,7 +58,7 @@ class CudaSpans:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._marks: list[tuple[_Mark, _Mark, str, int]] = []
+        self._marks: list[tuple[_Mark, _Mark, str, int, int]] = []
         self._read: list[Span] | None = None
 
     def _mark(self) -> _Mark:
@@ -69,8 +70,8 @@ class CudaSpans:
     def begin(self) -> _Mark:
         return self._mark()
 
-    def end(self, begun: _Mark, kind: str, microbatch: int) -> None:
-        self._marks.append((begun, self._mark(), kind, microbatch))
+    def end(self, begun: _Mark, kind: str, microbatch: int, stage: int) -> None:
+        self._marks.append((begun, self._mark(), kind, microbatch, stage))
 
     def read(self) -> list[Span]:
         if self._read is None:
@@ -84,8 +85,8 @@ class CudaSpans:
         self._marks[-1][1].event.synchronize()  # the last mark: every earlier one is complete too
         return on_host_clock(
             [
-                DeviceSpan(origin.elapsed_time(start.event) / 1e3, origin.elapsed_time(end.event) / 1e3, start.queued, end.queued, kind, mb)
-                for start, end, kind, mb in self._marks
+                DeviceSpan(origin.elapsed_time(start.event) / 1e3, origin.elapsed_time(end.event) / 1e3, start.queued, end.queued, kind, mb, stage)
+                for start, end, kind, mb, stage in self._marks
             ]
         )
 
@@ -100,13 +101,14 @@ class DeviceSpan(NamedTuple):
     queued_end: float
     kind: str
     microbatch: int
+    stage: int
 
 
 def on_host_clock(spans: list[DeviceSpan]) -> list[Span]:
     """``spans`` on the ``perf_counter`` clock: the step's first event is placed at the
     largest lower bound its marks give (an event completes no earlier than it was queued)."""
     anchor = max(max(s.queued_start - s.start, s.queued_end - s.end) for s in spans)
-    return [(anchor + s.start, anchor + s.end, s.kind, s.microbatch) for s in spans]
+    return [(anchor + s.start, anchor + s.end, s.kind, s.microbatch, s.stage) for s in spans]
 
 
 def span_clock(device: torch.device) -> HostSpans | CudaSpans:
