@@ -51,3 +51,17 @@ def test_the_app_detects_unless_a_cluster_is_named(monkeypatch) -> None:
     assert (detected["device_memory_gib"], detected["name"], detected["devices_per_machine"]) == (79.1, "local-NVIDIA H100 80GB HBM3", 1)
     named = _cluster(compose_recipe("bert", ["cluster=paper-a"]), 2, 8, "gpu")
     assert (named["name"], named["device_memory_gib"]) == ("paper-a", 16.0)
+    assert named["shared_cores"] is None  # GPUs compute on their own
+
+
+def test_cpu_runs_on_a_named_cluster_share_this_machines_cores(monkeypatch) -> None:
+    """The quick start's cluster file (small-memory-cpu) sets memory and links; the cores the
+    run's processes share are this machine's, unless the file names them."""
+    from lightning_dapple.app import train
+    from lightning_dapple.app.config import compose_recipe
+
+    monkeypatch.setattr(train, "usable_cores", lambda: 2)
+    quick = train._cluster(compose_recipe("bert_pipeline_tiny"), 1, 4, "cpu")
+    assert (quick["name"], quick["shared_cores"]) == ("small-memory-cpu", 2)
+    named = train._cluster(compose_recipe("bert_pipeline_tiny", ["cluster.shared_cores=6"]), 1, 4, "cpu")
+    assert named["shared_cores"] == 6

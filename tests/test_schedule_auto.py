@@ -77,6 +77,16 @@ def test_chunks_grow_while_faster_and_the_why_names_every_candidate() -> None:
     assert "zbv 72.00 ms (+3%)" in plan.reason
 
 
+def test_a_tie_is_named_a_tie_and_the_first_listed_is_kept() -> None:
+    """Processes sharing cores bind every schedule at the same compute (simulate.cores):
+    dapple and gpipe then simulate equal steps, and the why says so instead of 'beat +0%'."""
+    times = {"dapple": 42.5, "gpipe": 42.5 * (1 + 1e-4), "interleaved x2": 50.0, "zbv": 60.0}
+    plan = choose_schedule(_straight(32, 4, 4), chain(32), Cluster(4, 1), _stand_in(times))
+    assert plan.schedule == "dapple"
+    assert "beat interleaved x2 50.00 ms (+18%), zbv 60.00 ms (+41%), tied with gpipe 42.50 ms (dapple is listed first)" in plan.reason
+    assert "+0%" not in plan.reason
+
+
 def test_a_candidate_over_the_memory_budget_loses_and_is_named() -> None:
     cluster = Cluster(4, 1, device_memory_gib=1.0)
     times = {"dapple": 100.0, "gpipe": 90.0, "interleaved x2": 80.0, "interleaved x3": 85.0, "zbv": 60.0}

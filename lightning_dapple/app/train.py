@@ -68,7 +68,7 @@ from lightning_dapple.app.callbacks import MEASURED_TIMELINE, SIMULATED_TIMELINE
 from lightning_dapple.app.config import enum_value, register_configs
 from lightning_dapple.app.report import format_bytes, write_text
 from lightning_dapple.app.summary import RESULTS
-from lightning_dapple.cluster import detect_cluster
+from lightning_dapple.cluster import detect_cluster, usable_cores
 from lightning_dapple.data import DATAMODULES
 from lightning_dapple.errors import DappleConfigError, require
 from lightning_dapple.execute.slicing import take_rows
@@ -500,10 +500,14 @@ def _logger(cfg: DictConfig, run_dir: Path) -> Any:
 
 def _cluster(cfg: DictConfig, num_nodes: int, devices: int, accelerator: str) -> dict[str, Any]:
     """``cluster=auto`` (the default): this machine as the run uses it (the GPUs' name and
-    memory, else the host's memory per CPU process); otherwise the configured cluster."""
+    memory, else the host's memory and cores per CPU process); otherwise the configured
+    cluster, on CPU processes with this machine's cores where it names none: the run's
+    processes share them, whatever the file says of memory and links."""
     cluster = OmegaConf.to_container(cfg.cluster, resolve=True)
     assert isinstance(cluster, dict)
     if cluster.get("name") != "auto":
+        if accelerator == "cpu" and cluster.get("shared_cores") is None:
+            cluster["shared_cores"] = usable_cores()
         return cluster
     return detect_cluster(num_nodes, devices, accelerator).to_dict()
 

@@ -49,6 +49,8 @@ from lightning_dapple.profile.model_profile import ModelProfile
 __all__ = ["AUTO_SCHEDULE", "RUNNABLE_SCHEDULES", "Candidate", "choose_schedule", "schedule_candidates"]
 
 AUTO_SCHEDULE = "auto"
+#: simulated steps closer than this fraction are a tie, reported as such
+TIE = 5e-4
 #: the schedules ``schedule="auto"`` chooses among: those the executor runs
 RUNNABLE_SCHEDULES: tuple[str, ...] = SCHEDULES
 
@@ -241,9 +243,12 @@ def schedule_reason(candidates: Sequence[Candidate], best: Candidate | None) -> 
         assert best.latency_ms is not None
         kind = f" ({best.plan.kind()})" if best.plan is not None and (best.straight or best.chunks > 1) else ""
         text = f"Schedule {best.label}{kind}: {best.latency_ms:.2f} ms simulated"
-        if beaten:
-            slower = ", ".join(f"{c.label} {c.latency_ms:.2f} ms (+{_percent(c.latency_ms, best.latency_ms)})" for c in beaten)
-            text += f", beat {slower}"
+        tied = [c for c in beaten if c.latency_ms <= best.latency_ms * (1 + TIE)]
+        slower = [c for c in beaten if c not in tied]
+        if slower:
+            text += ", beat " + ", ".join(f"{c.label} {c.latency_ms:.2f} ms (+{_percent(c.latency_ms, best.latency_ms)})" for c in slower)
+        if tied:  # e.g. every schedule at the bound of processes sharing cores (simulate.cores)
+            text += ", tied with " + ", ".join(f"{c.label} {c.latency_ms:.2f} ms" for c in tied) + f" ({best.label} is listed first)"
     if misfit:
         text += "; did not fit: " + ", ".join(f"{c.label} ({c.latency_ms:.2f} ms, {c.problem})" for c in misfit)
     if invalid:

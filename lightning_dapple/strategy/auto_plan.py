@@ -64,20 +64,22 @@ class PlanningContext:
 def schedules_for_cores(device_type: str, local_processes: int, cores: int) -> tuple[tuple[str, ...], str]:
     """The schedules ``schedule="auto"`` may choose on this machine, and why some are left out.
 
-    The simulator gives every rank a device of its own, so a rank waiting in a bubble is
-    idle time the schedule should remove. CPU processes that outnumber the cores they share
-    are different: a rank's bubble is another rank's compute, so interleaving and ZB-V,
-    which shrink bubbles by running more actions (more transfers, chunk hand-offs), only add
-    CPU work there. Measured on 4 processes sharing 2 cores, the interleaved plan the
-    simulator preferred for the quick start ran slower than its 1F1B plan (README,
-    "Schedules beyond 1F1B"). They stay candidates on GPUs and on CPUs with a core per rank.
+    On devices of their own a rank waiting in a bubble is idle time the schedule should
+    remove. CPU processes that outnumber the cores they share are different: a rank's bubble
+    is another rank's compute, so interleaving and ZB-V, which shrink bubbles by running
+    more actions (more transfers, chunk hand-offs, each a context switch between processes),
+    only add CPU work there. The simulator bounds such steps by the machine's compute
+    (``simulate.cores``) but not by the cost of switching; measured on 4 processes sharing 2
+    cores, the interleaved plan it preferred for the quick start before that bound ran
+    slower than its 1F1B plan (README, "Schedules beyond 1F1B"). They stay candidates on GPUs
+    and on CPUs with a core per rank.
     """
     if device_type != "cpu" or local_processes <= cores:
         return RUNNABLE_SCHEDULES, ""
     kept = tuple(name for name in RUNNABLE_SCHEDULES if name not in CHUNKED_SCHEDULES)
     return kept, (
         f"Interleaved and ZB-V were not tried: {local_processes} CPU processes share {cores} cores, "
-        "so a rank's bubble is another rank's compute, which the simulator (a core per rank) does not see."
+        "so a rank's bubble is another rank's compute, and their extra actions only add work."
     )
 
 
