@@ -23,6 +23,7 @@ TESTS=(
   tests/test_strategy_friction.py::test_a_second_reference_to_the_layers_trains_and_consolidates
   tests/test_strategy_trainer.py::test_subprocess_launcher_from_a_script
   tests/test_reliability_torchrun.py::test_torchrun_two_nodes_matches_single_process
+  tests/test_process_group.py
 )
 
 floor() {  # the version in pyproject.toml's "NAME>=VERSION"
