@@ -341,10 +341,14 @@ def _rounded(value: Any) -> Any:
 
 
 MLP = {"width": 512, "layers": 8, "batch": 256, "micro_batches": 8, "ooo": False, "warmup": 5}
+#: what ``--measured`` runs: the tiny recipes and the benchmark MLP
+MEASURED = ("bert_tiny", "gnmt_tiny", "vgg_tiny", "bert_pipeline_tiny", "mlp")
 
 
-def measured_rows(steps: int) -> list[dict[str, Any]]:
-    """Simulated against measured steps (module docstring, ``--measured``)."""
+def measured_rows(steps: int, recipes: Sequence[str] = MEASURED, overrides: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """Simulated against measured steps (module docstring, ``--measured``) of ``recipes``
+    (tiny recipe names, "mlp" for the benchmark MLP); ``overrides`` go to every recipe run
+    (e.g. ``trainer.devices=1``)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import _measured_steps
 
@@ -352,9 +356,10 @@ def measured_rows(steps: int) -> list[dict[str, Any]]:
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="fidelity_measured_") as tmp:
-        for recipe in _measured_steps.TINY_RECIPES:
-            rows.append(_measured_steps.train(recipe, Path(tmp) / recipe, steps))
-    rows.append(_measured_steps.mlp({**MLP, "steps": steps}))
+        for recipe in (name for name in recipes if name != "mlp"):
+            rows.append(_measured_steps.train(recipe, Path(tmp) / recipe, steps, tuple(overrides)))
+    if "mlp" in recipes:
+        rows.append(_measured_steps.mlp({**MLP, "steps": steps}))
     print("| model | plan | M | ooo | simulated ms | without overhead ms | measured ms | measured / simulated | within 15 % | compute, measured / simulated |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
@@ -371,6 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--measured", action="store_true", help="simulated vs measured steps of the tiny recipes and the MLP (4 CPU processes)")
     parser.add_argument("--steps", type=int, default=60, help="--measured: training steps per run")
+    parser.add_argument("--recipes", nargs="+", default=list(MEASURED), help="--measured: tiny recipes to run, 'mlp' for the benchmark MLP")
+    parser.add_argument("--overrides", nargs="*", default=[], help="--measured: Hydra overrides for every recipe run, e.g. trainer.devices=1")
     parser.add_argument("--instances", type=int, default=240, help="random instances drawn (the optimality test's 240)")
     parser.add_argument("--seed", type=int, default=SEED)
     parser.add_argument("--budget-s", type=float, default=600.0, help="wall-clock budget for planning the profiles")
@@ -379,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--md", default=None, help="write the markdown summary")
     args = parser.parse_args(argv)
     if args.measured:
-        rows = measured_rows(args.steps)
+        rows = measured_rows(args.steps, args.recipes, args.overrides)
         if args.out:
             Path(args.out).write_text(json.dumps(_rounded(rows), indent=1) + "\n")
         return 0
