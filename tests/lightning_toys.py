@@ -6,6 +6,8 @@ import torchmetrics
 import torch.nn.functional as F
 import json
 
+import pytest
+
 from lightning.pytorch import Callback, LightningModule
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -73,6 +75,22 @@ def single_device_run(steps: int = 3, clip: float = 0.5, return_model: bool = Fa
     if return_model:
         return model, losses
     return {k: v.clone() for k, v in model.state_dict().items()}, losses
+
+
+def assert_trained_like_one_device(model: LightningModule, trainer, steps: int = 3, clip: float = 0.5, epochs: int = 1) -> tuple[list[float], float]:
+    """The fitted ``model`` (rank 0's, the whole model gathered back) equals plain training on
+    one device in float64: every parameter within 1e-10, and the validation loss Lightning
+    logged equals the model's on the validation batch. Returns the reference's loss per step
+    and that validation loss."""
+    reference, losses = single_device_run(steps, clip=clip, epochs=epochs)
+    state = model.state_dict()
+    assert set(state) == set(reference)  # rank 0 got the whole model back
+    assert max(float((state[k] - reference[k]).abs().max()) for k in reference) < 1e-10
+    x, y = next(iter(mlp_loader(1)))
+    with torch.no_grad():
+        expected_val = float(F.mse_loss(model(x), y))
+    assert float(trainer.callback_metrics["val_loss"]) == pytest.approx(expected_val, abs=1e-10)
+    return losses, expected_val
 
 
 class LossRecorder(Callback):

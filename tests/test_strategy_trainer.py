@@ -13,13 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 
 import lightning_dapple  # noqa: F401  (registers the strategies)
 from lightning_dapple.strategy import DappleStrategy
-from lightning_toys import ExitCleanupProbe, LossRecorder, MLPModule, mlp_loader, single_device_run
+from lightning_toys import ExitCleanupProbe, LossRecorder, MLPModule, assert_trained_like_one_device, mlp_loader, single_device_run
 
 TWO_BY_TWO = {"global_batch_size": 12, "micro_batches": 3, "stages": [{"layers": [0, 2], "devices": [0, 1]}, {"layers": [2, 5], "devices": [2, 3]}]}
 
@@ -49,15 +48,8 @@ def test_fit_matches_single_device_and_logs_global_loss(tmp_path: Path) -> None:
     trainer = _trainer(tmp_path, TWO_BY_TWO, 4, 3, gradient_clip_val=0.5, limit_val_batches=1, val_check_interval=3, callbacks=[best, stop, probe])
     trainer.fit(model, mlp_loader(3), mlp_loader(1))
     assert Path(best.best_model_path).is_file()  # monitored a metric logged on the last stage
-    reference, losses = single_device_run(3, clip=0.5)
-    state = model.state_dict()
-    assert set(state) == set(reference)  # rank 0 got the whole model back
-    assert max(float((state[k] - reference[k]).abs().max()) for k in reference) < 1e-10
+    losses, expected_val = assert_trained_like_one_device(model, trainer)
     assert float(trainer.callback_metrics["train_loss"]) == pytest.approx(losses[-1], abs=1e-10)
-    x, y = next(iter(mlp_loader(1)))
-    with torch.no_grad():
-        expected_val = float(F.mse_loss(model(x), y))
-    assert float(trainer.callback_metrics["val_loss"]) == pytest.approx(expected_val, abs=1e-10)
     assert float(trainer.callback_metrics["val_mse"]) == pytest.approx(expected_val, abs=1e-6)  # torchmetrics
     plan = json.loads((tmp_path / "dapple_plan.json").read_text())
     assert [s["warmup"] for s in plan["stages"]] == [2, 1]
