@@ -94,8 +94,13 @@ def pytest_targets(patterns: Sequence[str]) -> tuple[list[str], list[str]]:
 
 
 def _collect(files: Sequence[str]) -> list[str]:
-    """The node ids pytest collects from ``files``, as absolute paths."""
-    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *files], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    """The node ids pytest collects from ``files``, as absolute paths; none when collecting
+    fails or runs past 2 minutes (the pattern is then reported as matching nothing)."""
+    command = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *files]
+    try:
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        return []
     return [str(ROOT / line) for line in done.stdout.splitlines() if "::" in line]
 
 
@@ -105,7 +110,7 @@ def run_tests(patterns: Sequence[str], seconds: float, log: Path | None = None, 
     ``log`` when given."""
     targets, missing = pytest_targets(patterns)
     if missing:
-        return [{"test": pattern, "outcome": "error", "message": "no test file matches"} for pattern in missing]
+        return [{"test": pattern, "outcome": "error", "message": "matches no test (no such file or name, or pytest could not collect it)"} for pattern in missing]
     with tempfile.TemporaryDirectory() as folder:
         junit = Path(folder) / "tests.xml"
         # a hanging test fails alone (pytest-timeout) instead of costing the whole run its report

@@ -127,3 +127,13 @@ def test_the_benchmark_reports_every_ratio(tmp_path: Path) -> None:
     assert len(ratios) == 6
     assert all(value > 0 for label, value in ratios.items() if not label.startswith("peak memory"))
     assert all(value is None for label, value in ratios.items() if label.startswith("peak memory"))
+
+
+def test_test_patterns_expand_and_name_what_matches_nothing() -> None:
+    """File globs, node ids and ``file::*part*`` selections; what matches nothing is an error entry."""
+    targets, missing = gpu_check.pytest_targets(["tests/test_gpu_che*.py", "tests/test_gpu_check.py::*without_cuda*", "tests/nothing_*.py", "tests/test_gpu_check.py::*no_such_test*"])
+    assert targets[0] == str(ROOT / "tests" / "test_gpu_check.py")
+    assert targets[1:] == [str(ROOT / "tests" / "test_gpu_check.py::test_without_cuda_one_line_exit_0_and_nothing_run")]
+    assert missing == ["tests/nothing_*.py", "tests/test_gpu_check.py::*no_such_test*"]
+    entries = gpu_check.run_tests(["tests/nothing_*.py"], seconds=60)
+    assert entries == [{"test": "tests/nothing_*.py", "outcome": "error", "message": "matches no test (no such file or name, or pytest could not collect it)"}]
