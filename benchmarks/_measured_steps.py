@@ -6,16 +6,19 @@ and ``bench_ooo_choice.py``.
   profiles the layers and the executor's overhead per action (``plan="auto"``), plans, and
   writes the plan (``dapple_plan.json``), the profile (``dapple_profile.json``), the plan
   simulated on that profile (``timeline_simulated.json``) and the measured step times
-  (``step_times.json``: per step the slowest rank, median after the warm-up steps). The
+  (``step_times.json``: per step the slowest rank, median after the warm-up steps, and the
+  part from ``on_before_optimizer_step`` to the step's end, ``measured_optimizer_ms``,
+  against the slowest simulated stage's optimizer step, ``simulated_optimizer_ms``). The
   simulated step is re-run here without the overhead too, to show what pricing it changes.
   ``measured_busy_ms`` is the F/B/W time of the busiest rank in the run's last step
   (``timeline_measured.json``), against ``simulated_busy_ms``, the busiest simulated stage:
   how much slower the compute itself ran than the profile says (other processes on the
   same cores), apart from waits and the per-step work outside the pipeline.
 * The benchmark MLP (``_schedules_worker.make_blocks``: Linear + ReLU blocks) as four
-  single-rank stages, DAPPLE schedule: profiled here (layers and overhead), simulated, and
-  timed on four spawned gloo ranks through ``StageRunner`` (median of ``steps`` steps of the
-  slowest rank after ``warmup``).
+  single-rank stages, DAPPLE schedule: profiled here (layers, overhead and the SGD step per
+  layer), timed on four spawned gloo ranks through ``StageRunner`` (median of ``steps`` steps
+  of the slowest rank after ``warmup``), and simulated on the cluster those ranks measured
+  before training (``execute/collective_probe.py``, as a run with ``cluster=auto`` does).
 """
 from __future__ import annotations
 
@@ -60,6 +63,7 @@ def train(recipe: str, run_dir: Path, steps: int, overrides: tuple[str, ...] = (
         "recipe": recipe, "overrides": list(overrides), "run_dir": str(run_dir), "wall_s": time.perf_counter() - started,
         "plan": plan.kind(), "micro_batches": plan.micro_batches, "ooo": bool(plan.ooo),
         "ooo_choice": plan.extra.get("ooo_choice", ""), "measured_ms": times["median_step_ms"],
+        "measured_optimizer_ms": (times.get("median_phase_ms") or {}).get("optimizer"),
     }
     measured = json.loads((run_dir / "timeline_measured.json").read_text()) if (run_dir / "timeline_measured.json").is_file() else None
     if measured is not None:  # the last step's F/B/W work of the busiest rank: compute without the waits
@@ -78,6 +82,7 @@ def simulated_pair(plan: Any, profile: ModelProfile, cluster: Any) -> dict[str, 
     return {
         "simulated_ms": result.latency_ms,
         "simulated_busy_ms": max(stage.busy_ms for stage in result.stages),
+        "simulated_optimizer_ms": max(stage.cost.optimizer_ms for stage in result.stages),
         "simulated_no_overhead_ms": simulate_plan(plan, replace(profile, action_overhead_ms=NO_OVERHEAD), cluster).latency_ms,
         "action_overhead_ms": profile.action_overhead_ms.to_dict(),
     }
@@ -101,6 +106,7 @@ def mlp(cfg: dict[str, Any]) -> dict[str, Any]:
 
     from lightning_dapple.execute.launch import run_ranks
     from lightning_dapple.execute.overhead_probe import with_action_overhead
+    from lightning_dapple.profile.optimizer_step import measure_optimizer_ms, with_optimizer_ms
     from lightning_dapple.profile.profiler import profile_layers
 
     sys.path.insert(0, str(HERE))
@@ -109,29 +115,33 @@ def mlp(cfg: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(1)
     rows = cfg["batch"] // cfg["micro_batches"]
     sample = torch.randn(rows, cfg["width"])
-    profile = with_action_overhead(profile_layers(_schedules_worker.make_blocks(cfg["width"], cfg["layers"]), sample, repeats=10, warmup=3))
+    blocks = _schedules_worker.make_blocks(cfg["width"], cfg["layers"])
+    profile = with_action_overhead(profile_layers(blocks, sample, repeats=10, warmup=3))
+    profile = with_optimizer_ms(profile, measure_optimizer_ms(list(blocks), lambda params: torch.optim.SGD(params, lr=_schedules_worker.LR)))
     plan = mlp_plan(cfg)
     record = {"recipe": "mlp", "plan": plan.kind(), "micro_batches": plan.micro_batches, "ooo": cfg["ooo"]}
-    record.update(simulated_pair(plan, profile, None))
     by_rank = run_ranks(_mlp_rank, WORLD, cfg, timeout_s=600, raise_on_error=True)
+    record.update(simulated_pair(plan, profile, by_rank[0][2]))
     record["measured_ms"] = 1e3 * statistics.median(max(by_rank[r][0][i] for r in by_rank) for i in range(cfg["steps"]))
-    record["measured_busy_ms"] = 1e3 * max(busy for _, busy in by_rank.values())
+    record["measured_busy_ms"] = 1e3 * max(busy for _, busy, _ in by_rank.values())
     return record
 
 
-def _mlp_rank(rank: int, world: int, cfg: dict[str, Any]) -> tuple[list[float], float]:
-    """This rank's wall seconds per timed step (each step starts at a barrier), and its F/B/W
-    seconds in the last step."""
+def _mlp_rank(rank: int, world: int, cfg: dict[str, Any]) -> tuple[list[float], float, dict[str, Any]]:
+    """This rank's wall seconds per timed step (each step starts at a barrier), its F/B/W
+    seconds in the last step, and the cluster as measured before training."""
     import torch
     import torch.distributed as dist
 
     sys.path.insert(0, str(HERE))
     import _schedules_worker
 
+    from lightning_dapple.execute.collective_probe import with_measured_links
     from lightning_dapple.execute.failure import FailureChannel
     from lightning_dapple.execute.runner import StageRunner
 
     torch.set_num_threads(1)
+    cluster = with_measured_links(detect_cluster(1, world, "cpu"), torch.device("cpu"))
     failure = FailureChannel(rank, timeout_s=120)
     plan = mlp_plan(cfg)
     layers = _schedules_worker.make_blocks(cfg["width"], cfg["layers"])
@@ -151,7 +161,7 @@ def _mlp_rank(rank: int, world: int, cfg: dict[str, Any]) -> tuple[list[float], 
     busy = sum(span[1] - span[0] for span in runner.stats.timeline)
     runner.finish()
     failure.close()
-    return times, busy
+    return times, busy, cluster.to_dict()
 
 
 def ratio_text(record: dict[str, Any]) -> str:

@@ -44,9 +44,11 @@ as skipped in the table, the JSON and the markdown, never dropped.
 
 ``--measured`` sets the simulator against the executor instead (``_measured_steps``): each
 tiny recipe trained by ``dapple-train`` for ``--steps`` steps on 4 CPU processes (its plan
-simulated on the profile that run measured, the executor's overhead per action included, and
-without it), and the benchmark MLP as 4 single-rank stages at M = 8; measured step = median
-over the steps after warm-up of the slowest rank. Target: measured within 15 % of simulated.
+simulated on the profile and the cluster that run measured at set-up: the layers, the
+executor's overhead per action, the optimizer step per layer, and the processes' AllReduce
+and transfer costs; also without the executor's overhead), and the benchmark MLP as 4
+single-rank stages at M = 8; measured step = median over the steps after warm-up of the
+slowest rank. Target: measured within 15 % of simulated.
 """
 from __future__ import annotations
 
@@ -360,14 +362,15 @@ def measured_rows(steps: int, recipes: Sequence[str] = MEASURED, overrides: Sequ
             rows.append(_measured_steps.train(recipe, Path(tmp) / recipe, steps, tuple(overrides)))
     if "mlp" in recipes:
         rows.append(_measured_steps.mlp({**MLP, "steps": steps}))
-    print("| model | plan | M | ooo | simulated ms | without overhead ms | measured ms | measured / simulated | within 15 % | compute, measured / simulated |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| model | plan | M | ooo | simulated ms | without overhead ms | measured ms | measured / simulated | within 15 % | compute, measured / simulated | optimizer ms, measured / simulated |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         ratio = row["measured_ms"] / row["simulated_ms"]
         busy = f"{row['measured_busy_ms'] / row['simulated_busy_ms']:.2f}" if row.get("measured_busy_ms") and row.get("simulated_busy_ms") else "-"
+        optimizer = f"{row['measured_optimizer_ms']:.1f} / {row['simulated_optimizer_ms']:.1f}" if row.get("measured_optimizer_ms") is not None else "-"
         print(
             f"| {row['recipe']} | {row['plan']} | {row['micro_batches']} | {'on' if row['ooo'] else 'off'} | {row['simulated_ms']:.1f} | "
-            f"{row['simulated_no_overhead_ms']:.1f} | {row['measured_ms']:.1f} | {ratio:.2f} | {'yes' if abs(ratio - 1) <= 0.15 else 'no'} | {busy} |"
+            f"{row['simulated_no_overhead_ms']:.1f} | {row['measured_ms']:.1f} | {ratio:.2f} | {'yes' if abs(ratio - 1) <= 0.15 else 'no'} | {busy} | {optimizer} |"
         )
     return rows
 

@@ -49,6 +49,10 @@ class Cluster:
     name: str = "custom"
     # CPU cores the devices of one machine share (CPU processes); None: each device computes on its own
     shared_cores: int | None = None
+    # fixed cost of one AllReduce call over 2 devices; None: latency_ms, the fixed cost of one transfer
+    allreduce_latency_ms: float | None = None
+    # what each device beyond 2 adds to that fixed cost
+    allreduce_latency_per_rank_ms: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("machines", "devices_per_machine"):
@@ -74,14 +78,22 @@ class Cluster:
             f"must be a positive integer or null, got {value!r}",
             "give the number of CPU cores the processes of one machine share, or null for devices with their own compute (GPUs)",
         )
-        for name in ("optimizer_state_factor", "latency_ms"):
+        for name in ("optimizer_state_factor", "latency_ms", "allreduce_latency_ms", "allreduce_latency_per_rank_ms"):
             value = getattr(self, name)
+            if value is None and name == "allreduce_latency_ms":
+                continue
             require(
                 isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0,
                 f"cluster.{name}",
                 f"must be a number >= 0, got {value!r}",
-                "use 2.0 for fp32 Adam, 0 for plain SGD",
+                "use 2.0 for fp32 Adam, 0 for plain SGD" if name == "optimizer_state_factor" else "give milliseconds (0: none)",
             )
+
+    def ring_latency_ms(self, replicas: int) -> float:
+        """The fixed cost of one AllReduce over ``replicas`` devices: ``allreduce_latency_ms``
+        (else ``latency_ms``) plus ``allreduce_latency_per_rank_ms`` per device beyond 2."""
+        base = self.latency_ms if self.allreduce_latency_ms is None else self.allreduce_latency_ms
+        return base + self.allreduce_latency_per_rank_ms * max(replicas - 2, 0)
 
     @property
     def num_devices(self) -> int:
@@ -110,7 +122,7 @@ class Cluster:
         if replicas <= 1 or num_bytes <= 0:
             return 0.0
         volume = 2.0 * (replicas - 1) / replicas * num_bytes
-        return volume / self.bytes_per_ms(self.ring_bandwidth_gbps(ranks)) + self.latency_ms
+        return volume / self.bytes_per_ms(self.ring_bandwidth_gbps(ranks)) + self.ring_latency_ms(replicas)
 
     def p2p_ms(self, num_bytes: float, senders: Sequence[int], receivers: Sequence[int]) -> float:
         """Time to move one micro-batch boundary of ``num_bytes`` from ``senders`` to ``receivers``.

@@ -17,7 +17,7 @@ from lightning_dapple.plan.console import UNBOUNDED_COLUMNS, make_console, rende
 
 RESNET50 = shared_profiles() / "pipedream" / "resnet50.graph.txt"
 FLAT_16 = {"name": "flat-16", "machines": 16, "devices_per_machine": 1, "inter_bandwidth_gbps": 200.0}
-PLAN_HEADERS = ("stage", "layers", "first .. last layer", "devices", "F ms", "B ms", "send ms", "AllReduce ms (exposed)", "memory/device", "recompute")
+PLAN_HEADERS = ("stage", "layers", "first .. last layer", "devices", "F ms", "B ms", "send ms", "AllReduce ms (exposed)", "optimizer ms", "memory/device", "recompute")
 SIMULATE_HEADERS = ("stage", "layers", "devices", "K_i", "F ms", "B ms", "send ms", "AR ms (exposed)", "recompute", "peak", "stash MB", "busy %")
 ELLIPSIS = "\u2026"
 

@@ -252,10 +252,18 @@ def test_tiny_recipe_trains_and_matches_one_device(recipe: str, tmp_path: Path, 
     measured = json.loads((run_dir / "timeline_measured.json").read_text())
     assert len(measured["ranks"]) == 4 and all(r["spans"] for r in measured["ranks"].values())
     assert "stage" in (run_dir / "dapple_plan.txt").read_text()
-    # cluster=auto: planned for this machine, 4 CPU processes sharing its memory, and the plan says so
+    # cluster=auto: planned for this machine, 4 CPU processes sharing its memory, with its
+    # links measured on the run's processes before planning; and the plan says so
     from lightning_dapple.cluster import detect_cluster
 
-    assert plan["extra"]["cluster"] == detect_cluster(1, 4, "cpu").to_dict()
+    measured_links = ("latency_ms", "allreduce_latency_ms", "allreduce_latency_per_rank_ms", "intra_bandwidth_gbps")
+    detected = detect_cluster(1, 4, "cpu").to_dict()
+    assert {k: v for k, v in plan["extra"]["cluster"].items() if k not in measured_links} == {k: v for k, v in detected.items() if k not in measured_links}
+    assert plan["extra"]["cluster"]["allreduce_latency_ms"] > 0 and plan["extra"]["cluster"]["latency_ms"] > 0
+    # and each layer's optimizer step, timed with the recipe's own optimizer
+    profile = json.loads((run_dir / "dapple_profile.json").read_text())
+    assert not profile["meta"]["optimizer"].startswith("not measured")
+    assert all(layer.get("optimizer_ms", 0) > 0 for layer in profile["layers"])
 
     # The same recipe on one device, plain Lightning: the same loss curve (dropout 0).
     single = tmp_path / "single"

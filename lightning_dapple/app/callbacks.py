@@ -91,25 +91,38 @@ class StepTimer(Callback):
     pipelined schedule, gradient sync and optimizer step). At the end rank 0 writes
     ``step_times.json``: per step the slowest rank's time, the median over the steps
     after ``warmup_steps``, and the largest ``runner.stats.peak_stash_bytes`` any rank
-    saw in any step.
+    saw in any step. ``median_phase_ms`` splits the slowest rank's step at
+    ``on_before_optimizer_step``: ``pipeline`` (the training step: the executor's schedule
+    with its gradient sync, and Lightning's closure around it) and ``optimizer`` (the
+    optimizer step and what Lightning does after it), medians after the warm-up.
     """
 
     def __init__(self, run_dir: str, warmup_steps: int = 5) -> None:
         self.run_dir = run_dir
         self.warmup_steps = warmup_steps
         self.times_s: list[float] = []
+        self.pipeline_s: list[float] = []
         self.peak_stash_bytes = 0
         self._start: float | None = None
+        self._optimizer_start: float | None = None
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self._start = time.perf_counter()
+        self._optimizer_start = None
+
+    @override
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        if self._start is not None and self._optimizer_start is None:  # the first optimizer of the step
+            self._optimizer_start = time.perf_counter()
 
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self._start is None:
             return
-        self.times_s.append(time.perf_counter() - self._start)
+        end = time.perf_counter()
+        self.times_s.append(end - self._start)
+        self.pipeline_s.append((self._optimizer_start or end) - self._start)
         self._start = None
         runner = getattr(trainer.strategy, "runner", None)
         stats = getattr(runner, "stats", None)
@@ -118,11 +131,13 @@ class StepTimer(Callback):
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        gathered = gather_to_zero((self.times_s, self.peak_stash_bytes))
+        gathered = gather_to_zero((self.times_s, self.peak_stash_bytes, self.pipeline_s))
         if gathered is None:
             return
-        steps = min(len(times) for times, _ in gathered)
-        step_ms = [1e3 * max(times[i] for times, _ in gathered) for i in range(steps)]
+        steps = min(len(times) for times, *_ in gathered)
+        slowest = [max(gathered, key=lambda rank: rank[0][i]) for i in range(steps)]
+        step_ms = [1e3 * rank[0][i] for i, rank in enumerate(slowest)]
+        pipeline_ms = [1e3 * rank[2][i] for i, rank in enumerate(slowest)]
         skip = min(self.warmup_steps, max(steps - 1, 0))
         kept = step_ms[skip:]
         summary = {
@@ -131,11 +146,22 @@ class StepTimer(Callback):
             "median_step_ms": statistics.median(kept) if kept else None,
             "mean_step_ms": statistics.fmean(kept) if kept else None,
             "step_ms": step_ms,
-            "peak_stash_bytes": max(peak for _, peak in gathered),
-            "peak_stash_bytes_per_rank": [peak for _, peak in gathered],
+            "median_phase_ms": _phases(step_ms[skip:], pipeline_ms[skip:]),
+            "peak_stash_bytes": max(peak for _, peak, _ in gathered),
+            "peak_stash_bytes_per_rank": [peak for _, peak, _ in gathered],
             "ranks": len(gathered),
         }
         write_text(Path(self.run_dir) / "step_times.json", json.dumps(summary, indent=2) + "\n")
+
+
+def _phases(step_ms: list[float], pipeline_ms: list[float]) -> dict[str, float] | None:
+    """Medians of the slowest rank's ``pipeline`` part of a step and of the rest (``optimizer``)."""
+    if not step_ms:
+        return None
+    return {
+        "pipeline": statistics.median(pipeline_ms),
+        "optimizer": statistics.median(step - pipeline for step, pipeline in zip(step_ms, pipeline_ms)),
+    }
 
 
 class PipelineReport(Callback):
@@ -205,13 +231,23 @@ class PipelineReport(Callback):
                     continue
         return None
 
+    def _cluster_of(self, plan: Any) -> dict[str, Any]:
+        """The app's cluster, or the plan's record of it (``plan.extra["cluster"]``: with
+        ``cluster=auto`` the same machine with its AllReduce measured at set-up) where the
+        plan was made for a cluster of the same name and shape."""
+        recorded = plan.extra.get("cluster")
+        same = ("name", "machines", "devices_per_machine")
+        if isinstance(recorded, dict) and all(recorded.get(key) == self.cluster.get(key) for key in same):
+            return dict(recorded)
+        return dict(self.cluster)
+
     def _write_table(self, plan: Any, profile: Any, run_dir: Path) -> None:
         """The project's plan table (lightning_dapple.plan.explain) when a profile is at hand,
         else the app's own; printed and written to ``dapple_plan.txt``."""
         parts: list[Any] = []
         if profile is not None:
             try:
-                parts = _explained(plan, profile, dict(self.cluster))
+                parts = _explained(plan, profile, self._cluster_of(plan))
             except Exception as exc:  # the table must never stop training
                 self._note(run_dir, f"plan explanation not available: {type(exc).__name__}: {exc}")
                 parts = []
@@ -226,14 +262,15 @@ class PipelineReport(Callback):
         if profile is None:
             self._note(run_dir, "simulated timeline not drawn: no layer profile")
             return
-        result = simulate_plan(plan, profile, load_cluster(dict(self.cluster)))
+        cluster = self._cluster_of(plan)
+        result = simulate_plan(plan, profile, load_cluster(cluster))
         write_text(run_dir / "timeline_simulated.json", json.dumps(result.to_dict(), indent=1) + "\n")
         tmp = run_dir / f".{SIMULATED_TIMELINE}.tmp.png"
         draw_timeline(
             result,
             tmp,
             title=f"simulated: {result.schedule}, M={result.micro_batches}, step {result.latency_ms:.2f} ms, "
-            f"bubble {100 * result.bubble_fraction:.1f}% ({profile.device} profile, cluster {self.cluster.get('name')})",
+            f"bubble {100 * result.bubble_fraction:.1f}% ({profile.device} profile, cluster {cluster.get('name')})",
         )
         os.replace(tmp, run_dir / SIMULATED_TIMELINE)
 

@@ -149,6 +149,8 @@ class ClusterConfig:
     optimizer_state_factor: float = 2.0
     latency_ms: float = 0.0
     shared_cores: Optional[int] = None  # CPU processes: the cores they share (cluster=auto detects them)
+    allreduce_latency_ms: Optional[float] = None  # fixed cost per AllReduce of 2 devices; null: latency_ms (cluster=auto measures it)
+    allreduce_latency_per_rank_ms: float = 0.0  # added to it per device beyond 2
 
 
 @dataclass

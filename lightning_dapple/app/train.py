@@ -360,7 +360,7 @@ def prepare(cfg: DictConfig, run_dir: Path) -> Job:
             recompute=arguments.recompute,
             ooo=arguments.ooo,
             wire=cfg.strategy.wire,
-            cluster=where.cluster,
+            cluster=None if where.detected else where.cluster,  # None: the strategy detects it and measures its AllReduce
             layers=layers_path,
             loss_reduction=str(cfg.strategy.loss_reduction),
             timeout_s=float(cfg.strategy.timeout_s),
@@ -385,6 +385,7 @@ class _Devices:
     num_nodes: int
     world: int
     cluster: dict[str, Any]
+    detected: bool  # cluster=auto: this machine, as detect_cluster sees it
 
 
 def _devices(cfg: DictConfig, dapple: bool) -> _Devices:
@@ -412,7 +413,7 @@ def _devices(cfg: DictConfig, dapple: bool) -> _Devices:
             f"asks for {world} devices ({num_nodes} node(s) x {devices}) but cluster {cluster.get('name')!r} has {capacity}",
             f"use at most {capacity} devices or a larger cluster (cluster=...)",
         )
-    return _Devices(accelerator, devices, num_nodes, world, cluster)
+    return _Devices(accelerator, devices, num_nodes, world, cluster, cfg.cluster.get("name") == "auto")
 
 
 def _plan_arguments(cfg: DictConfig, batch: int) -> PlanArguments:

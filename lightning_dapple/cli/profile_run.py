@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.pytorch import LightningModule
 from rich.table import Table
 from torch import nn
 
@@ -22,6 +23,7 @@ from lightning_dapple.execute.overhead_probe import with_action_overhead
 from lightning_dapple.profile.model_profile import ModelProfile
 from lightning_dapple.profile.profiler import iter_tensors, map_tensors, profile_layers
 from lightning_dapple.profile.traced_layers import finds_layers_from_forward, traced_layers
+from lightning_dapple.strategy.optimizer_probe import with_run_optimizer
 
 __all__ = ["layers_of", "load_model", "print_profile", "profile_model", "resolve_layers", "run", "sample_input_of"]
 
@@ -109,7 +111,10 @@ def profile_model(args: Any, say: Callable[[str], Any] = print) -> ModelProfile:
         cache_dir=args.cache_dir,
         name=args.name or args.model.split(":", 1)[1],
     )
-    return with_action_overhead(profile, args.device)  # the executor's own cost per action here
+    profile = with_action_overhead(profile, args.device)  # the executor's own cost per action here
+    if isinstance(model, LightningModule):  # its own optimizer's step per layer
+        profile = with_run_optimizer(profile, model, list(layers), torch.device(args.device))
+    return profile
 
 
 def sample_input_of(model: nn.Module, batch_size: int | None = None) -> Any:
@@ -146,7 +151,7 @@ def _human_bytes(value: float) -> str:
 def print_profile(profile: ModelProfile) -> None:
     """A rich table of the per-layer profile."""
     table = Table(title=f"{profile.name}: micro-batch {profile.micro_batch_size} on {profile.device}")
-    for column in ("#", "layer", "fwd ms", "bwd ms", "B ms", "W ms", "output", "params", "stash"):
+    for column in ("#", "layer", "fwd ms", "bwd ms", "B ms", "W ms", "opt ms", "output", "params", "stash"):
         table.add_column(column, justify="left" if column == "layer" else "right")
     for index, layer in enumerate(profile.layers):
         table.add_row(
@@ -156,6 +161,7 @@ def print_profile(profile: ModelProfile) -> None:
             f"{layer.backward_ms:.3f}",
             f"{layer.input_grad_ms:.3f}",
             f"{layer.weight_grad_ms:.3f}",
+            f"{layer.optimizer_ms:.3f}",
             _human_bytes(layer.output_bytes),
             _human_bytes(layer.param_bytes),
             _human_bytes(layer.stash_for(1.0)),
@@ -164,6 +170,8 @@ def print_profile(profile: ModelProfile) -> None:
     if not profile.action_overhead_ms.is_zero:
         own = ", ".join(f"{kind} {ms * 1000:.0f} us" for kind, ms in profile.action_overhead_ms.to_dict().items())
         make_console().print(f"executor overhead per action: {own}")
+    if "optimizer" in profile.meta:
+        make_console().print(f"optimizer step per layer: {profile.meta['optimizer']}")
 
 
 def run(args: Any) -> int:

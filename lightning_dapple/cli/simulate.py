@@ -130,12 +130,17 @@ def print_result(result: SimulationResult, plan: Plan) -> None:
     """A rich table per stage, then latency, bubble fraction and the planner formula's estimate."""
     table = Table(title=f"{result.schedule} schedule, M = {result.micro_batches}")
     # K_i: warm-up forwards (5.3); F/B: per micro-batch slice on one device; send: one
-    # boundary to the next stage; AR: gradient AllReduce (in brackets the part the backward does not hide); peak: micro-batches in flight.
+    # boundary to the next stage; AR: gradient AllReduce (in brackets the part the backward does not hide); opt: the
+    # optimizer step per device (shown where the profile times it); peak: micro-batches in flight.
     split = any(span.kind == "W" for stage in result.stages for span in stage.spans)
     columns = ["stage", "layers", "devices", "K_i", "F ms", "B ms"]
     if split:
         columns += ["W ms"]  # with ooo: B is the input-gradient half, W the weight half
-    columns += ["send ms", "AR ms (exposed)", "recompute", "peak", "stash MB", "busy %"]
+    columns += ["send ms", "AR ms (exposed)"]
+    optimizer = any(stage.cost.optimizer_ms for stage in result.stages)
+    if optimizer:
+        columns += ["opt ms"]
+    columns += ["recompute", "peak", "stash MB", "busy %"]
     for name in columns:
         table.add_column(name, justify="left" if name in ("layers", "devices", "recompute") else "right", no_wrap=True)
     for stage_result, stage in zip(result.stages, plan.stages):
@@ -154,6 +159,10 @@ def print_result(result: SimulationResult, plan: Plan) -> None:
         row += [
             f"{cost.send_ms:.2f}",
             f"{cost.allreduce_ms:.2f} ({cost.exposed_allreduce_ms:.2f})",
+        ]
+        if optimizer:
+            row.append(f"{cost.optimizer_ms:.2f}")
+        row += [
             stage.recompute,
             str(stage_result.peak_in_flight),
             f"{stage_result.peak_stash_bytes / MB:.1f}",

@@ -63,6 +63,9 @@ class StageCost:
       stages holding it). Each runs after the stage's buckets, once every holding stage
       has got there (the executor issues it after its buckets); ``param_bytes`` includes
       the copy and ``allreduce_ms`` / ``buckets`` leave the tied bytes out;
+    * ``optimizer_ms``: one optimizer step over the stage's parameters on each of its
+      devices (the sum of its layers' ``LayerProfile.optimizer_ms``), after its gradient sync;
+      a tied copy a stage holds for a later layer is not counted again;
     * ``overhead``: the executor's own time per action (``ModelProfile.action_overhead_ms``),
       the same for every stage and slice. The times above are the layers' compute only;
       the simulator adds ``overhead`` to every action it runs and DAPPLE's formula to every
@@ -87,6 +90,7 @@ class StageCost:
     buckets: tuple[tuple[float, float], ...] = ()
     tied: tuple[tuple[int, float], ...] = ()
     overhead: ActionOverhead = NO_OVERHEAD
+    optimizer_ms: float = 0.0
 
     @property
     def compute_ms(self) -> float:
@@ -109,6 +113,12 @@ class StageCost:
         """The AllReduce time after the last backward ends (``exposed_tail``), the tied
         parameters' AllReduces after it."""
         return exposed_tail(self.allreduce_buckets) + self.tied_allreduce_ms
+
+    @property
+    def tail_ms(self) -> float:
+        """What the stage still runs after its last backward: the exposed gradient sync and
+        the optimizer step (the ending phase's per-stage term of DAPPLE formula 2)."""
+        return self.exposed_allreduce_ms + self.optimizer_ms
 
 
 def exposed_tail(buckets: Sequence[tuple[float, float]]) -> float:
@@ -258,6 +268,7 @@ def stage_costs(
                 buckets=stage_buckets(profile, cluster, stage, per_device, synced[index]),
                 tied=tied[index],
                 overhead=profile.action_overhead_ms,
+                optimizer_ms=sum(layer.optimizer_ms for layer in layers),
             )
         )
     return costs
@@ -315,9 +326,10 @@ def step_lower_bound(costs: Sequence[StageCost], micro_batches: int) -> float:
 def pipeline_phases(costs: Sequence[StageCost]) -> list[tuple[float, float, float]]:
     """(F, B, AR) of every stage of DAPPLE's formula, communication stages included.
 
-    AR is the AllReduce tail the backward does not hide (``exposed_allreduce_ms``): DAPPLE's
-    formula 2 charges AR(P_s, g_s) after the stage's last backward, while the runtime (and
-    the simulator) start each gradient bucket as soon as its layers' last backward is done.
+    AR is the AllReduce tail the backward does not hide (``exposed_allreduce_ms``) and the
+    optimizer step after it (``tail_ms``): DAPPLE's formula 2 charges AR(P_s, g_s) after the
+    stage's last backward, while the runtime (and the simulator) start each gradient bucket
+    as soon as its layers' last backward is done.
 
     4.1: "we consider inter-stage communication as an independent stage alongside the
     computation stages"; its AR is 0 and its F and B are the transfer times.
@@ -330,7 +342,7 @@ def pipeline_phases(costs: Sequence[StageCost]) -> list[tuple[float, float, floa
     for index, cost in enumerate(costs):
         forward_extra, backward_extra = cost.overhead.per_microbatch(receives=index > 0, sends=index + 1 < len(costs))
         backward = cost.backward_ms + cost.recompute_ms + backward_extra
-        phases.append((cost.forward_ms + forward_extra, backward, cost.exposed_allreduce_ms))
+        phases.append((cost.forward_ms + forward_extra, backward, cost.tail_ms))
         if index + 1 < len(costs) and cost.send_ms > 0:
             phases.append((cost.send_ms, cost.send_ms, 0.0))
     return phases

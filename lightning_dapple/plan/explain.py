@@ -28,7 +28,7 @@ def plan_table(plan: Plan, profile: ModelProfile, cluster: Cluster) -> Table:
     estimate = " (ESTIMATE)" if profile.estimated else ""
     title = f"{plan.kind()} plan for {profile.name}{estimate}: M={plan.micro_batches}, schedule={plan.schedule}, policy={plan.policy}"
     table = Table(title=title)
-    for column in ("stage", "layers", "first .. last layer", "devices", "x", "K", "F ms", "B ms", "send ms", "AllReduce ms (exposed)", "memory/device", "recompute"):
+    for column in ("stage", "layers", "first .. last layer", "devices", "x", "K", "F ms", "B ms", "send ms", "AllReduce ms (exposed)", "optimizer ms", "memory/device", "recompute"):
         table.add_column(column, justify="right" if column not in ("first .. last layer", "devices") else "left")
     for index, (stage, cost) in enumerate(zip(plan.stages, costs)):
         in_flight = plan.micro_batches if plan.schedule == "gpipe" else int(stage.warmup or 1)
@@ -38,7 +38,7 @@ def plan_table(plan: Plan, profile: ModelProfile, cluster: Cluster) -> Table:
         table.add_row(
             str(index), f"[{stage.start}, {stage.end})", names, _devices(stage.devices), str(stage.replicas), str(stage.warmup),
             f"{cost.forward_ms:.2f}", f"{cost.backward_ms:.2f}", f"{cost.send_ms:.2f}", f"{cost.allreduce_ms:.1f} ({cost.exposed_allreduce_ms:.1f})",
-            _memory_cell(memory, cluster.device_memory_bytes) + over, stage.recompute,
+            f"{cost.optimizer_ms:.2f}", _memory_cell(memory, cluster.device_memory_bytes) + over, stage.recompute,
         )
     return table
 

@@ -35,7 +35,7 @@ class _QuickCost:
     field (recomputation time, ...) reads as 0, which is what a plan without
     recomputation has."""
 
-    __slots__ = ("forward_ms", "backward_ms", "exposed_allreduce_ms", "send_ms", "param_bytes", "stash_bytes", "overhead")
+    __slots__ = ("forward_ms", "backward_ms", "tail_ms", "send_ms", "param_bytes", "stash_bytes", "overhead")
 
     def __getattr__(self, name: str) -> float:
         if name.startswith("__"):
@@ -43,25 +43,25 @@ class _QuickCost:
         return 0.0
 
     def __init__(
-        self, forward_ms: float, backward_ms: float, exposed_allreduce_ms: float, send_ms: float, param_bytes: float, stash_bytes: float,
+        self, forward_ms: float, backward_ms: float, tail_ms: float, send_ms: float, param_bytes: float, stash_bytes: float,
         overhead: ActionOverhead,
     ) -> None:
         self.overhead = overhead
         self.forward_ms = forward_ms
         self.backward_ms = backward_ms
-        self.exposed_allreduce_ms = exposed_allreduce_ms
+        self.tail_ms = tail_ms
         self.send_ms = send_ms
         self.param_bytes = param_bytes
         self.stash_bytes = stash_bytes
 
 
-def _exposed_ms(tables: RangeTables, cluster: Cluster, stage: StagePlan, per_device: float) -> float:
-    """The stage's exposed AllReduce tail from the overlap tables."""
-    if stage.replicas <= 1:
-        return 0.0
-    coef = 2.0 * (stage.replicas - 1) / stage.replicas
-    a = coef / cluster.bytes_per_ms(cluster.ring_bandwidth_gbps(stage.devices))
-    return float(tables.overlap.tail(a, cluster.latency_ms, per_device)[stage.start, stage.end])
+def _tail_ms(tables: RangeTables, cluster: Cluster, stage: StagePlan, per_device: float) -> float:
+    """The stage's ``tail_ms`` (exposed AllReduce and optimizer step) from the range tables."""
+    a = 0.0
+    if stage.replicas > 1:
+        coef = 2.0 * (stage.replicas - 1) / stage.replicas
+        a = coef / cluster.bytes_per_ms(cluster.ring_bandwidth_gbps(stage.devices))
+    return tables.stage_tail(a, cluster.ring_latency_ms(stage.replicas), per_device, stage.start, stage.end)
 
 
 def _quick_latency(tables: RangeTables, cluster: Cluster, stages: Sequence[StagePlan], mbs: int, m: int, policy: str, schedule: str) -> tuple[float, bool]:
@@ -79,7 +79,7 @@ def _quick_latency(tables: RangeTables, cluster: Cluster, stages: Sequence[Stage
             _QuickCost(
                 float(tables.forward[a, b]) * per_device,
                 float(tables.backward[a, b]) * per_device,
-                _exposed_ms(tables, cluster, stage, per_device),
+                _tail_ms(tables, cluster, stage, per_device),
                 send,
                 params,
                 float(tables.stash_bytes(a, b, per_device)),

@@ -160,7 +160,8 @@ class StageSearch:
         self.settings = settings
         self.cap = cluster.device_memory_bytes
         self.weight_factor = 2.0 + cluster.optimizer_state_factor
-        self.lat = cluster.latency_ms
+        self.lat = cluster.latency_ms  # per transfer
+        self.ring_lat = cluster.ring_latency_ms  # per AllReduce, by replica count
         self.per = cluster.devices_per_machine
         self._scales = [0.0] + [slice_size(self.mbs, r) / tables.pbs for r in range(1, cluster.num_devices + 1)]
         self._scale_array = np.array(self._scales)
@@ -662,7 +663,7 @@ class StageSearch:
         found = self._exposed.get(key)
         if found is None:
             replicas, per_byte = key
-            found = self._exposed[key] = self.t.overlap.tail(per_byte, self.lat, self.scale(replicas))
+            found = self._exposed[key] = self.t.tail(per_byte, self.ring_lat(replicas), self.scale(replicas))
         return found
 
     def _exposed_table(self, ring: int) -> np.ndarray:
@@ -685,7 +686,7 @@ class StageSearch:
         row = self._exposed_first.get(ring)
         if row is None:
             replicas, per_byte = self.shared.ring_keys[ring]
-            row = self._exposed_first[ring] = self.t.overlap.tail_row(per_byte, self.lat, self.scale(replicas), 0)
+            row = self._exposed_first[ring] = self.t.tail_row(per_byte, self.ring_lat(replicas), self.scale(replicas), 0)
         return row
 
     def _exposed_rows(self, rings: np.ndarray, j: int, lo: int, hi: int) -> np.ndarray:
@@ -718,7 +719,7 @@ class StageSearch:
         if found is not None:
             return found[:, self.t.n]
         replicas, per_byte = self.shared.ring_keys[ring]
-        return self.t.overlap.tail_column(per_byte, self.lat, self.scale(replicas), self.t.n)
+        return self.t.tail_column(per_byte, self.ring_lat(replicas), self.scale(replicas), self.t.n)
 
     def rest_unit(self, succ: Successor) -> float:
         """``p2p_unit`` from a successor's ranks to the rest, looked up once per successor."""

@@ -3,7 +3,8 @@
 The search prices thousands of stages per second; these tables give any layer range's
 forward, backward, parameter and stash sums in O(1) (the stash's per-sample and whole parts
 apart: ``stash_bytes``), summed exactly as ``costs.stage_costs`` sums them, and every cut's bytes (per-sample part scaled, whole part once) (so ties in DAPPLE's Algorithm 1 resolve the same way in the search and in the
-official formula), plus the exposed AllReduce tails of ``overlap.OverlapTables``.
+official formula), plus every range's tail after its last backward: the exposed AllReduce of
+``overlap.OverlapTables`` and the optimizer step (``StageCost.tail_ms``).
 """
 from __future__ import annotations
 
@@ -38,6 +39,25 @@ class RangeTables:
         self.output = np.array([layer.output_bytes for layer in layers], dtype=float)
         self.output_whole = np.array([layer.output_whole_bytes for layer in layers], dtype=float)
         self.overlap = OverlapTables([layer.param_bytes for layer in layers], [layer.backward_ms for layer in layers])
+        self.optimizer = self._range_sums([layer.optimizer_ms for layer in layers])
+
+    def tail(self, a: float, latency: float, s: float) -> np.ndarray:
+        """``StageCost.tail_ms`` of every range [j, J) (rows j, columns J): the exposed
+        AllReduce tail (``OverlapTables.tail``) plus the range's optimizer step."""
+        return self.overlap.tail(a, latency, s) + self.optimizer
+
+    def tail_row(self, a: float, latency: float, s: float, j: int) -> np.ndarray:
+        """Row ``j`` of ``tail``, without the whole table (``OverlapTables.tail_row``)."""
+        return self.overlap.tail_row(a, latency, s, j) + self.optimizer[j]
+
+    def tail_column(self, a: float, latency: float, s: float, end: int) -> np.ndarray:
+        """Column ``end`` of ``tail``, without the whole table (``OverlapTables.tail_column``)."""
+        return self.overlap.tail_column(a, latency, s, end) + self.optimizer[:, end]
+
+    def stage_tail(self, a: float, latency: float, s: float, start: int, end: int) -> float:
+        """``tail`` of the one range [start, end); ``a`` = 0: one replica, no sync."""
+        exposed = float(self.overlap.tail(a, latency, s)[start, end]) if a > 0 else 0.0
+        return exposed + float(self.optimizer[start, end])
 
     def cut_bytes(self, last: Any, scale: float) -> Any:
         """Bytes crossing the cut after layer(s) ``last`` (an index or an index array) for

@@ -35,11 +35,11 @@ _INF = float("inf")
 
 def synced_step_lower_bound(costs: Sequence[StageCost], micro_batches: int) -> float:
     """``costs.step_lower_bound``, and for every stage the forward path before it, its M
-    forwards and backwards and its exposed AllReduce tail (module docstring)."""
+    forwards and backwards and its tail (exposed AllReduce and optimizer step, module docstring)."""
     best = step_lower_bound(costs, micro_batches)
     forward_path = 0.0
     for cost in costs:
-        best = max(best, forward_path + micro_batches * (cost.forward_ms + cost.backward_ms) + cost.exposed_allreduce_ms)
+        best = max(best, forward_path + micro_batches * (cost.forward_ms + cost.backward_ms) + cost.tail_ms)
         forward_path += cost.forward_ms + cost.send_ms
     return best
 

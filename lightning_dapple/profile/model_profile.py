@@ -54,7 +54,10 @@ class LayerProfile:
     after it), the per-sample part: it scales with the rows. ``output_whole_bytes`` is
     the part that does not (values with no batch dimension or a first dimension of 1);
     profiles without it have none. ``stash_bytes`` / ``stash_whole_bytes`` split what the
-    layer saves for backward the same way.
+    layer saves for backward the same way. ``optimizer_ms`` is one optimizer step over the
+    layer's parameters (the run's own optimizer, ``profile/optimizer_step.py``): it does not
+    scale with the rows, and every replica of a stage pays it once per step; profiles
+    without it have none.
     """
 
     name: str
@@ -67,6 +70,7 @@ class LayerProfile:
     backward_weight_ms: float | None = None
     output_whole_bytes: float = 0.0
     stash_whole_bytes: float = 0.0
+    optimizer_ms: float = 0.0
 
     def stash_for(self, scale: float) -> float:
         """Bytes this layer stashes for one slice of ``scale`` x the profile's micro-batch."""
@@ -159,7 +163,7 @@ class ModelProfile:
             for optional in ("backward_input_ms", "backward_weight_ms"):
                 if entry[optional] is None:
                     del entry[optional]
-            for optional in ("output_whole_bytes", "stash_whole_bytes"):
+            for optional in ("output_whole_bytes", "stash_whole_bytes", "optimizer_ms"):
                 if not entry[optional]:
                     del entry[optional]
             layers.append(entry)
@@ -209,7 +213,7 @@ def validate_profile(profile: ModelProfile) -> None:
         require(value >= 0, f"profile.{name}", f"is negative ({value})", "sizes must be >= 0")
     for index, layer in enumerate(profile.layers):
         where = f"profile.layers[{index}] ({layer.name})"
-        for name in ("forward_ms", "backward_ms", "output_bytes", "param_bytes", "stash_bytes", "output_whole_bytes", "stash_whole_bytes"):
+        for name in ("forward_ms", "backward_ms", "output_bytes", "param_bytes", "stash_bytes", "output_whole_bytes", "stash_whole_bytes", "optimizer_ms"):
             value = _number(getattr(layer, name), f"{where}.{name}", "write a number >= 0")
             require(value >= 0, f"{where}.{name}", f"is negative ({value})", "times and sizes must be >= 0")
         for name in ("backward_input_ms", "backward_weight_ms"):
@@ -261,7 +265,7 @@ def profile_from_dict(data: Any, source: str = "profile") -> ModelProfile:
         }
         whole = {
             name: _number(entry.get(name, 0.0), f"{where}.{name}", "write a number >= 0 or leave it out")
-            for name in ("output_whole_bytes", "stash_whole_bytes")
+            for name in ("output_whole_bytes", "stash_whole_bytes", "optimizer_ms")
         }
         layers.append(LayerProfile(name=str(entry["name"]), **numbers, **optional, **whole))
     mbs = data["micro_batch_size"]

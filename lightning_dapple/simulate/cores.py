@@ -6,7 +6,8 @@ gradients (ooo-backprop sec. 3) or more, smaller chunks gains. Processes sharing
 compute in turns instead: while one waits, the others run faster, and what decides the
 step is the work the machine has to do. So on a machine whose ``cluster.shared_cores`` are
 fewer than its devices, a step cannot end before that machine's compute (every F, B and W
-of its devices, the executor's cost per action included) has run on its cores:
+of its devices, the executor's cost per action included, and their optimizer steps) has
+run on its cores:
 
     step >= max over machines of (compute time of the machine's devices) / shared_cores
 
@@ -23,6 +24,8 @@ from lightning_dapple.simulate.engine import COMPUTE_SPANS, SimulationResult
 
 __all__ = ["shared_core_bound_ms", "bound_by_shared_cores"]
 
+CORE_SPANS = (*COMPUTE_SPANS, "OPT")  # what takes a core: the pipeline's compute and the optimizer step
+
 
 def shared_core_bound_ms(result: SimulationResult, cluster: Cluster) -> float | None:
     """The least step time the machines' shared cores allow ``result``'s compute, or None
@@ -35,7 +38,7 @@ def shared_core_bound_ms(result: SimulationResult, cluster: Cluster) -> float | 
     for device, spans in result.timelines.items():
         machine = cluster.machine_of(device)
         devices[machine] = devices.get(machine, 0) + 1
-        work[machine] = work.get(machine, 0.0) + sum(span.end_ms - span.start_ms for span in spans if span.kind in COMPUTE_SPANS)
+        work[machine] = work.get(machine, 0.0) + sum(span.end_ms - span.start_ms for span in spans if span.kind in CORE_SPANS)
     shared = [work[machine] / cores for machine in work if devices[machine] > cores]
     return max(shared) if shared else None
 

@@ -53,6 +53,9 @@ devices). A group runs one stage, or several (the chunks of interleaved 1F1B and
   (``execute/tied.py`` issues it after the stage's buckets). Ties are run in the order
   of the profile's ``tied`` list, drawn as "TAR" spans on the stages and on the link
   ``tied<index>`` of ``transfers``;
+* then each group runs the optimizer step over its stages' parameters
+  (``StageCost.optimizer_ms``, summed over the group's stages), drawn as an "OPT" span: the
+  group's step ends when its optimizer step does;
 * a schedule that lists no communication action at all is read as "implicit communication":
   each result is sent as soon as the compute producing it ends;
 * results: a device's timeline is its group's (spans carry their ``stage`` where the group
@@ -102,8 +105,9 @@ class ScheduleDeadlock(ValueError):
 class Span(NamedTuple):
     """One block of a timeline: [start_ms, end_ms) of ``kind`` on ``microbatch``.
 
-    ``kind`` is "F", "B", "W", "AR" or "TAR" (a tied parameter's AllReduce) on devices
-    (the AllReduces have microbatch None), and "act" or "grad" on links. ``stage`` names
+    ``kind`` is "F", "B", "W", "AR", "TAR" (a tied parameter's AllReduce) or "OPT" (the
+    optimizer step) on devices (the last three have microbatch None), and "act" or "grad"
+    on links. ``stage`` names
     the stage (chunk) of a span on a device group that runs several.
     """
 
@@ -158,6 +162,7 @@ class StageResult:
             "send_ms": self.cost.send_ms,
             "allreduce_ms": self.cost.allreduce_ms,
             "tied_allreduce_ms": self.cost.tied_allreduce_ms,
+            "optimizer_ms": self.cost.optimizer_ms,
             "stash_bytes": self.cost.stash_bytes,
             "busy_ms": self.busy_ms,
             "busy_fraction": self.busy_fraction(latency_ms),
@@ -602,11 +607,22 @@ class _Run:
                 ends[g] = end
         return links
 
+    def optimizer_steps(self, ends: list[float]) -> None:
+        """Each group's optimizer step after its gradient sync (module docstring); moves its end."""
+        steps: dict[int, float] = {}
+        for s, cost in enumerate(self.costs):
+            steps[self.group[s]] = steps.get(self.group[s], 0.0) + cost.optimizer_ms
+        for g, duration in steps.items():
+            if duration > 0:
+                self.stages[g].spans.append(Span(ends[g], ends[g] + duration, "OPT", None))
+                ends[g] += duration
+
     def result(self, devices: list[tuple[int, ...]]) -> SimulationResult:
         ends = [st.clock for st in self.stages]
         for s, link in enumerate(self.bucket_links):
             ends[self.group[s]] = max(ends[self.group[s]], link.free_at)
         tied_links = self.tied_allreduces(ends)
+        self.optimizer_steps(ends)
         latency = max(ends, default=0.0)
         results = [self.stage_result(s, ends[self.group[s]], devices[s]) for s in range(self.num_stages)]
         timelines: dict[int, list[Span]] = {}

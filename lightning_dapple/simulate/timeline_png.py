@@ -3,7 +3,8 @@
 One row per device (replicas of a stage show the same row), time in ms along x. Forward
 blocks are blue and backward blocks green as in the paper's figures; deferred weight
 gradients (W, out-of-order backprop) are orange, AllReduce grey and the AllReduce of tied
-parameters over the stages sharing them ("TAR") purple. Each block carries its
+parameters over the stages sharing them ("TAR") purple, the optimizer step ("OPT") brown.
+Each block carries its
 micro-batch id when there is room for it (``stage:micro-batch`` on a device that runs
 several stages, the chunks of interleaved and V schedules); the white gaps are the bubbles.
 
@@ -25,8 +26,8 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 
 __all__ = ["COLOURS", "LABELS", "TimelineRow", "draw_rows", "draw_timeline"]
 
-COLOURS = {"F": "#4a7fd4", "B": "#4caf50", "W": "#f39c34", "AR": "#9e9e9e", "TAR": "#8e5ea2"}
-LABELS = {"F": "forward", "B": "backward", "W": "weight grad", "AR": "AllReduce", "TAR": "tied AllReduce"}
+COLOURS = {"F": "#4a7fd4", "B": "#4caf50", "W": "#f39c34", "AR": "#9e9e9e", "TAR": "#8e5ea2", "OPT": "#8d6e63"}
+LABELS = {"F": "forward", "B": "backward", "W": "weight grad", "AR": "AllReduce", "TAR": "tied AllReduce", "OPT": "optimizer"}
 OTHER_COLOUR = "#cccccc"
 TITLE_SIZE = 12
 DPI = 100
@@ -51,7 +52,7 @@ class TimelineRow:
 
 def _block_label(span: SpanLike) -> str:
     """The micro-batch id, as ``stage:micro-batch`` where a device runs several stages."""
-    if span.kind in ("AR", "TAR"):
+    if span.kind in ("AR", "TAR", "OPT"):
         return span.kind
     if span.microbatch is None:
         return ""

@@ -7,14 +7,16 @@ a slice of the first training batch, plans for the real world size and global ba
 every rank executes the same one. The cluster is
 the one given to the strategy, or this machine as detected (``cluster.detect_cluster``:
 the Trainer's nodes x devices per node, the GPUs' name and memory, else the host's
-memory per CPU process). The plan records the cluster it was made for in
+memory per CPU process) with its AllReduce's cost per call and bandwidth measured on the
+run's own processes (``execute/collective_probe.py``). The plan records the cluster it was made for in
 ``extra["cluster"]``, so the plan file names the memory it was fitted into.
 
 Profiling runs layer by layer (only one layer on the device at a time) on one
 micro-batch slice that stays where the module lives, under autocast when the Trainer
 trains in mixed precision, so the times are those of the precision that will run. The
-executor's own time per action is measured beside it (``execute/overhead_probe.py``), so
-the simulator that picks M and ``ooo="auto"`` prices it.
+executor's own time per action is measured beside it (``execute/overhead_probe.py``), and
+so is one step of the run's optimizer over each layer (``strategy/optimizer_probe.py``),
+so the planner and the simulator that picks M and ``ooo="auto"`` price both.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from torch import nn
 
 from lightning_dapple.cluster import Cluster, usable_cores
 from lightning_dapple.errors import DappleConfigError
+from lightning_dapple.execute.collective_probe import with_measured_links
 from lightning_dapple.execute.overhead_probe import with_action_overhead
 from lightning_dapple.execute.slicing import batch_size_of, take_rows
 from lightning_dapple.plan.plan import CHUNKED_SCHEDULES, Plan, PlanShape, atomic_write_text, load_plan, plan_from_dict
@@ -40,6 +43,7 @@ from lightning_dapple.simulate.memory_fit import apply_ooo_recompute
 from lightning_dapple.simulate.plans import make_plan, simulate_plan
 from lightning_dapple.strategy.module_adapter import LogRecorder, capture_input
 from lightning_dapple.strategy.ooo_choice import decide_ooo, with_ooo_choice
+from lightning_dapple.strategy.optimizer_probe import with_run_optimizer
 from lightning_dapple.strategy.resolve import PlanArguments
 
 __all__ = ["AutoPlan", "PlanningContext", "PlanningInputs", "auto_plan", "run_finisher"]
@@ -59,6 +63,8 @@ class PlanningContext:
     profile_cache: str | None = None
     autocast_dtype: torch.dtype | None = None
     local_processes: int = 1
+    # the cluster was detected, its links assumed: measure the run's AllReduce before planning
+    measure_links: bool = False
 
 
 def schedules_for_cores(device_type: str, local_processes: int, cores: int) -> tuple[tuple[str, ...], str]:
@@ -104,6 +110,8 @@ def auto_plan(context: PlanningContext, module: LightningModule, container: nn.M
     saved = context.directory / "dapple_plan.json"
     if context.resuming and saved.is_file():
         return AutoPlan(load_plan(saved))  # resuming reuses the plan of the run
+    if context.measure_links:  # a collective: every rank takes part
+        context = replace(context, cluster=with_measured_links(context.cluster, context.device))
     data: Any = None
     inputs: PlanningInputs | None = None
     if context.global_rank == 0:
@@ -154,6 +162,7 @@ def _plan_on_rank_zero(context: PlanningContext, module: LightningModule, contai
         autocast_dtype=context.autocast_dtype,
     )
     profile = with_action_overhead(profile, context.device)  # priced by the simulator that picks M and ooo
+    profile = with_run_optimizer(profile, module, list(container), context.device)  # each stage's optimizer step
     cluster, arguments = context.cluster, context.arguments
     finish = run_finisher(arguments, profile, cluster)
     if shape is None:

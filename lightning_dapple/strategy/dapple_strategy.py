@@ -682,7 +682,8 @@ class DappleStrategy(DDPStrategy):
         """What ``plan="auto"`` needs to know about this run (``strategy/auto_plan.py``).
 
         The cluster is the one given to the strategy, or this machine as the Trainer uses
-        it (nodes x processes per node, ``cluster.detect_cluster``)."""
+        it (nodes x processes per node, ``cluster.detect_cluster``), whose AllReduce is then
+        measured before planning."""
         if self.cluster_spec is not None:
             cluster = load_cluster(self.cluster_spec)
         else:
@@ -699,6 +700,7 @@ class DappleStrategy(DDPStrategy):
             profile_cache=self.profile_cache,
             autocast_dtype=self.autocast_dtype(),
             local_processes=max(1, self.num_processes),
+            measure_links=self.cluster_spec is None,
         )
 
     def _resolve_plan(self, trainer: Trainer, module: LightningModule, container: nn.Module, sample: Any) -> Plan:
