@@ -15,11 +15,14 @@ before rank 0 plans:
   small one over ranks 0 and 1 alone: latency(2). The fixed cost grows with the ring (each
   of its 2 (w - 1) steps waits for the slowest process), so it is kept as latency(2) and a
   cost per rank beyond 2, the line through the two;
-* a ping-pong of a small message between ranks 0 and 1 (split-concat transfers, DAPPLE
-  5.2.2, are point to point): half its round trip is one transfer's latency. The two differ
-  by far where processes outnumber cores: on 4 CPU processes sharing 2 cores a gloo
-  AllReduce of 4 KiB over all 4 took 6.2 ms, over 2 of them 0.3 ms, and a one-way message
-  0.25-0.3 ms.
+* a ping-pong of a small message between ranks 2k and 2k + 1, all pairs at once
+  (split-concat transfers, DAPPLE 5.2.2, are point to point, and a pipeline's stages move
+  their boundaries at the same time): half the slowest round trip is one transfer's
+  latency. Where processes outnumber cores, these are mostly the time a message waits for
+  its receiver to get a core: on 4 CPU processes sharing 2 cores a gloo AllReduce of 4 KiB
+  over all 4 took 6.2 ms, over 2 of them 0.3 ms, and a round trip with every pair at it
+  4 ms (0.1 ms with 2 processes). The shared-core bound (``simulate/cores.py``) prices the
+  compute taking turns; these price the waits a plan's transfers and AllReduces add.
 
 Each time is the median over ``repeats`` calls (each after a barrier), the slowest rank's.
 ``with_measured_links`` puts the result into a detected cluster: ``allreduce_latency_ms``,
@@ -87,17 +90,21 @@ def _allreduce(size_bytes: int, device: torch.device) -> Callable[[], Any]:
     return lambda: dist.all_reduce(buffer)
 
 
-def _ping_pong(rank: int, device: torch.device) -> Callable[[], Any]:
-    """Ranks 0 and 1 send a small message there and back; the others do nothing."""
+def _ping_pong(rank: int, world: int, device: torch.device) -> Callable[[], Any]:
+    """Ranks 2k and 2k + 1 send a small message there and back, every pair at once (a
+    pipeline's stages all move boundaries at the same time); a last odd rank waits."""
     buffer = torch.zeros(256, dtype=torch.float32, device=device)
+    peer = rank ^ 1
 
     def call() -> None:
-        if rank == 0:
-            dist.send(buffer, 1)
-            dist.recv(buffer, 1)
-        elif rank == 1:
-            dist.recv(buffer, 0)
-            dist.send(buffer, 0)
+        if peer >= world:
+            return
+        if rank % 2 == 0:
+            dist.send(buffer, peer)
+            dist.recv(buffer, peer)
+        else:
+            dist.recv(buffer, peer)
+            dist.send(buffer, peer)
 
     return call
 
@@ -116,7 +123,7 @@ def measure_links(device: torch.device, repeats: int = 7, warmup: int = 2) -> Li
     rows = [
         _timed_ms(device, _allreduce(SMALL_BYTES, device), repeats, warmup),
         _timed_ms(device, _allreduce(LARGE_BYTES, device), repeats, warmup),
-        _timed_ms(device, _ping_pong(rank, device), repeats, warmup),
+        _timed_ms(device, _ping_pong(rank, world, device), repeats, warmup),
         _timed_ms(device, pair_allreduce, repeats, warmup) if pair is not None else [0.0] * repeats,
     ]
     slowest = torch.tensor(rows, dtype=torch.float64, device=device)
