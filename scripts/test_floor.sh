@@ -3,8 +3,9 @@
 # "torch>=X" and "lightning>=Y", installed as ==X and ==Y) in a second environment,
 # .venv-floor, with the package (editable) and its test extra at their newest, and a fast
 # subset of the suite run there: the planners, the executor's equivalence to
-# single-device training, mixed precision, and one Trainer run per launcher (spawn,
-# Lightning's subprocess launcher, torchrun).
+# single-device training, mixed precision, one Trainer run per launcher (spawn,
+# Lightning's subprocess launcher, torchrun), and the set-up probes (the run optimizer
+# copied through Lightning's configure_optimizers reading, the links).
 #
 #   bash scripts/test_floor.sh            # install (first time: about 3 GB of torch's CUDA wheels) and run
 #   bash scripts/test_floor.sh --floors   # print the pins it installs
@@ -24,6 +25,8 @@ TESTS=(
   tests/test_strategy_trainer.py::test_subprocess_launcher_from_a_script
   tests/test_reliability_torchrun.py::test_torchrun_two_nodes_matches_single_process
   tests/test_process_group.py
+  tests/test_optimizer_step.py
+  tests/test_collective_probe.py
 )
 
 floor() {  # the version in pyproject.toml's "NAME>=VERSION"

@@ -4,8 +4,9 @@ DAPPLE prices a replicated stage's gradient sync as AR(P_s, g_s), a ring AllRedu
 the stage's devices (sec. 4.1), from the cluster's link speed. A detected cluster only
 assumes its links (``cluster.GPU_LINKS`` / ``CPU_LINKS``), and with no cost per call a
 small model's sync looks free: on CPU processes a gloo AllReduce of a few kilobytes
-takes about a millisecond, which the assumed 40 Gbit/s and zero latency price at almost
-nothing, so data parallelism looks cheaper than it runs.
+takes from a few tenths of a millisecond to several milliseconds, which the assumed
+40 Gbit/s and zero latency price at almost nothing, so data parallelism looks cheaper than
+it runs.
 
 ``measure_links`` runs on the run's own processes, after the process group exists and
 before rank 0 plans:
@@ -19,16 +20,18 @@ before rank 0 plans:
   (split-concat transfers, DAPPLE 5.2.2, are point to point, and a pipeline's stages move
   their boundaries at the same time): half the slowest round trip is one transfer's
   latency. Where processes outnumber cores, these are mostly the time a message waits for
-  its receiver to get a core: on 4 CPU processes sharing 2 cores a gloo AllReduce of 4 KiB
-  over all 4 took 6.2 ms, over 2 of them 0.3 ms, and a round trip with every pair at it
-  4 ms (0.1 ms with 2 processes). The shared-core bound (``simulate/cores.py``) prices the
-  compute taking turns; these price the waits a plan's transfers and AllReduces add.
+  its receiver to get a core: a ``vgg_tiny`` run on 4 CPU processes sharing 2 cores
+  recorded (its plan's ``extra.cluster``) 0.70 ms for an AllReduce over 2 ranks and 2.70 ms
+  more per rank beyond (6.1 ms over 4), and 0.20 ms per transfer. Each exchange starts
+  after a barrier, so this is a lower bound for a running pipeline whose processes drift
+  apart. The shared-core bound (``simulate/cores.py``) prices the compute taking turns;
+  these price the waits a plan's transfers and AllReduces add.
 
 Each time is the median over ``repeats`` calls (each after a barrier), the slowest rank's.
 ``with_measured_links`` puts the result into a detected cluster: ``allreduce_latency_ms``,
-``allreduce_latency_per_rank_ms`` and ``latency_ms`` always, the intra-machine bandwidth when all ranks are on one machine (a
-ring over several machines is paced by the slower inter-machine links, which this does not
-measure apart).
+``allreduce_latency_per_rank_ms`` and ``latency_ms`` always, the intra-machine bandwidth
+when all ranks are on one machine (a ring over several machines is paced by the slower
+inter-machine links, which this does not measure apart).
 """
 from __future__ import annotations
 
