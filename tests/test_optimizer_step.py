@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from lightning.pytorch import LightningModule
 from torch import nn
 
 from lightning_dapple.cluster import Cluster
@@ -85,9 +86,17 @@ class NeedsTrainer(MLPModule):
         raise RuntimeError("no trainer yet")
 
 
+class NoOptimizer(MLPModule):
+    configure_optimizers = LightningModule.configure_optimizers  # as a module that never defines it
+
+
 @pytest.mark.parametrize(
     "module, reason",
-    [(TwoOptimizers(), "returned 2 optimizers"), (NeedsTrainer(), "configure_optimizers failed before training (RuntimeError: no trainer yet)")],
+    [
+        (TwoOptimizers(), "returned 2 optimizers"),
+        (NeedsTrainer(), "configure_optimizers failed before training (RuntimeError: no trainer yet)"),
+        (NoOptimizer(), "the module does not implement configure_optimizers"),
+    ],
 )
 def test_without_one_optimizer_to_copy_the_profile_says_why(module, reason) -> None:
     layers = list(module.layers)

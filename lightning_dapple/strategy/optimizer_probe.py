@@ -17,6 +17,7 @@ from typing import Sequence
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.core.optimizer import _configure_optimizers
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 
 from lightning_dapple.profile.model_profile import ModelProfile
@@ -28,6 +29,8 @@ __all__ = ["optimizer_factory", "with_run_optimizer"]
 def optimizer_factory(module: LightningModule) -> tuple[OptimizerFactory | None, str]:
     """A factory of fresh copies of the module's optimizer (class and defaults), and its
     name; or None and why there is none (module docstring)."""
+    if not is_overridden("configure_optimizers", module, LightningModule):
+        return None, "not measured: the module does not implement configure_optimizers"
     try:
         optimizers, _, _ = _configure_optimizers(module.configure_optimizers())
     except Exception as exc:  # the run itself will call it again and report what is wrong
