@@ -36,7 +36,6 @@ inter-machine links, which this does not measure apart).
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import replace
 from typing import Any, Callable, NamedTuple
 
@@ -44,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_dapple.cluster import Cluster
+from lightning_dapple.profile.profiler import timed_ms
 
 __all__ = ["LinkFit", "fit_ring", "measure_links", "with_measured_links"]
 
@@ -72,19 +72,14 @@ def fit_ring(small_ms: float, large_ms: float, world: int, small_bytes: int = SM
     return LinkFit(latency, bytes_per_ms * 8 * 1e3 / 1e9)
 
 
-def _timed_ms(device: torch.device, call: Callable[[], Any], repeats: int, warmup: int) -> list[float]:
+def _after_barriers_ms(device: torch.device, call: Callable[[], Any], repeats: int, warmup: int) -> list[float]:
     """This rank's ms for each of ``repeats`` calls after ``warmup``, each after a barrier."""
     times = []
     for index in range(warmup + repeats):
         dist.barrier()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        call()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        elapsed, _ = timed_ms(device, call)
         if index >= warmup:
-            times.append((time.perf_counter() - start) * 1000.0)
+            times.append(elapsed)
     return times
 
 
@@ -124,10 +119,10 @@ def measure_links(device: torch.device, repeats: int = 7, warmup: int = 2) -> Li
             dist.all_reduce(pair_buffer, group=pair)
 
     rows = [
-        _timed_ms(device, _allreduce(SMALL_BYTES, device), repeats, warmup),
-        _timed_ms(device, _allreduce(LARGE_BYTES, device), repeats, warmup),
-        _timed_ms(device, _ping_pong(rank, world, device), repeats, warmup),
-        _timed_ms(device, pair_allreduce, repeats, warmup) if pair is not None else [0.0] * repeats,
+        _after_barriers_ms(device, _allreduce(SMALL_BYTES, device), repeats, warmup),
+        _after_barriers_ms(device, _allreduce(LARGE_BYTES, device), repeats, warmup),
+        _after_barriers_ms(device, _ping_pong(rank, world, device), repeats, warmup),
+        _after_barriers_ms(device, pair_allreduce, repeats, warmup) if pair is not None else [0.0] * repeats,
     ]
     slowest = torch.tensor(rows, dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)

@@ -24,7 +24,6 @@ rank 0 measures it beside the layer profile, before any stage exists.
 from __future__ import annotations
 
 import statistics
-import time
 from collections import defaultdict, deque
 from dataclasses import replace
 from typing import Any, Callable, Sequence
@@ -38,7 +37,7 @@ from lightning_dapple.execute.transport import Peer, Transport
 from lightning_dapple.execute.wires import Incoming, Wire, _with_flags
 from lightning_dapple.profile.action_overhead import ActionOverhead
 from lightning_dapple.profile.model_profile import ModelProfile
-from lightning_dapple.profile.profiler import profile_layers
+from lightning_dapple.profile.profiler import profile_layers, timed_ms
 from lightning_dapple.schedule.actions import Kind
 
 __all__ = ["LoopbackWire", "measure_action_overhead", "with_action_overhead"]
@@ -86,24 +85,13 @@ class LoopbackWire(Wire):
         return _with_flags(incoming)
 
 
-def _timed_ms(device: torch.device, fn: Callable[[], Any]) -> float:
-    """Wall time of one call of ``fn`` in ms (CUDA work is waited for on both sides)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return (time.perf_counter() - start) * 1000.0
-
-
 def _median_ms(device: torch.device, fn: Callable[[], Any], repeats: int, warmup: int, before: Callable[[], Any]) -> float:
-    """Median of ``_timed_ms(fn)`` over ``repeats`` calls after ``warmup`` (``before`` runs
+    """Median of ``timed_ms(fn)`` over ``repeats`` calls after ``warmup`` (``before`` runs
     untimed ahead of each call)."""
     times = []
     for index in range(warmup + repeats):
         before()
-        elapsed = _timed_ms(device, fn)
+        elapsed, _ = timed_ms(device, fn)
         if index >= warmup:
             times.append(elapsed)
     return statistics.median(times)
@@ -183,7 +171,7 @@ def _transfer_overheads(device: torch.device, repeats: int, warmup: int) -> dict
     recv()  # the layout is known from here on: the steady state
     send_times, recv_times = [], []
     for index in range(warmup + repeats):
-        send_ms, recv_ms = _timed_ms(device, send), _timed_ms(device, recv)
+        send_ms, recv_ms = timed_ms(device, send)[0], timed_ms(device, recv)[0]
         if index >= warmup:
             send_times.append(send_ms)
             recv_times.append(recv_ms)

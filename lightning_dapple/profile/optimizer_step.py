@@ -5,7 +5,8 @@ a real step then runs the optimizer over each stage's parameters, on every repli
 time depends on the parameters and the optimizer, not on the micro-batch, and a plan moves
 it: a straight pipeline splits the model's optimizer step across its stages, data
 parallelism repeats the whole of it on every device. On small models it is a large share of
-a step (Adam over a tiny BERT takes as long as a third of its forward and backward).
+a step: in a quick-start profile on CPU, AdamW over one BERT block took 1.9 ms against 2.5 ms
+for the block's forward and backward on 8 rows.
 
 ``measure_optimizer_ms`` times the run's own optimizer (``make_optimizer``: a fresh instance
 of the class and settings the module's ``configure_optimizers`` returns) over each layer's
@@ -18,7 +19,6 @@ layer only, as ``param_bytes`` counts it; parameter groups' own settings are not
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import replace
 from typing import Callable, Sequence
 
@@ -26,15 +26,11 @@ import torch
 from torch import nn
 
 from lightning_dapple.profile.model_profile import ModelProfile
+from lightning_dapple.profile.profiler import timed_ms
 
 __all__ = ["OptimizerFactory", "measure_optimizer_ms", "with_optimizer_ms"]
 
 OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _layer_params(layer: nn.Module, seen: set[int]) -> list[nn.Parameter]:
@@ -57,12 +53,9 @@ def _time_steps(params: list[nn.Parameter], make_optimizer: OptimizerFactory, de
         optimizer = make_optimizer(params)
         times = []
         for index in range(warmup + repeats):
-            _sync(device)
-            start = time.perf_counter()
-            optimizer.step()
-            _sync(device)
+            elapsed, _ = timed_ms(device, optimizer.step)
             if index >= warmup:
-                times.append((time.perf_counter() - start) * 1000.0)
+                times.append(elapsed)
         del optimizer
         return statistics.median(times)
     finally:

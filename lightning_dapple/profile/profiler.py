@@ -65,7 +65,7 @@ from lightning_dapple.profile.sample_rows import batch_rows, is_whole, split_byt
 from lightning_dapple.profile.stash import StashMeter, parameter_storages, whole_input_storages
 from lightning_dapple.profile.ties import first_use_param_bytes, tied_params_records, tied_parameters
 
-__all__ = ["profile_layers", "tensor_bytes", "iter_tensors", "map_tensors"]
+__all__ = ["profile_layers", "tensor_bytes", "iter_tensors", "map_tensors", "timed_ms"]
 
 _CACHE_VERSION = 3  # 3: stash and input split into per-sample and whole parts
 _CONVENTION_FIX = (
@@ -167,7 +167,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timed(device: torch.device, fn: Callable[[], Any]) -> tuple[float, Any]:
+def timed_ms(device: torch.device, fn: Callable[[], Any]) -> tuple[float, Any]:
     """Run ``fn`` and return (milliseconds, result); CUDA work is waited for on both sides."""
     _sync(device)
     start = time.perf_counter()
@@ -268,23 +268,23 @@ def _measure_layer(
     for step in range(warmup + repeats):
         xg, leaves = grad_input()
         with torch.enable_grad():
-            fwd_ms, out = _timed(device, lambda: _call(layer, index, xg, autocast))
+            fwd_ms, out = timed_ms(device, lambda: _call(layer, index, xg, autocast))
         outs = [t for t in iter_tensors(out) if t.requires_grad]
         full_ms = b_ms = w_ms = 0.0
         targets = leaves + params
         if outs and targets:
-            full_ms, _ = _timed(device, lambda: torch.autograd.grad(outs, targets, cotangents, allow_unused=True))
+            full_ms, _ = timed_ms(device, lambda: torch.autograd.grad(outs, targets, cotangents, allow_unused=True))
             del out, outs
             xg, leaves = grad_input()
             with torch.enable_grad():
                 out = _call(layer, index, xg, autocast)
             outs = [t for t in iter_tensors(out) if t.requires_grad]
             if leaves:
-                b_ms, _ = _timed(
+                b_ms, _ = timed_ms(
                     device, lambda: torch.autograd.grad(outs, leaves, cotangents, retain_graph=bool(params), allow_unused=True)
                 )
             if params:
-                w_ms, _ = _timed(device, lambda: torch.autograd.grad(outs, params, cotangents, allow_unused=True))
+                w_ms, _ = timed_ms(device, lambda: torch.autograd.grad(outs, params, cotangents, allow_unused=True))
         del out, outs, xg, leaves
         if step >= warmup:
             forward.append(fwd_ms)
