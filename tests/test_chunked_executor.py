@@ -9,9 +9,9 @@ never and always, under a breadth-first schedule written by hand (full backward,
 into I and W), and under the builders' ``interleaved`` and ``zbv`` schedules. The model
 passes a tuple across a boundary (over the wire under interleaving, in process under V).
 Each rank's most chunk micro-batches in flight is the memory model's
-(``group_stash_walk`` over its group's merged order). A tied embedding and head on two
-groups, a failure inside one chunk, and the set-up checks (merged orders, stream orders,
-NCCL, ties within one group) have tests of their own.
+(``group_stash_walk`` over its group's merged order). A tied embedding and head (on two
+groups, or both on one under V), a failure inside one chunk, and the set-up checks (merged
+orders, stream orders, NCCL, separate tensors for one tie) have tests of their own.
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 
 import chunked_worker as cw
 from dist_harness import run_ranks
@@ -29,7 +30,7 @@ from lightning_dapple.execute.failure import FailureChannel
 from lightning_dapple.execute.groups import PlanGroups
 from lightning_dapple.execute.links import check_stream_orders
 from lightning_dapple.execute.runner import StageRunner
-from lightning_dapple.execute.tied import check_ties_on_groups
+from lightning_dapple.execute.tied import build_tied_sync
 from lightning_dapple.plan.plan import plan_from_dict
 from lightning_dapple.profile.ties import TiedParameter
 from lightning_dapple.schedule.actions import Action, Kind, group_stash_walk
@@ -113,22 +114,26 @@ def test_interleaved_and_zbv_schedules_match_single_device() -> None:
 
 
 @pytest.mark.timeout(400)
-def test_a_tie_across_device_groups_trains_like_one_process() -> None:
-    """The tied GPT's embedding (stage 0, group 0) and head (stage 3, group 1) under
-    interleaving: one summed gradient over the ranks of both groups, counted once in clipping."""
+def test_a_tied_embedding_and_head_train_like_one_process_on_other_groups_or_the_same() -> None:
+    """The tied GPT's embedding (stage 0) and head (stage 3): under interleaving on groups 0
+    and 1 (one summed gradient over the ranks of both), under V both on group 0 (one shared
+    parameter there, summed over that group's replicas); counted once in clipping."""
     gpt = [[0, 1], [1, 2], [2, 4], [4, 5]]
+    placements = {"interleaved": [0, 1, 0, 1], "zbv": [0, 1, 1, 0]}
     cases = [
-        {"global_batch_size": 12, "micro_batches": 4, "schedule": "interleaved", "stages": [{"layers": cut, "devices": GROUPS[layout][k % 2]} for k, cut in enumerate(gpt)]}
+        {"global_batch_size": 12, "micro_batches": 4, "schedule": schedule, "stages": [{"layers": cut, "devices": GROUPS[layout][g]} for cut, g in zip(gpt, placement)]}
+        for schedule, placement in placements.items()
         for layout in GROUPS
     ]
     results = run_ranks(cw.run_tied_cases, 4, cases, timeout_s=300)
     assert "__errors__" not in results, results.get("__errors__")
-    for index, layout in enumerate(GROUPS):
-        per_rank = [results[rank][index] for rank in results if results[rank][index] is not None]
-        assert len(per_rank) == sum(len(devices) for devices in GROUPS[layout]), layout
-        for res in per_rank:
-            assert res["param_diff"] < 1e-10, (layout, res)
-            assert res["tied_copies"] == 1, (layout, res)  # each rank holds one copy: stage 0's or stage 3's
+    for index, case in enumerate(cases):
+        holding = {rank for s in (0, 3) for rank in case["stages"][s]["devices"]}
+        per_rank = {rank: results[rank][index] for rank in results if results[rank][index] is not None}
+        assert len(per_rank) == sum(len(stage["devices"]) for stage in case["stages"]) // 2, case
+        for rank, res in per_rank.items():
+            assert res["param_diff"] < 1e-10, (case, rank, res)
+            assert res["tied_copies"] == (1 if rank in holding else 0), (case, rank, res)  # one copy, even for two stages
 
 
 @pytest.mark.timeout(240)
@@ -224,9 +229,17 @@ def test_the_nccl_wire_is_refused_for_chunked_plans() -> None:
         _runner_on_rank_0(plan_data("interleaved", "straight"), wire="nccl")
 
 
-def test_a_tie_between_two_chunks_on_the_same_devices_is_refused() -> None:
-    """A tied embedding (layer 0) and head (layer 7): under V both are on group 0."""
+def test_chunks_on_one_rank_holding_separate_tensors_for_a_tie_are_refused() -> None:
+    """Under V a tied embedding (layer 0) and head (layer 7) are both on rank 0: one
+    ``nn.Parameter`` there sums both uses; two separate tensors would each sum only their own."""
+    plan = plan_from_dict(plan_data("zbv", "straight"))
     tie = (TiedParameter(((0, "weight"), (7, "weight")), 8),)
-    check_ties_on_groups(plan_from_dict(plan_data("interleaved", "straight")), tie)  # stages 0 and 3: groups 0 and 1
-    with pytest.raises(DappleConfigError, match=r"stages \[0, 3\] share the tied parameter 'weight'"):
-        check_ties_on_groups(plan_from_dict(plan_data("zbv", "straight")), tie)
+    layers = [nn.Linear(2, 2, bias=False) for _ in range(8)]
+    held = [i for stage in plan.stages_of_rank(0) for i in range(plan.stages[stage].start, plan.stages[stage].end)]
+    local = [layers[i] for i in held]
+    no_collective = None  # set-up only: neither call reaches the failure channel
+    with pytest.raises(DappleConfigError, match=r"separate tensors for the tied parameter 'weight' in layers \[0, 7\] on rank 0"):
+        build_tied_sync(plan, tie, 0, local, {(0,): None}, no_collective)
+    layers[7].weight = layers[0].weight  # tied as the model ties it: one parameter, one copy here
+    sync = build_tied_sync(plan, tie, 0, local, {(0,): None}, no_collective)
+    assert sync is not None and sync.params == [layers[0].weight] and sync.copies == {id(layers[0].weight): 1}

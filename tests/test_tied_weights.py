@@ -30,6 +30,7 @@ from lightning_dapple.profile.model_profile import LayerProfile, ModelProfile, T
 from lightning_dapple.profile.profiler import profile_layers
 from lightning_dapple.profile.ties import first_use_param_bytes, tied_parameters
 from lightning_dapple.simulate import simulate_plan
+from lightning_dapple.simulate.plans import stage_memory
 from lightning_dapple.simulate.timeline_png import draw_timeline
 from lightning_dapple.strategy import DappleStrategy
 from lightning_dapple.strategy.checkpoint import CheckpointLayout, consolidated_state_dict
@@ -106,6 +107,30 @@ def test_the_cost_model_holds_a_copy_on_every_stage_and_prices_one_allreduce_ove
     assert straight[0].allreduce_ms == straight[1].allreduce_ms == 0.0 and straight[0].tied[0][1] == pytest.approx(cluster.allreduce_ms(4e5, (0, 1)))
     dp = stage_costs(_profile(), cluster, _plan(DP).stages, 4)[0]  # one stage holds the tie once: its own buckets sum it
     assert dp.tied == () and dp.param_bytes == 5e6 and dp.allreduce_ms == pytest.approx(cluster.allreduce_ms(5e6, (0, 1, 2, 3)))
+
+
+def test_stages_on_the_same_devices_hold_one_copy_of_the_tie_and_sum_it_over_those_devices_once() -> None:
+    """Under V the embedding's stage and the head's run on the same devices: one parameter
+    there (the head's stage adds no copy, unlike under interleaving), and the tie's AllReduce
+    runs over those devices, each once; on one device per group there is nothing to sum."""
+    cluster = Cluster(1, 4)
+    cuts = [[0, 1], [1, 3], [3, 4], [4, 5]]
+
+    def chunked(schedule: str, placement: list[int], groups: list[list[int]]):
+        stages = [{"layers": cut, "devices": groups[g]} for cut, g in zip(cuts, placement)]
+        return plan_from_dict({"global_batch_size": 16, "micro_batches": 4, "schedule": schedule, "stages": stages})
+
+    for groups, ranks in (([[0, 1], [2, 3]], (0, 1)), ([[0], [1]], (0,))):
+        v = chunked("zbv", [0, 1, 1, 0], groups)
+        tied, untied = (stage_costs(_profile(flag), cluster, v.stages, 4) for flag in (True, False))
+        assert [c.param_bytes for c in tied] == [c.param_bytes for c in untied]  # layer 0 counts the tie, once per device
+        assert tied[0].tied == tied[3].tied == ((0, pytest.approx(cluster.allreduce_ms(4e5, ranks))),)
+        assert tied[1].tied == tied[2].tied == ()
+        assert stage_memory(v, _profile(), cluster)[0] == pytest.approx(stage_memory(v, _profile(False), cluster)[0])
+    interleaved = stage_costs(_profile(), cluster, chunked("interleaved", [0, 1, 0, 1], [[0, 1], [2, 3]]).stages, 4)
+    assert interleaved[3].param_bytes == 1e6 + 4e5  # another group: a copy of its own
+    assert interleaved[0].tied[0][1] == pytest.approx(cluster.allreduce_ms(4e5, (0, 1, 2, 3)))
+    assert simulate_plan(chunked("zbv", [0, 1, 1, 0], [[0], [1]]), _profile(), cluster).transfers.get("tied0") is None
 
 
 def _ready_ends(result) -> list[float]:
@@ -278,10 +303,11 @@ class TieProbe(Callback):
             Path(self.directory, "tie.json").write_text(json.dumps({"tied": tied, "weight": layers[0].tok.weight.detach().reshape(-1).tolist()}))
 
 
-def _trainer(out: Path, stages: list[dict], devices: int, steps: int, callbacks: list, **kwargs) -> Trainer:
-    plan = {"global_batch_size": 12, "micro_batches": 3, "stages": stages}
+def _trainer(out: Path, stages: list[dict], devices: int, steps: int, callbacks: list, schedule: str = "dapple", **kwargs) -> Trainer:
+    plan = {"global_batch_size": 12, "micro_batches": 3, "schedule": schedule, "stages": stages}
+    ooo = schedule == "dapple"  # chunked schedules place their own weight gradients
     return Trainer(
-        strategy=DappleStrategy(plan=plan, start_method="spawn", timeout_s=60, ooo=True, recompute="always"),
+        strategy=DappleStrategy(plan=plan, start_method="spawn", timeout_s=60, ooo=ooo, recompute="always"),
         accelerator="cpu", devices=devices, precision="64-true", max_steps=steps, gradient_clip_val=CLIP, logger=False,
         enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(out), callbacks=callbacks, **kwargs,
     )
@@ -323,3 +349,20 @@ def test_trainer_trains_checkpoints_and_resumes_the_tied_model_under_another_pla
     assert json.loads((resumed / "tie.json").read_text())["tied"]
     assert _max_relative(again.state_dict(), references[-1]) <= 1e-10
 
+
+
+@pytest.mark.timeout(300)
+def test_trainer_trains_the_tied_model_under_v_with_embedding_and_head_on_one_rank(tmp_path: Path) -> None:
+    """ZB-V on 2 ranks puts the embedding's stage and the head's on rank 0: one parameter
+    there takes both stages' gradients; after fit the whole model matches one process, its
+    tie intact, and the checkpoint holds the tie once."""
+    references = single_device_states(3, CLIP)
+    v = [{"layers": [0, 1], "devices": [0]}, {"layers": [1, 2], "devices": [1]}, {"layers": [2, 4], "devices": [1]}, {"layers": [4, 5], "devices": [0]}]
+    saved = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=3, save_top_k=-1)
+    model = TiedGPTModule()
+    _trainer(tmp_path, v, 2, 3, [saved, TieProbe(str(tmp_path))], schedule="zbv").fit(model, gpt_loader())
+    assert json.loads((tmp_path / "tie.json").read_text())["tied"]
+    assert _max_relative(model.state_dict(), references[-1]) <= 1e-10
+    state = torch.load(next((tmp_path / "ckpt").iterdir()), weights_only=False)
+    assert _max_relative(state["state_dict"], references[-1]) <= 1e-10
+    assert "layers.4.head.weight" not in state["optimizer_states"][0]["state"]  # one optimizer entry for the tie

@@ -19,7 +19,12 @@ equal values), and gradient clipping uses one global coefficient, so the copies 
 bit-identical step after step. The AllReduce runs after the stage's own buckets at the
 end of the step (the simulator prices it there: ``StageCost.tied``).
 
-Ties are grouped by the set of stages holding them; each group is one flat AllReduce on a
+Stages on the same devices (a V schedule's first and last stage, holding a tied embedding
+and head) run in one process, where their layers keep the model's own single
+``nn.Parameter``: autograd adds both stages' uses into its ``.grad``, so the rank holds one
+copy with its whole local part, and the sum over ranks counts every use once.
+
+Ties are grouped by the set of ranks holding them; each group is one flat AllReduce on a
 process group of its own, made by every rank in the same order (``tied_groups``).
 """
 from __future__ import annotations
@@ -38,7 +43,7 @@ from lightning_dapple.plan.costs import stages_holding
 from lightning_dapple.plan.plan import Plan
 from lightning_dapple.profile.ties import TiedParameter
 
-__all__ = ["TiedSync", "split_ties", "tied_groups", "build_tied_sync", "check_ties_on_groups"]
+__all__ = ["TiedSync", "split_ties", "tied_groups", "build_tied_sync"]
 
 
 def split_ties(plan: Plan, ties: Sequence[TiedParameter]) -> list[tuple[TiedParameter, tuple[int, ...]]]:
@@ -49,21 +54,6 @@ def split_ties(plan: Plan, ties: Sequence[TiedParameter]) -> list[tuple[TiedPara
         if len(holders) > 1:
             out.append((tie, holders))
     return out
-
-
-def check_ties_on_groups(plan: Plan, ties: Sequence[TiedParameter]) -> None:
-    """Refuse a tie held by two stages on the same devices (on every rank alike, before
-    training): each would keep a copy on those ranks and the sum would count its own part only."""
-    placement = plan.placement
-    for tie, holders in split_ties(plan, ties):
-        groups = [placement[index] for index in holders]
-        shared = sorted({index for index in holders if groups.count(placement[index]) > 1})
-        require(
-            not shared,
-            "plan.stages[].devices",
-            f"stages {shared} share the tied parameter {tie.name_in(tie.owner)!r} of layers {list(tie.layers)} and run on the same devices",
-            "place the stages using a tied parameter on different device groups (e.g. schedule 'interleaved' instead of 'zbv'), or untie it",
-        )
 
 
 def _ranks(plan: Plan, holders: Sequence[int]) -> tuple[int, ...]:
@@ -114,20 +104,29 @@ def build_tied_sync(
     """This rank's ``TiedSync`` (None when its stages share no parameter with another).
 
     ``layers`` are the rank's layers (its stages' ranges, in pipeline order); each tie's
-    local copy is found by its name in the first of its layers on this rank's stage. Two
-    stages on this rank holding one tie (a V schedule's first and last stage, with a tied
-    embedding and head) are refused: each would hold a copy here and sum only its own part."""
-    check_ties_on_groups(plan, ties)
+    local copy is found by its name in each of its layers here. Where several of this rank's
+    stages hold the tie they must share that one ``nn.Parameter`` (module docstring):
+    separate copies would each sum only their own part, so they are refused."""
     held = plan.stages_of_rank(rank)
     offsets = dict(zip(held, itertools.accumulate((plan.stages[s].end - plan.stages[s].start for s in held), initial=0)))
     by_ranks: dict[tuple[int, ...], list[nn.Parameter]] = {}
     for tie, holders in split_ties(plan, ties):
-        mine = [index for index in holders if index in offsets]
-        if not mine:
+        local = [
+            layers[offsets[s] + layer - plan.stages[s].start].get_parameter(tie.name_in(layer))
+            for s in holders
+            if s in offsets
+            for layer in tie.layers
+            if plan.stages[s].start <= layer < plan.stages[s].end
+        ]
+        if not local:
             continue
-        stage = plan.stages[mine[0]]
-        layer = next(index for index in tie.layers if stage.start <= index < stage.end)
-        param = layers[offsets[mine[0]] + layer - stage.start].get_parameter(tie.name_in(layer))
+        param = local[0]
+        require(
+            all(other is param for other in local),
+            "model",
+            f"holds separate tensors for the tied parameter {tie.name_in(tie.owner)!r} in layers {list(tie.layers)} on rank {rank}",
+            "keep the layers' shared nn.Parameter (do not copy or re-create it after the model is built)",
+        )
         if param.requires_grad:
             by_ranks.setdefault(_ranks(plan, holders), []).append(param)
     if not by_ranks:

@@ -169,22 +169,27 @@ def synced_layer_bytes(profile: ModelProfile, stages: Sequence[StagePlan]) -> li
 
 def held_tied_bytes(profile: ModelProfile, stages: Sequence[StagePlan]) -> list[float]:
     """Per stage, the bytes of split ties it holds a copy of without counting them in its
-    layers' ``param_bytes`` (the tie's first layer is on another stage)."""
+    layers' ``param_bytes``: the tie's first layer is on another stage, and no stage on the
+    same devices counts it already (chunks of one device group, a V schedule's first and
+    last stage, hold one copy: the same ``nn.Parameter`` in one process)."""
     extra = [0.0] * len(stages)
     for index, holders in split_ties(profile, stages):
         tie = profile.tied[index]
+        counted = {stages[s].devices for s in holders if stages[s].start <= tie.layers[0] < stages[s].end}
         for s in holders:
-            if not stages[s].start <= tie.layers[0] < stages[s].end:
+            if stages[s].devices not in counted:
                 extra[s] += tie.param_bytes
+                counted.add(stages[s].devices)
     return extra
 
 
 def tied_allreduces(profile: ModelProfile, cluster: Cluster, stages: Sequence[StagePlan]) -> list[tuple[tuple[int, float], ...]]:
     """Per stage, ``StageCost.tied``: each split tie it holds, with the AllReduce time of
-    the tie's bytes over every device of the stages holding it."""
+    the tie's bytes over every device of the stages holding it (each device once: stages
+    on the same devices share one copy there)."""
     out: list[list[tuple[int, float]]] = [[] for _ in stages]
     for index, holders in split_ties(profile, stages):
-        devices = tuple(d for s in holders for d in stages[s].devices)
+        devices = tuple(sorted({d for s in holders for d in stages[s].devices}))
         duration = cluster.allreduce_ms(profile.tied[index].param_bytes, devices)
         for s in holders:
             out[s].append((index, duration))
