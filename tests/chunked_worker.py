@@ -164,9 +164,9 @@ def _local_layers(model: nn.Sequential, plan: Plan, rank: int) -> list[nn.Module
     return [model[i] for stage in plan.stages_of_rank(rank) for i in range(plan.stages[stage].start, plan.stages[stage].end)]
 
 
-def run_cases(rank: int, world: int, cases: Sequence[tuple]) -> list[dict | None]:
-    """Each (plan data, schedule kind[, runner options]): train STEPS steps, then one eval
-    pass; the largest difference from the single-process run."""
+def run_cases(rank: int, world: int, cases: Sequence[tuple], device: str = "cpu") -> list[dict | None]:
+    """Each (plan data, schedule kind[, runner options]): train STEPS steps on ``device``,
+    then one eval pass; the largest difference from the single-process run (on the CPU)."""
     failure = FailureChannel(rank, timeout_s=60)
     groups_of = GroupsPerLayout()
     ref_params, ref_losses, ref_eval = reference_run()
@@ -177,26 +177,26 @@ def run_cases(rank: int, world: int, cases: Sequence[tuple]) -> list[dict | None
         if rank >= plan.world_size:
             out.append(None)
             continue
-        model = make_model()
+        model = make_model().to(device)
         local = _local_layers(model, plan, rank)
         runner = StageRunner.for_plan(
-            plan, rank, local, torch.device("cpu"), failure, groups=groups, ties=(), schedule=schedule_of(plan, kind), **(options[0] if options else {})
+            plan, rank, local, torch.device(device), failure, groups=groups, ties=(), schedule=schedule_of(plan, kind), **(options[0] if options else {})
         )
         opt = torch.optim.Adam(runner.parameters, lr=LR)
         replicas = plan.stages[plan.stages_of_rank(rank)[0]].replicas
         losses = []
         for step in range(STEPS):
-            loss, _ = runner.train_step(make_batch(step), Callbacks())
+            loss, _ = runner.train_step(tuple(t.to(device) for t in make_batch(step)), Callbacks())
             clip_grad_norm_global(runner.parameters, CLIP, replicas, failure, group=groups.plan)
             opt.step()
             losses.append(float(loss))
-        evaluated = sum(runner.forward_step(make_batch(STEPS), EvalCallbacks()))
+        evaluated = sum(runner.forward_step(tuple(t.to(device) for t in make_batch(STEPS)), EvalCallbacks()))
         runner.finish()
         diff = 0.0
         for stage in plan.stages_of_rank(rank):
             for index in range(plan.stages[stage].start, plan.stages[stage].end):
                 for key, value in model[index].state_dict().items():
-                    diff = max(diff, float((value - ref_params[index][key]).abs().max()))
+                    diff = max(diff, float((value.cpu() - ref_params[index][key]).abs().max()))
         out.append(
             {
                 "param_diff": diff,

@@ -11,7 +11,8 @@ passes a tuple across a boundary (over the wire under interleaving, in process u
 Each rank's most chunk micro-batches in flight is the memory model's
 (``group_stash_walk`` over its group's merged order). A tied embedding and head (on two
 groups, or both on one under V), a failure inside one chunk, and the set-up checks (merged
-orders, stream orders, NCCL, separate tensors for one tie) have tests of their own.
+orders, stream orders, separate tensors for one tie) and the nccl wire's communicator per
+stream have tests of their own.
 """
 from __future__ import annotations
 
@@ -110,6 +111,24 @@ def test_interleaved_and_zbv_schedules_match_single_device() -> None:
         cases.append(({"global_batch_size": cw.ROWS, "micro_batches": 4, "schedule": schedule, "stages": stages}, "built", {"post_ahead": True}))
         names.append(f"{schedule}/six stages")
     results = run_ranks(cw.run_cases, 4, cases, timeout_s=500)
+    _check(results, cases, names)
+
+
+@pytest.mark.timeout(400)
+def test_chunked_plans_over_the_nccl_wire_match_single_device() -> None:
+    """The nccl wire (forced; over gloo with CPU tensors, untagged: a communicator matches by
+    order alone, as NCCL's do) with a communicator per stream: interleaved and ZB-V on 2
+    groups of 2 replicas, and 8 one-layer stages on 4 ranks, where rank pairs carry up to
+    4 streams."""
+    cases, names = [], []
+    for schedule in PLACEMENTS:
+        cases.append((plan_data(schedule, "2x2", "never", micro_batches=4), "built", {"wire": "nccl"}))
+        names.append(f"{schedule}/2x2/nccl")
+    for schedule, placement in (("interleaved", [k % 4 for k in range(8)]), ("zbv", [0, 1, 2, 3, 3, 2, 1, 0])):
+        stages = [{"layers": [k, k + 1], "devices": [group]} for k, group in enumerate(placement)]
+        cases.append(({"global_batch_size": cw.ROWS, "micro_batches": 4, "schedule": schedule, "stages": stages}, "built", {"wire": "nccl"}))
+        names.append(f"{schedule}/8 stages on 4 ranks/nccl")
+    results = run_ranks(cw.run_cases, 4, cases, timeout_s=300)
     _check(results, cases, names)
 
 
@@ -222,11 +241,6 @@ def test_the_built_chunked_schedules_keep_every_stream_in_one_order() -> None:
                     check_stream_orders(plan, schedule_for_plan(plan))
                     checked += 1
     assert checked > 40
-
-
-def test_the_nccl_wire_is_refused_for_chunked_plans() -> None:
-    with pytest.raises(DappleConfigError, match="NCCL's"):
-        _runner_on_rank_0(plan_data("interleaved", "straight"), wire="nccl")
 
 
 def test_chunks_on_one_rank_holding_separate_tensors_for_a_tie_are_refused() -> None:

@@ -271,3 +271,25 @@ def test_a_peer_that_never_sends_ends_the_job_within_the_timeout(tmp_path: Path,
     assert len(lines) == 1 and lines[0].startswith(
         "lightning_dapple: rank 0: no progress for 5 s while waiting for gradient 0 from rank 1"
     ), lines
+
+
+# -- chunked plans under NCCL: a communicator per stream --------------------------------------
+
+
+def _nccl_chunked(rank: int, world: int, port: int, cases: list) -> list:
+    import chunked_worker
+
+    device = _use_nccl(rank, world, port)
+    return chunked_worker.run_cases(rank, world, cases, str(device))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="chunked plans under NCCL need two CUDA devices")
+def test_chunked_plans_under_nccl_match_single_process() -> None:
+    """Interleaved and ZB-V on 2 GPUs (two stages per rank, each boundary and direction on a
+    communicator of its own): the parameters, losses and eval loss of one CPU process."""
+    from test_chunked_executor import PLACEMENTS, _check, plan_data
+
+    cases = [(plan_data(schedule, "straight", "never", micro_batches=4), "built", {"wire": "nccl"}) for schedule in PLACEMENTS]
+    results = run_ranks(_nccl_chunked, 2, free_port(), cases, timeout_s=240)
+    _check(results, cases, list(PLACEMENTS))

@@ -262,3 +262,40 @@ def test_every_schedule_runs_through_the_nccl_wire_with_crossing_traffic() -> No
     cases = check_crossing(results, 5, bound_s=60.0)
     assert cases == len(SCHEDULES) * sum(sum(len(stage) for stage in devices) for devices in SHAPES.values())
 
+
+
+def streams_worker(rank: int, world: int) -> dict[str, Any]:
+    """Rank 0 sends rank 1 boundary 0's activation, then boundary 2's; rank 1 takes boundary
+    2's first, as a rank holding several stages may: on the ``nccl`` wire each stream (a
+    boundary and direction) must have a communicator of its own, or the first receive meets
+    the other boundary's message."""
+    from lightning_dapple.execute.failure import FailureChannel
+    from lightning_dapple.execute.keys import TransferKey
+    from lightning_dapple.execute.transport import Peer, Transport
+
+    failure = FailureChannel(rank, timeout_s=30, poll_s=0.1)
+    routes = _Routes()
+    transport = Transport(failure, torch.device("cpu"), wire="nccl", links=[(0, 1, 0), (0, 1, 2)], tagged=True)
+    rows = (0, 4)
+    keys = {boundary: TransferKey(Direction.ACTIVATION, 0, boundary) for boundary in (0, 2)}
+    values = {boundary: _values(boundary, 0, rows, 0, 1.0) for boundary in (0, 2)}
+    received: dict[int, bool] = {}
+    for boundary in (0, 2) if rank == 0 else (2, 0):
+        if rank == 0:
+            transport.send_activation(values[boundary], rows, [Peer(1, rows)], keys[boundary])
+        else:
+            got = transport.recv_activation(rows, [Peer(0, rows)], keys[boundary])
+            received[boundary] = torch.equal(got.detach(), values[boundary].detach())
+    transport.flush()
+    failure.close()
+    return {"received": received, "routes": sorted(sorted(uses) for uses in routes.calls.values())}
+
+
+@pytest.mark.timeout(120)
+def test_the_nccl_wire_gives_each_stream_of_a_link_its_own_communicator() -> None:
+    results = run_ranks(streams_worker, 2, timeout_s=90)
+    assert "__errors__" not in results, results.get("__errors__")
+    assert results[1]["received"] == {2: True, 0: True}
+    # two communicators, each carrying one stream's messages (the wire's first messages aside)
+    for rank, peer, verb in ((0, 1, "isend"), (1, 0, "irecv")):
+        assert results[rank]["routes"] == [[(verb, peer)], [(verb, peer)]], results[rank]

@@ -11,6 +11,10 @@ stages (split-concat) is the transport's business: one key names the whole trans
 transport's wait messages add the peer ranks.
 
 The keys of an action list are computed once per plan (``StageRunner`` set-up), not per step.
+
+A rank holding several stages exchanges several boundaries with one peer; each boundary and
+direction is then a *stream* of its own (``links``), told apart by ``stream_tag``: the
+message tag under gloo, the communicator under NCCL (``wires.NcclWire``).
 """
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ from typing import NamedTuple
 
 from lightning_dapple.schedule.actions import Kind
 
-__all__ = ["Direction", "TransferKey", "transfer_key"]
+__all__ = ["Direction", "TransferKey", "transfer_key", "stream_tag", "TAG_BASE"]
 
 
 class Direction(str, Enum):
@@ -61,3 +65,12 @@ def transfer_key(kind: Kind, stage: int, microbatch: int) -> TransferKey:
         raise ValueError(f"{kind} is not a transfer between stages")
     direction, offset = _ROUTE[kind]
     return TransferKey(direction, microbatch, stage + offset)
+
+
+# the first stream tag: above every other message tag of a plan (the results hand-off uses 7)
+TAG_BASE = 16
+
+
+def stream_tag(boundary: int, direction: Direction) -> int:
+    """The tag of one boundary's transfers in one direction (module docstring)."""
+    return TAG_BASE + 2 * boundary + (direction is Direction.GRADIENT)

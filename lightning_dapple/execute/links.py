@@ -23,7 +23,8 @@ one boundary with the same peer, in both directions: under interleaving rank 0 s
 the activations of boundary 0 and the gradients of boundary 1, and a schedule's merged
 orders may send them in another order than the peer takes them. gloo matches a receive
 with the oldest message of its peer and tag, so such a transport tags each boundary and
-direction apart (``Transport(tagged=True)``): a *stream*. Within a stream both ends must
+direction apart (``Transport(tagged=True)``): a *stream*; NCCL, which has no tags, gives each
+stream a communicator of its own (``plan_streams``). Within a stream both ends must
 still go in one order; ``stream_orders`` replays each group's merged order and lists, per
 stream, the micro-batches its sender sends and its receiver takes, and
 ``check_stream_orders`` refuses a schedule whose two ends differ (a message would meet the
@@ -40,7 +41,7 @@ from lightning_dapple.execute.slicing import overlap, slice_rows
 from lightning_dapple.plan.plan import Plan
 from lightning_dapple.schedule.actions import Action, Kind, Schedule
 
-__all__ = ["Link", "Channel", "Stream", "plan_links", "link_orders", "mismatched_links", "stream_orders", "check_stream_orders"]
+__all__ = ["Link", "Channel", "Stream", "plan_links", "plan_streams", "link_orders", "mismatched_links", "stream_orders", "check_stream_orders"]
 
 Link = tuple[int, int]  # (upstream rank, downstream rank)
 Channel = tuple[Direction, int, int]  # (direction, sending rank, receiving rank): one communicator
@@ -70,6 +71,19 @@ def plan_links(plan: Plan) -> list[Link]:
                 if sender != receiver and (sender, receiver) not in links and _can_share(i, upstream.replicas, j, downstream.replicas):
                     links.append((sender, receiver))
     return links
+
+
+def plan_streams(plan: Plan) -> list[tuple[int, int, int]]:
+    """``plan_links`` per boundary: every (upstream, downstream, boundary) that may carry rows,
+    the streams of a rank holding several stages (module docstring), each a communicator of
+    its own in each direction under NCCL (``wires.link_groups``)."""
+    streams: list[tuple[int, int, int]] = []
+    for boundary, (upstream, downstream) in enumerate(zip(plan.stages, plan.stages[1:])):
+        for i, sender in enumerate(upstream.devices):
+            for j, receiver in enumerate(downstream.devices):
+                if sender != receiver and _can_share(i, upstream.replicas, j, downstream.replicas):
+                    streams.append((sender, receiver, boundary))
+    return streams
 
 
 def link_orders(plan: Plan, actions: Sequence[Sequence[Action]], batch_rows: int) -> dict[Channel, tuple[list[int], list[int]]]:

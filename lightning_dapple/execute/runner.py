@@ -42,7 +42,7 @@ from typing import Any, Callable, ContextManager, NamedTuple, Sequence
 import torch
 from torch import nn
 
-from lightning_dapple.errors import DappleConfigError, require
+from lightning_dapple.errors import DappleConfigError
 from lightning_dapple.execute.action_errors import name_action
 from lightning_dapple.execute.batchnorm import StageBuffers
 from lightning_dapple.execute.chunked import ChunkedRunner, RankShared
@@ -50,7 +50,7 @@ from lightning_dapple.execute.failure import FailureChannel, PeerFailedError
 from lightning_dapple.execute.grad_sync import GradientSync
 from lightning_dapple.execute.groups import PlanGroups, build_groups
 from lightning_dapple.execute.keys import TransferKey, transfer_key
-from lightning_dapple.execute.links import check_stream_orders, plan_links
+from lightning_dapple.execute.links import check_stream_orders, plan_links, plan_streams
 from lightning_dapple.execute.replay import detached, restore_rng, save_rng
 from lightning_dapple.execute.results import ResultChannel
 from lightning_dapple.execute.slicing import batch_size_of, slice_rows, take_rows
@@ -60,7 +60,6 @@ from lightning_dapple.execute.stats import StageStats
 from lightning_dapple.execute.stash_ledger import KnownSizes, StageSlots, StashLedger, StashSizes, StepSizes
 from lightning_dapple.execute.tied import TiedSync, build_tied_sync, tied_groups
 from lightning_dapple.execute.transport import Peer, Transport, receives_ahead_pay
-from lightning_dapple.execute.wires import choose_wire
 from lightning_dapple.plan.buckets import BUCKET_BYTES, bucket_layers
 from lightning_dapple.plan.plan import Plan
 from lightning_dapple.profile.stash import StashMeter
@@ -229,24 +228,19 @@ class StageRunner:
     ) -> "ChunkedRunner":
         """A rank holding several stages: one runner per stage over its share of ``layers``
         (the rank's layers, its stages' ranges in pipeline order), driven in the group's merged
-        order by a ``ChunkedRunner`` (``execute/chunked.py``), over one transport that tags
-        each boundary and direction apart (``links``). The ``ChunkedRunner`` posts receives
+        order by a ``ChunkedRunner`` (``execute/chunked.py``), over one transport that keeps
+        each boundary and direction apart (``links``: a tag under gloo, a communicator per
+        stream under NCCL). The ``ChunkedRunner`` posts receives
         ahead in the merged order (``post_ahead`` as for one stage); sends are waited at the
         end of the step: ``schedule.settle``'s waits are derived from one stage's list, and in
         a merged order such a wait could stand behind another chunk's work."""
         check_stream_orders(plan, schedule)
         wire = options.pop("wire", "auto")
-        require(
-            choose_wire(wire, device) != "nccl",
-            "wire",
-            f"is NCCL's, which this executor does not run for plans with several stages per device group (schedule {plan.schedule!r})",
-            "train chunked plans with the gloo backend, or use schedule 'dapple' on NCCL",
-        )
         post_ahead = options.pop("post_ahead", None)
         options.pop("settle_sends", None)
         # one transport and result channel per rank (collective under NCCL: every rank, once)
         shared = RankShared(
-            Transport(failure, device, wire=wire, links=plan_links(plan), tagged=True), ResultChannel(plan, rank, device, failure), StashLedger()
+            Transport(failure, device, wire=wire, links=plan_streams(plan), tagged=True), ResultChannel(plan, rank, device, failure), StashLedger()
         )
         units, offset = [], 0
         for stage in plan.stages_of_rank(rank):

@@ -76,15 +76,12 @@ from torch.utils import _pytree as pytree
 
 from lightning_dapple.errors import DappleConfigError, require
 from lightning_dapple.execute.failure import FailureChannel
-from lightning_dapple.execute.keys import Direction, TransferKey
+from lightning_dapple.execute.keys import TransferKey, stream_tag
 from lightning_dapple.execute.slicing import flatten, overlap, unflatten
 from lightning_dapple.execute.wires import Incoming, Wire, make_wire
 from lightning_dapple.profile.sample_rows import is_whole
 
 HEADER_INTS = 512
-# the first tag of tagged transfers (``Transport._tag``): above every other message tag of a
-# plan (the results hand-off uses 7)
-TAG_BASE = 16
 _DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
     torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
@@ -418,7 +415,7 @@ class Transport:
         if not self.tagged:
             return 0
         assert isinstance(transfer, TransferKey), transfer
-        return TAG_BASE + 2 * transfer.boundary + (transfer.direction is Direction.GRADIENT)
+        return stream_tag(transfer.boundary, transfer.direction)
 
     @property
     def posts_ahead(self) -> bool:

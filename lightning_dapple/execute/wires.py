@@ -17,7 +17,11 @@ differs is how a message's bytes get from one rank to the other.
   link (a pair of adjacent-stage ranks, ``links.plan_links``) gets one two-rank process
   group per direction: a communicator carries one sender's messages to one receiver, in the
   order both action lists issue them (``links.link_orders``; the tests check every
-  schedule), and nothing else waits behind them. A group per link, not one group with
+  schedule), and nothing else waits behind them. A rank holding several stages (chunks)
+  sends one peer several boundaries, which the merged orders interleave differently at the
+  two ends; there each boundary and direction (a stream, ``links.plan_streams``) gets its
+  own group, the communicator standing in for gloo's tag, and each stream goes in one
+  order at both ends (``links.check_stream_orders``). A group per link, not one group with
   unbatched point-to-point calls: once the default group is bound to a device
   (``init_process_group(device_id=...)``, which Lightning does), ProcessGroupNCCL sends a
   group's unbatched point-to-point operations through the group's own communicator. The
@@ -47,6 +51,7 @@ import torch.distributed as dist
 
 from lightning_dapple.errors import require
 from lightning_dapple.execute.failure import FailureChannel
+from lightning_dapple.execute.keys import Direction, stream_tag
 from lightning_dapple.execute.staging import Stager
 
 WIRES = ("auto", "gloo", "staged", "nccl")
@@ -277,29 +282,35 @@ class HostReader:
 
 
 def link_groups(
-    links: Sequence[tuple[int, int]], device: torch.device, index: int | None, failure: FailureChannel
-) -> dict[tuple[str, int], Any]:
-    """One two-rank process group per link and direction; this rank's, by (direction, peer).
+    links: Sequence[tuple[int, ...]], device: torch.device, index: int | None, failure: FailureChannel
+) -> dict[tuple[str, int, int], Any]:
+    """One two-rank process group per link and direction; this rank's, by (direction, peer, tag).
 
-    Collective: every rank makes every group, in one order. Under NCCL (``index``: the CUDA
-    device's) each group then carries one byte in its direction, in that same order, so that
-    every pair is connected before the schedule runs (a rank reaching a pair's first
-    operation blocks until the peer does; in one global order, the earliest pending pair
-    always has both ranks there).
+    A link is (upstream, downstream): one communicator per direction carries every boundary
+    between those ranks, under tag 0. Or (upstream, downstream, boundary): one per stream
+    (``keys.stream_tag``), for a rank holding several stages, whose boundaries with one peer
+    the merged orders interleave (``links.plan_streams``). Collective: every rank makes every
+    group, in one order. Under NCCL (``index``: the CUDA device's) each group then carries one
+    byte in its direction, in that same order, so that every pair is connected before the
+    schedule runs (a rank reaching a pair's first operation blocks until the peer does; in
+    one global order, the earliest pending pair always has both ranks there).
     """
     rank = dist.get_rank()
-    oriented: dict[tuple[int, int], tuple[int, int]] = {}
-    for upstream, downstream in links:
-        oriented.setdefault((min(upstream, downstream), max(upstream, downstream)), (upstream, downstream))
-    groups: dict[tuple[str, int], Any] = {}
+    oriented: dict[tuple[int, int, int | None], tuple[int, int]] = {}
+    for upstream, downstream, *boundary in links:
+        key = (min(upstream, downstream), max(upstream, downstream), boundary[0] if boundary else None)
+        oriented.setdefault(key, (upstream, downstream))
+    groups: dict[tuple[str, int, int], Any] = {}
     first: list[tuple[Any, int, bool]] = []  # (group, peer, whether this rank sends) in the global order
-    for pair in sorted(oriented):
-        upstream, downstream = oriented[pair]
+    for key in sorted(oriented, key=lambda k: (k[0], k[1], -1 if k[2] is None else k[2])):
+        low, high, boundary = key
+        upstream, downstream = oriented[key]
         for direction in DIRECTIONS:
-            group = dist.new_group(list(pair))
-            if rank in pair:
+            group = dist.new_group([low, high])
+            if rank in (low, high):
                 peer = downstream if rank == upstream else upstream
-                groups[(direction, peer)] = group
+                tag = 0 if boundary is None else stream_tag(boundary, Direction(direction))
+                groups[(direction, peer, tag)] = group
                 sender = upstream if direction == "activation" else downstream
                 first.append((group, peer, rank == sender))
     if device.type == "cuda" and first:
@@ -318,8 +329,10 @@ class NcclWire(Wire):
     """One communicator per link and direction, waits on the GPU; see the module docstring.
 
     ``links``: the (upstream, downstream) rank pairs that may exchange boundary tensors
-    (``links.plan_links``); None: every pair of ranks of the world, the lower rank taken as
-    upstream (a pair used the other way round then connects at its first message).
+    (``links.plan_links``), or, for a tagged transport, its streams as (upstream, downstream,
+    boundary) (``links.plan_streams``: a communicator per stream, see ``link_groups``); None:
+    every pair of ranks of the world, the lower rank taken as upstream (a pair used the
+    other way round then connects at its first message).
     """
 
     name = "nccl"
@@ -343,23 +356,24 @@ class NcclWire(Wire):
     def typed(dtype: torch.dtype) -> bool:
         return not dtype.is_complex and dtype is not torch.bool
 
-    def _group(self, direction: str, peer: int) -> Any:
-        group = self.groups.get((direction, peer))
+    def _group(self, direction: str, peer: int, tag: int) -> Any:
+        group = self.groups.get((direction, peer, tag))
         if group is None:
             raise RuntimeError(
-                f"rank {dist.get_rank()} has no {direction} link to rank {peer}: the nccl wire was built for other "
-                "links than the plan's (Transport(links=...) must list every pair of ranks that exchange rows)"
+                f"rank {dist.get_rank()} has no {direction} link to rank {peer} for tag {tag}: the nccl wire was built for other "
+                "links than the plan's (Transport(links=...) must list every pair of ranks that exchange rows, "
+                "and a tagged transport every stream: links.plan_streams)"
             )
         return group
 
     def send(self, messages: Sequence[tuple[torch.Tensor, int]], direction: str, tag: int = 0) -> list[tuple[Any, Any]]:
-        # NCCL has no tags (a communicator matches by issue order): ``tag`` is not used.
-        # Issued from the current (compute) stream, which produced the data: NCCL's stream
+        # NCCL has no tags (a communicator matches by issue order): ``tag`` picks the
+        # stream's communicator (0 where one carries every boundary of the link). Issued from the current (compute) stream, which produced the data: NCCL's stream
         # waits for it there, and records the tensor so that its memory outlives the send
         out = []
         for tensor, peer in messages:
             tensor = tensor if tensor.device == self.device else tensor.to(self.device)
-            out.append((dist.isend(tensor, peer, group=self._group(direction, peer)), tensor))
+            out.append((dist.isend(tensor, peer, group=self._group(direction, peer, tag)), tensor))
         return out
 
     def wait_sends(self, works: Sequence[Any], what: str) -> None:
@@ -368,16 +382,16 @@ class NcclWire(Wire):
 
     def post(self, specs: Sequence[tuple[int, Any, bool]], direction: str, control: bool = False, tag: int = 0) -> list[Incoming]:
         if self.reader is None:
-            return self._post(specs, direction, control)
+            return self._post(specs, direction, control, tag)
         with self.reader.issuing():
             # allocated on the reader's stream too; ``wait`` hands the buffers to the compute stream
-            return self._post(specs, direction, control)
+            return self._post(specs, direction, control, tag)
 
-    def _post(self, specs: Sequence[tuple[int, Any, bool]], direction: str, control: bool) -> list[Incoming]:
+    def _post(self, specs: Sequence[tuple[int, Any, bool]], direction: str, control: bool, tag: int) -> list[Incoming]:
         out = []
         for peer, spec, flagged in specs:
             buffer = spec.make(self.device, self.zero_flags)
-            work = dist.irecv(buffer, peer, group=self._group(direction, peer))
+            work = dist.irecv(buffer, peer, group=self._group(direction, peer, tag))
             out.append(Incoming(peer, work, buffer, spec.shape, spec.dtype, flagged, control=control))
         return out
 
