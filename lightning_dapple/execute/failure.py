@@ -63,7 +63,7 @@ import time
 from collections import deque
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Iterator, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -74,6 +74,7 @@ HEARTBEAT_KEY = "lightning_dapple/heartbeat/{rank}"
 WHERE_KEY = "lightning_dapple/where/{rank}"
 DEATH_MARKS = ("died without reporting", "stopped responding")
 DEAD_GRACE_S = 3.0
+STORE_LINGER_S = 1.0  # > the 0.2 s a woken peer polls the store for a report (``_raise_for``)
 
 
 class PeerFailedError(RuntimeError):
@@ -148,6 +149,11 @@ class FailureChannel:
         # exception", SIGABRT at exit): stop and join it before finalization.
         atexit.register(self.close)
 
+    @property
+    def store(self) -> Any:
+        """The job's store, where failures and heartbeats are kept (``store_sync`` waits there too)."""
+        return self._store
+
     # -- reporting --------------------------------------------------------------
     def report(self, exc: BaseException) -> None:
         """Publish this rank's error so that peers stop with the same message."""
@@ -218,6 +224,26 @@ class FailureChannel:
                     left = max(deadline - time.monotonic(), 0.001)
                     work.wait(timedelta(seconds=left))
         except Exception as exc:
+            self._raise_for(exc, what)
+
+    def wait_until(self, ready: Callable[[], bool], what: str) -> None:
+        """Block until ``ready()`` (a store query) holds, for as long as the peers live: no
+        deadline, since what this rank waits for is a peer's own work of any length (rank 0
+        planning, or writing a checkpoint; ``store_sync``). A peer's report ends the wait
+        with its message; a peer silent for ``unresponsive_s`` ends the job (the watchdog's
+        silence rule), and a store that stopped answering names its host."""
+        if self._peer_message is not None:
+            self.check()
+        pause = 0.001  # a short wait stays short; a long one polls every poll_s
+        try:
+            with self._blocked(what, bounded_here=False):
+                while not ready():
+                    self.check()
+                    time.sleep(pause)
+                    pause = min(2 * pause, self.poll_s)
+        except PeerFailedError:
+            raise
+        except Exception as exc:  # the store is gone with its host
             self._raise_for(exc, what)
 
     @contextmanager
@@ -452,7 +478,7 @@ class FailureChannel:
         self._publish(message)
         self._say(f"{message}; rank {self.rank} exits")
         self._end_local(silent)
-        os._exit(1)
+        self._exit_published()
 
     def _watch_silence(self, waiting: Waiting | None) -> None:
         """While blocked for long, compare heartbeats; report a peer silent ``unresponsive_s``."""
@@ -471,6 +497,15 @@ class FailureChannel:
         self._publish(message)
         self._say(f"{message}; rank {self.rank} exits")
         self._end_local(silent)
+        self._exit_published()
+
+    def _exit_published(self) -> None:
+        """End this process after publishing the job's failure. Under Lightning's launchers
+        rank 0 serves the store: it stays a moment, so that the peers its ending wakes (their
+        waits on the ranks it ended fail at once) read the failure there instead of finding
+        the store gone and naming rank 0 as the dead one."""
+        if self.rank == 0:
+            time.sleep(STORE_LINGER_S)
         os._exit(1)
 
     def _end_local(self, ranks: list[int]) -> None:
@@ -484,6 +519,11 @@ class FailureChannel:
                     os.kill(int(where[1]), signal.SIGKILL)
                 except (OSError, ValueError):  # gone already
                     pass
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close`` has stopped the watchdog."""
+        return self._closed.is_set()
 
     def close(self) -> None:
         """Stop the watchdog and wait for it (the process group is going away)."""

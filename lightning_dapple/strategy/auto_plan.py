@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -103,10 +103,20 @@ class AutoPlan:
     inputs: PlanningInputs | None = None
 
 
-def auto_plan(context: PlanningContext, module: LightningModule, container: nn.Module, sample: Any, shape: PlanShape | None = None) -> AutoPlan:
+def auto_plan(
+    context: PlanningContext,
+    module: LightningModule,
+    container: nn.Module,
+    sample: Any,
+    shape: PlanShape | None = None,
+    share: Callable[[Any], Any] | None = None,
+) -> AutoPlan:
     """The run's plan: rank 0 profiles and plans, every rank receives the same plan. With
     ``shape`` (stages given by their devices) the planner only chooses the layer cut and,
-    where the shape leaves it open, M (``plan.shape_plan``)."""
+    where the shape leaves it open, M (``plan.shape_plan``). ``share`` gives rank 0's
+    result to every rank; the strategy's waits for as long as rank 0 lives
+    (``execute/store_sync.py``), since profiling and planning may take longer than any
+    transfer timeout; without one, a broadcast on the process group."""
     saved = context.directory / "dapple_plan.json"
     if context.resuming and saved.is_file():
         return AutoPlan(load_plan(saved))  # resuming reuses the plan of the run
@@ -122,7 +132,9 @@ def auto_plan(context: PlanningContext, module: LightningModule, container: nn.M
             data = {"__error__": [exc.field, exc.problem, exc.fix]}
         except Exception as exc:
             data = {"__error__": ["plan='auto'", f"planning failed on rank 0: {type(exc).__name__}: {exc}", "pass an explicit plan to bypass the planner"]}
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if share is not None:
+        data = share(data)
+    elif dist.is_initialized() and dist.get_world_size() > 1:
         holder = [data]
         dist.broadcast_object_list(holder, src=0)
         data = holder[0]
