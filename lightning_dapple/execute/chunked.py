@@ -127,6 +127,7 @@ class ChunkedRunner:
         self.parameters: list[nn.Parameter] = list({id(p): p for unit in self.units for p in unit.parameters}.values())
         self.stats = StageStats()
         self.steps_done = 0  # training steps run so far (part of every dropout seed; a resume sets it)
+        self.job_seed: int | None = None  # as StageRunner's
         self.post_ahead = post_ahead
         self._program = self._compile()
 
@@ -188,7 +189,7 @@ class ChunkedRunner:
         self.handoffs.clear()
         self.results.post()
         rng = save_rng(self.device)  # every F reseeds; the caller's RNG stream is put back when the step ends
-        seed = (torch.initial_seed(), self.steps_done)  # read before any reseed
+        seed = (self.job_seed if self.job_seed is not None else torch.initial_seed(), self.steps_done)  # read before any reseed
         for unit in self.units:
             unit.begin_step(batch, batch_rows, callbacks, seed, stats)
         losses: list[torch.Tensor] = []

@@ -41,6 +41,7 @@ __all__ = [
     "scratch_buffers",
     "save_rng",
     "restore_rng",
+    "same_rng",
     "reseed",
     "tensor_bytes",
     "tensor_leaves",
@@ -81,6 +82,11 @@ def save_rng(device: torch.device) -> tuple[torch.Tensor, tuple[int, torch.Tenso
         index = device.index if device.index is not None else torch.cuda.current_device()
         cuda_state = (index, torch.cuda.get_rng_state(index))
     return torch.get_rng_state(), cuda_state
+
+
+def same_rng(a: tuple[torch.Tensor, tuple[int, torch.Tensor] | None], b: tuple[torch.Tensor, tuple[int, torch.Tensor] | None]) -> bool:
+    """Whether two ``save_rng`` states are equal (nothing was drawn between them)."""
+    return torch.equal(a[0], b[0]) and (a[1] is None) == (b[1] is None) and (a[1] is None or torch.equal(a[1][1], b[1][1]))
 
 
 def restore_rng(state: tuple[torch.Tensor, tuple[int, torch.Tensor] | None]) -> None:

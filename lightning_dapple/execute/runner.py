@@ -148,6 +148,9 @@ class StageRunner:
         self.parameters = list({id(p): p for layer in self.layers for p in layer.parameters() if p.requires_grad}.values())
         self.tied = tied
         self.steps_done = 0  # training steps run so far (part of every dropout seed; a resume sets it)
+        # the seed every rank's step seeds derive from (None: this process's initial seed);
+        # the strategy gives rank 0's, so a step's draws before self(...) agree across stages
+        self.job_seed: int | None = None
         self.ledger: StashLedger | StageSlots = StashLedger() if chunk is None else StageSlots(chunk.ledger, self.stage)
         self.sizes = StashSizes(self.parameters)
         self._routes: dict[int, list[_Route]] = {}  # per batch rows
@@ -265,6 +268,7 @@ class StageRunner:
         return Stage(
             self.layers, self.device, self.stage, self.replica, self.plan.num_stages,
             split=split, w_count=self._w_count, loss_reduction=loss_reduction, forward_context=forward_context,
+            rows_as_last=self.plan.stages[0].replicas == self.plan.stages[-1].replicas,
         )
 
     def _build_sync(self, bucket_bytes: int) -> GradientSync | None:
@@ -443,7 +447,7 @@ class StageRunner:
         self.results.post()
         rng = save_rng(self.device)  # every F reseeds; the caller's RNG stream is put back when the step ends
         # the seed base is read before any reseed changes what initial_seed() answers
-        seed = (torch.initial_seed(), self.steps_done)
+        seed = (self.job_seed if self.job_seed is not None else torch.initial_seed(), self.steps_done)
         self.begin_step(batch, batch_rows, callbacks, seed, stats)
         try:
             self._run_program()

@@ -41,7 +41,8 @@ from typing import Any, Callable, ContextManager, Mapping, Protocol, Sequence
 import torch
 from torch import nn
 
-from lightning_dapple.execute.replay import buffer_slots, detached, discard_saved, reseed, scratch_buffers, tensor_leaves, weight_groups
+from lightning_dapple.errors import require
+from lightning_dapple.execute.replay import buffer_slots, detached, discard_saved, reseed, same_rng, save_rng, scratch_buffers, tensor_leaves, weight_groups
 from lightning_dapple.execute.slicing import flatten, take_rows
 from lightning_dapple.execute.weight_grad import WeightGradStore, deferrable_modules, install_deferred_weights
 from lightning_dapple.profile.stash import StashMeter
@@ -105,8 +106,13 @@ class Stage:
         w_count: Mapping[int, int] | None = None,
         loss_reduction: str = "mean",
         forward_context: Callable[[], ContextManager[Any]] | None = None,
+        rows_as_last: bool = True,
     ) -> None:
         self.layers = list(layers)
+        # whether the first and last stage hold the same rows of every micro-batch (equal
+        # replica counts): then the user's step draws the same random numbers on both
+        self.rows_as_last = rows_as_last
+        self._rng_checked = False
         self.device = device
         self.index = index
         self.replica = replica
@@ -135,7 +141,8 @@ class Stage:
         self._rows = rows
         self._callbacks = callbacks
         self._loss_scale = loss_scale
-        self._seed_key = seed
+        self._step_key = seed
+        self._seed_key = (*seed, self.index, self.replica)
         self._losses: list[torch.Tensor] = []
 
     # -- the step ---------------------------------------------------------------------
@@ -152,7 +159,7 @@ class Stage:
         this rank is ``rows[mb]``); every forward's seed hashes ``seed`` with the stage,
         replica and micro-batch."""
         self._state.clear()
-        self._begin(batch, batch_rows, rows, callbacks, loss_scale, (*seed, self.index, self.replica))
+        self._begin(batch, batch_rows, rows, callbacks, loss_scale, seed)
 
     def end_step(self) -> list[torch.Tensor]:
         """End the step (also one that failed): drop every micro-batch's state and pending
@@ -184,8 +191,15 @@ class Stage:
         return x
 
     def _seed(self, microbatch: int) -> int:
-        """The RNG seed of one micro-batch's forward on this rank in this step."""
+        """The RNG seed of one micro-batch's stage forward on this rank in this step."""
         return hash((*self._seed_key, microbatch)) & 0x7FFF_FFFF_FFFF_FFFF
+
+    def _step_seed(self, rows: tuple[int, int]) -> int:
+        """The RNG seed of the user's step on one slice (rows of the batch): the same on the
+        first stage, whose step makes the input, and the last, whose step computes the loss
+        from it, so noise or masks the step draws before ``self(...)`` are the same draws on
+        both (ints only: Python hashes them alike in every process)."""
+        return hash((*self._step_key, -1, *rows)) & 0x7FFF_FFFF_FFFF_FFFF
 
     # -- boundaries ----------------------------------------------------------------------
     def receive(self, microbatch: int, inputs: Any) -> None:
@@ -236,9 +250,8 @@ class Stage:
             item = self._state[microbatch] = _MicroBatch(rows=self._rows[microbatch])
         self.store.recording = microbatch if self.split else None
         try:
-            reseed(self._seed(microbatch), self.device)
             with self.forward_context():
-                self._forward(item, take_rows(self._batch, *item.rows), False, meter)
+                self._forward(microbatch, item, take_rows(self._batch, *item.rows), False, meter)
         finally:
             self.store.recording = None
 
@@ -246,9 +259,8 @@ class Stage:
         """F of a recomputed ``microbatch``: the graph is recorded (so each output knows whether
         it requires grad) but only the stage input is kept; returns that input."""
         item = self._item(microbatch)
-        reseed(self._seed(microbatch), self.device)
         with self.forward_context():
-            self._forward(item, take_rows(self._batch, *item.rows), True, None)
+            self._forward(microbatch, item, take_rows(self._batch, *item.rows), True, None)
         return item.inputs
 
     def _keep_input(self, item: _MicroBatch, x: Any) -> Any:
@@ -257,27 +269,53 @@ class Stage:
         with discard_saved():
             return detached(self.run_layers(x))
 
-    def _forward(self, item: _MicroBatch, batch_slice: Any, keep_input: bool, meter: StashMeter | None) -> None:
+    def _forward(self, microbatch: int, item: _MicroBatch, batch_slice: Any, keep_input: bool, meter: StashMeter | None) -> None:
+        """The stage forward of one micro-batch. The user's step (first stage: up to
+        ``self(...)``; last: all of it) runs under the step seed of its rows, the layers under
+        the stage's own seed (which ``recompute`` replays)."""
         callbacks = self._callbacks
         if not self.is_last:
-            x = callbacks.make_input(batch_slice) if self.is_first else item.inputs
+            x = self._make_input(callbacks, batch_slice, item.rows) if self.is_first else item.inputs
+            reseed(self._seed(microbatch), self.device)
             item.outputs = self._keep_input(item, x) if keep_input else self.run_layers(x, meter)
             return
         received = item.inputs
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             x = (args[0] if len(args) == 1 else args) if self.is_first else received
+            reseed(self._seed(microbatch), self.device)
             if not keep_input:
                 return self.run_layers(x, meter)
             y = self._keep_input(item, x)
             item.y = [leaf for leaf in tensor_leaves(y) if leaf.requires_grad]
             return y
 
-        loss = callbacks.compute_loss(batch_slice, forward)
+        reseed(self._step_seed(item.rows), self.device)
+        # the whole model in one process, stash kept: another call runs the layers again
+        loss = callbacks.compute_loss(batch_slice, forward if self.is_first and not keep_input else called_once(forward))
         weight = (item.rows[1] - item.rows[0]) / self._batch_rows if self.loss_reduction == "mean" else 1.0
         loss = loss * weight
         self._losses.append(loss.detach())
         item.loss = loss * self._loss_scale if self._loss_scale != 1.0 else loss
+
+    def _make_input(self, callbacks: StageCallbacks, batch_slice: Any, rows: tuple[int, int]) -> Any:
+        """The first stage's part of the user's step, under the step seed of ``rows``. Where
+        the last stage holds other rows (another replica count) its draws cannot be these:
+        a step that draws random numbers before ``self(...)`` is refused there, once."""
+        reseed(self._step_seed(rows), self.device)
+        if self.rows_as_last or self._rng_checked:
+            return callbacks.make_input(batch_slice)
+        self._rng_checked = True
+        before = save_rng(self.device)
+        x = callbacks.make_input(batch_slice)
+        require(
+            same_rng(before, save_rng(self.device)),
+            "training_step",
+            "draws random numbers before self(...) (noise, masks), and the first and last stage have different replica "
+            "counts, so they hold different rows of each micro-batch: the loss could not see the draws the input was made with",
+            "give the first and the last stage the same number of replicas, or draw the randomness inside a layer",
+        )
+        return x
 
     def recompute(self, microbatch: int, meter: StashMeter | None = None) -> None:
         """Replay the stage forward of a recomputed ``microbatch`` with autograd (same seed,
@@ -361,7 +399,29 @@ class Stage:
                 return self.run_layers(args[0] if len(args) == 1 else args)
             return self.run_layers(received)
 
-        return callbacks.compute_output(batch_slice, forward, weight)
+        return callbacks.compute_output(batch_slice, forward if self.is_first else called_once(forward), weight)
+
+
+def called_once(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """``forward`` for a step that may call ``self(...)`` once per micro-batch: the stage input
+    arrived from upstream for the first call, so a second call (a second view of the batch,
+    a consistency or contrastive term) would silently get the same output; it is refused."""
+    calls = 0
+
+    def once(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        require(
+            calls == 1,
+            "training_step / validation_step",
+            "calls self(...) a second time for one batch; a pipeline runs the layers once per micro-batch, on the "
+            "input of the step's first self(...) call, so every further call would return that call's output",
+            "call self(...) once: put the views in one batch (torch.cat) and split the output, or train on a "
+            "single-stage plan (data parallelism) without recomputation",
+        )
+        return forward(*args, **kwargs)
+
+    return once
 
 
 def _unique(params: Any) -> list[nn.Parameter]:

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, Callable, ContextManager, Generator, Literal, Sequence
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _init_dist_connection
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch import LightningModule, Trainer
@@ -65,6 +66,7 @@ from lightning_dapple.execute.failure import FailureChannel
 from lightning_dapple.execute.groups import PlanGroups, build_groups
 from lightning_dapple.execute.runner import StageRunner
 from lightning_dapple.execute.shutdown import destroy_groups_at_exit
+from lightning_dapple.execute.store_sync import StoreSync
 from lightning_dapple.execute.slicing import batch_size_of, take_rows
 from lightning_dapple.execute.topology import report_placement
 from lightning_dapple.execute.wires import WIRES, choose_wire
@@ -78,6 +80,7 @@ from lightning_dapple.strategy.auto_plan import PlanningContext, PlanningInputs,
 from lightning_dapple.strategy.batch_guard import check_training_batch, check_training_loss
 from lightning_dapple.strategy.ddp_options import refuse_ddp_options
 from lightning_dapple.strategy.handles import Detached, LayerTensors
+from lightning_dapple.strategy.loss_check import LossWatch
 from lightning_dapple.strategy.module_adapter import (
     FreedLayer,
     LogRecorder,
@@ -108,6 +111,9 @@ from lightning_dapple.strategy.tied_layers import KeptTensors, free_layer, retie
 
 
 
+LOSS_REDUCTIONS = ("mean", "sum", "micro_batch_mean")
+
+
 class _TrainCallbacks:
     """Enter the user's training_step on the first and last stages (module_adapter), with
     the fields of each slice that the step reads on the device (slice_transfer)."""
@@ -121,8 +127,10 @@ class _TrainCallbacks:
         batch_rows: int,
         context: Callable[[], ContextManager] = nullcontext,
         scale_backward: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        loss_watch: LossWatch | None = None,
     ) -> None:
         self.module = module
+        self.loss_watch = loss_watch  # the first step: is the loss a mean over samples (loss_check.py)
         self.batch_idx = batch_idx
         self.recorder = recorder
         self.transfers = transfers
@@ -143,8 +151,11 @@ class _TrainCallbacks:
         return self.transfers.last.run(batch, lambda on_device: self._compute_loss(on_device, forward, weight))
 
     def _compute_loss(self, batch: Any, forward: Callable[..., Any], weight: float) -> torch.Tensor:
-        with forward_replaced(self.module, forward), self.recorder.recording(self.module, weight), self.context():
+        watch = self.loss_watch if self.loss_watch is not None else nullcontext()
+        with forward_replaced(self.module, forward), self.recorder.recording(self.module, weight), self.context(), watch:
             loss = loss_of(self.step(batch, self.batch_idx))
+        if self.loss_watch is not None:
+            self.loss_watch.check()
         return self.scale_backward(loss) if self.scale_backward is not None else loss
 
 
@@ -255,8 +266,14 @@ class DappleStrategy(DDPStrategy):
         layers: attribute path of the module's layer sequence; ``"auto"``, or a module
             without the default ``layers``, gets the layer list traced from ``forward``
             (``profile/traced_layers.py``), printed at setup.
-        loss_reduction: "mean" (the loss is a mean over samples) or "sum".
-        timeout_s: bound on every wait for a peer; a failure on one rank stops all ranks.
+        loss_reduction: "mean" (the loss is a mean over samples; the first training step
+            refuses a mean over targets such as ``cross_entropy`` with ignored labels,
+            ``strategy/loss_check.py``), "sum", or "micro_batch_mean" (each micro-batch's
+            loss weighted by its share of rows, unchecked: what other pipeline engines do).
+        timeout_s: bound on every wait between ranks that both take part (transfers,
+            gradient AllReduces); waits for one rank's own work (rank 0 planning, writing a
+            checkpoint) last as long as it lives (``execute/store_sync.py``). A failure on
+            one rank stops all ranks.
         profile_cache: directory for cached layer profiles.
         ooo: out-of-order backprop (weight gradients deferred into idle time): True, False
             or "auto" (on where the simulator says it helps this plan, see
@@ -287,7 +304,7 @@ class DappleStrategy(DDPStrategy):
         policy: str | None = None,
         cluster: Any = None,
         layers: str = "layers",
-        loss_reduction: Literal["mean", "sum"] = "mean",
+        loss_reduction: Literal["mean", "sum", "micro_batch_mean"] = "mean",
         timeout_s: float = 120.0,
         profile_cache: str | None = None,
         ooo: bool | str = "auto",
@@ -299,7 +316,7 @@ class DappleStrategy(DDPStrategy):
     ) -> None:
         refuse_ddp_options(kwargs)
         super().__init__(start_method=start_method, timeout=timedelta(seconds=timeout_s), **kwargs)
-        require(loss_reduction in ("mean", "sum"), "loss_reduction", f"is {loss_reduction!r}", "use 'mean' or 'sum'")
+        require(loss_reduction in LOSS_REDUCTIONS, "loss_reduction", f"is {loss_reduction!r}", "use 'mean', 'sum' or 'micro_batch_mean'")
         self.plan_arguments = PlanArguments(micro_batches, schedule, policy, recompute, ooo)
         require(
             recompute != "auto" or plan == "auto",
@@ -319,6 +336,8 @@ class DappleStrategy(DDPStrategy):
         self.plan: Plan | None = None
         self.runner: StageRunner | ChunkedRunner | None = None
         self.failure: FailureChannel | None = None
+        self._sync: StoreSync | None = None  # Lightning's barriers and broadcasts, once the channel exists
+        self._loss_checked = False  # the first training step watches the loss (loss_check.py)
         self.groups: PlanGroups | None = None
         self._layer_container: nn.Module | None = None
         self.checkpoint_layout: ckpt.CheckpointLayout | None = None
@@ -534,6 +553,10 @@ class DappleStrategy(DDPStrategy):
         container = self._find_layers(trainer, module, sample)
         check_parameters_in_layers(module, container, self.layers_path)
         self._check_forward_is_layers(module, container, sample, trainer)
+        self._close_runner()
+        # before planning: the other ranks wait for rank 0's plan for as long as it lives
+        self.failure = FailureChannel(self.global_rank, timeout_s=self.timeout_s)
+        self._sync = StoreSync(self.failure)
         plan = self._resolve_plan(trainer, module, container, sample)
         plan = plan.validate(num_layers=len(container), world_size=self.world_size).with_warmups()
         self.plan = plan
@@ -555,8 +578,6 @@ class DappleStrategy(DDPStrategy):
         self._detached = self._layer_tensors.detach(module, container, held, self._stage_of_layer)
         self._free_other_stages(container, held)
         self._layer_container = container
-        self._close_runner()
-        self.failure = FailureChannel(self.global_rank, timeout_s=self.timeout_s)
         self.groups = build_groups(plan)  # a collective; BatchNorm's statistics use the replica groups
         for stage in self.stages:
             self._convert_batchnorm(module, container, stage)
@@ -569,10 +590,13 @@ class DappleStrategy(DDPStrategy):
             self.failure,
             groups=self.groups,
             ties=self._ties,
-            loss_reduction=self.loss_reduction,
+            loss_reduction="sum" if self.loss_reduction == "sum" else "mean",  # the executor weights rows or not
             forward_context=self._forward_context(),
             wire=self.wire,
         )
+        # rank 0's seed on every rank: a step's random draws before self(...) (noise, masks)
+        # are then the same on the first stage and the last (execute/stage.py)
+        self.runner.job_seed = self._sync.broadcast(torch.initial_seed(), "the job's seed") if self.world_size > 1 else torch.initial_seed()
 
     def _convert_batchnorm(self, module: LightningModule, container: nn.Module, index: int) -> None:
         """This stage's BatchNorm as asked (``execute/batchnorm.py``): statistics over the
@@ -716,7 +740,7 @@ class DappleStrategy(DDPStrategy):
             plan = given
         else:  # "auto", or a shape whose layer cut the planner chooses
             shape = shape_with_arguments(given, self.plan_arguments) if given is not None else None
-            planned = auto_plan(self.planning_context(trainer), module, container, sample, shape)
+            planned = auto_plan(self.planning_context(trainer), module, container, sample, shape, share=self._share_from_rank_zero)
             plan, self._planning_inputs = planned.plan, planned.inputs
         plan = resolve_plan(plan, self.plan_arguments)
         batch_rows = batch_size_of(sample)
@@ -795,7 +819,9 @@ class DappleStrategy(DDPStrategy):
         context = mixed.forward_context if mixed is not None else nullcontext
         transfers = self._transfers_for("training_step")
         scale_backward = mixed.scale_backward if mixed is not None else None
-        callbacks = _TrainCallbacks(module, batch_idx, recorder, transfers, batch_size_of(batch), context, scale_backward)
+        watch = LossWatch() if self.loss_reduction == "mean" and not self._loss_checked else None
+        self._loss_checked = True
+        callbacks = _TrainCallbacks(module, batch_idx, recorder, transfers, batch_size_of(batch), context, scale_backward, watch)
         scale = 1.0 / self.lightning_module.trainer.accumulate_grad_batches
         params = self.runner.parameters
         # Under Trainer(accumulate_grad_batches) the gradients of earlier batches are still
@@ -918,6 +944,36 @@ class DappleStrategy(DDPStrategy):
     def teardown(self) -> None:
         self._close_runner()
         super().teardown()
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        """Lightning's barriers (after rank 0 writes a checkpoint, ...) wait in the store for
+        as long as the peers live (``execute/store_sync.py``), as under DDP, instead of
+        timing out after ``timeout_s`` while rank 0 writes a large file."""
+        sync = self._live_sync()
+        if sync is None:
+            super().barrier(name)
+        else:
+            sync.barrier(name or "barrier")
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Rank ``src``'s object on every rank, waited for as ``barrier`` is."""
+        sync = self._live_sync()
+        return super().broadcast(obj, src) if sync is None else sync.broadcast(obj, "Lightning's broadcast", src)
+
+    def _share_from_rank_zero(self, data: Any) -> Any:
+        """Rank 0's planning result on every rank (``auto_plan``)."""
+        sync = self._live_sync()
+        assert sync is not None, "the failure channel starts before planning"
+        return sync.broadcast(data, "the plan (profiling and planning)")
+
+    def _live_sync(self) -> StoreSync | None:
+        """The store waits while the failure channel watches the peers; None before it
+        starts and after it stops (Lightning's own barriers then)."""
+        if self._sync is None or self.failure is None or self.failure.closed or not dist.is_initialized():
+            return None
+        return self._sync
 
     def _close_runner(self) -> None:
         """Wait for the runner's last sends (none may outlive the process group; skipped after

@@ -7,7 +7,10 @@ torchrun every rank runs it. What the tests break is chosen in the config:
 * ``crash_save``: {"save", "point"} -- rank 0 kills the whole job (its process group) during
   the n-th checkpoint write: "mid-write" (half the bytes written) or "before-rename";
 * ``bad``: {"step", "kind"} -- batch ``step`` has the wrong shape or dtype, a NaN target,
-  or the last batch is short.
+  or the last batch is short;
+* ``slow_rank_zero``: seconds -- rank 0 works that long alone inside planning (at its third
+  forward of layer 0, profiling under ``plan="auto"``) and inside every checkpoint write;
+* ``kill_planning``: rank 0 sends itself SIGKILL there instead.
 
 Rank 0 writes ``losses.json`` (loss per global step), ``pids/<rank>`` for every rank, and
 with ``final`` every rank joins writing ``final.ckpt`` after fit.
@@ -106,6 +109,26 @@ class Sabotage(Callback):
                     os.kill(os.getpid(), getattr(signal, "SIG" + kill["signal"]))
 
         layer.register_forward_pre_hook(hook)
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        """Before the strategy plans: arm rank 0's long work or death inside planning."""
+        slow, kill = self.cfg.get("slow_rank_zero"), self.cfg.get("kill_planning")
+        if trainer.global_rank != 0 or not (slow or kill):
+            return
+        calls = {"count": 0}
+
+        def hook(module, args):
+            calls["count"] += 1
+            if calls["count"] == 3:
+                if kill:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                time.sleep(slow)
+
+        pl_module.layers[0].register_forward_pre_hook(hook)
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        if trainer.global_rank == 0 and self.cfg.get("slow_rank_zero"):
+            time.sleep(self.cfg["slow_rank_zero"])
 
     def on_fit_start(self, trainer, pl_module) -> None:
         crash = self.cfg.get("crash_save")

@@ -1,0 +1,54 @@
+"""Rank 0 working alone for longer than ``timeout_s`` is waited for; rank 0 dying meanwhile
+ends the job.
+
+While rank 0 profiles and plans (``plan="auto"``) or writes a checkpoint, the other ranks
+wait for it in the store (``execute/store_sync.py``) rather than in a process-group
+collective, whose timeout is ``timeout_s``: its work may take as long as it takes, as under
+DDP, and its death still ends every rank at once. One real launch each, under Lightning's
+subprocess launcher (where rank 0 also serves the job's store).
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from scripts.reliability_launch import session_processes, start
+
+
+def _finish(job, limit_s: float) -> tuple[list[int | None], str, float]:
+    try:
+        codes, text, elapsed = job.wait(limit_s)
+        left = session_processes(job)
+    finally:
+        job.kill()
+    assert not left, f"processes left: {left}\n{text[-3000:]}"
+    return codes, text, elapsed
+
+
+@pytest.mark.timeout(300)
+def test_rank_zero_planning_and_writing_a_checkpoint_longer_than_the_timeout(tmp_path: Path) -> None:
+    """Rank 0 spends 8 s alone inside planning and 8 s inside the checkpoint write, with
+    ``timeout_s=5``: the job trains to the end and saves."""
+    cfg = {"plan": "auto", "devices": 2, "steps": 4, "batches": 4, "timeout_s": 5, "slow_rank_zero": 8, "ckpt": {"every": 4}}
+    codes, text, elapsed = _finish(start(cfg, tmp_path), 240)
+    assert codes == [0], text[-3000:]
+    assert elapsed > 16, elapsed  # both waits really outlasted timeout_s
+    assert sorted(json.loads((tmp_path / "losses.json").read_text())) == ["1", "2", "3", "4"]
+    assert [p.name for p in (tmp_path / "ckpt").iterdir()] == ["epoch=0-step=4.ckpt"]
+    assert "lightning_dapple: error" not in text and "Timed out" not in text, text[-3000:]
+
+
+@pytest.mark.timeout(300)
+def test_rank_zero_dying_while_it_plans_ends_every_rank_with_its_name(tmp_path: Path) -> None:
+    cfg = {"plan": "auto", "devices": 2, "steps": 2, "batches": 2, "timeout_s": 60, "kill_planning": True}
+    job = start(cfg, tmp_path)
+    while session_processes(job) and time.monotonic() - job.started < 120:
+        time.sleep(0.2)
+    codes, text, elapsed = _finish(job, 5)
+    assert elapsed < 60, text[-3000:]  # not the 60 s timeout: the dead store host is seen at once
+    assert all(code not in (0, None) for code in codes), (codes, text[-3000:])
+    assert "rank 1 was waiting for the plan (profiling and planning) from rank 0" in text, text[-3000:]
+    assert "rank 0, which serves it" in text, text[-3000:]

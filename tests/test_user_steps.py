@@ -1,0 +1,204 @@
+"""training_steps as people write them, where a pipeline could silently compute something else.
+
+* A language-model loss: ``cross_entropy`` over tokens, padding labelled -100. Its mean is
+  over the targets that are not ignored, not over samples, so weighting each micro-batch's
+  loss by its rows gives other gradients than one device. The first training step finds it
+  and stops before any parameter changes (``strategy/loss_check.py``);
+  ``loss_reduction="micro_batch_mean"`` opts into the row-weighted micro-batch means.
+* A step that calls ``self(...)`` twice (two views of the batch): under a pipeline the layers
+  run once per micro-batch, so a second call is refused (``execute/stage.py``); where the
+  whole model runs in one process with its stash kept, the second call runs the layers again
+  and trains like plain Lightning.
+
+One device in this process, M = 2: the micro-batch split and the last stage's step are the
+pipeline's own.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule, Trainer
+from torch import nn
+from torch.utils.data import DataLoader
+
+import lightning_dapple  # noqa: F401
+from lightning_dapple.errors import DappleConfigError
+from lightning_dapple.strategy import DappleStrategy
+from lightning_dapple.strategy.loss_check import LossWatch, uneven_mean
+
+VOCAB, LENGTH, ROWS = 11, 6, 4
+ONE_STAGE = {"global_batch_size": ROWS, "micro_batches": 2, "stages": [{"layers": [0, 2], "devices": [0]}]}
+
+
+class TinyLM(LightningModule):
+    """Embedding and head; the loss is Hugging Face's: mean token cross-entropy, -100 ignored."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.layers = nn.Sequential(nn.Embedding(VOCAB, 8), nn.Linear(8, VOCAB))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.layers[1](self.layers[0](tokens))
+
+    def training_step(self, batch, batch_idx):
+        tokens, labels = batch
+        logits = self(tokens)
+        return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+class TwoViews(TinyLM):
+    """A consistency term between the batch and its reversed copy: two self(...) calls."""
+
+    def training_step(self, batch, batch_idx):
+        tokens, labels = batch
+        a, b = self(tokens), self(tokens.flip(-1))
+        return F.cross_entropy(a.reshape(-1, VOCAB), labels.reshape(-1)) + F.mse_loss(a.softmax(-1), b.softmax(-1))
+
+
+def _loader(padded: bool) -> DataLoader:
+    g = torch.Generator().manual_seed(5)
+    batches = []
+    for _ in range(2):
+        tokens = torch.randint(0, VOCAB, (ROWS, LENGTH), generator=g)
+        labels = torch.randint(0, VOCAB, (ROWS, LENGTH), generator=g)
+        if padded:  # rows of different lengths: the first micro-batch has more padding
+            labels[0, 2:] = -100
+            labels[1, 4:] = -100
+        batches.append((tokens, labels))
+    return DataLoader(batches, batch_size=None)
+
+
+def _fit(tmp_path: Path, model: LightningModule, padded: bool, strategy: DappleStrategy | str = "auto") -> Trainer:
+    trainer = Trainer(
+        strategy=strategy, accelerator="cpu", devices=1, precision="64-true", max_steps=2, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
+    )
+    trainer.fit(model, _loader(padded))
+    return trainer
+
+
+def _dapple(**kwargs) -> DappleStrategy:
+    return DappleStrategy(plan=kwargs.pop("plan", ONE_STAGE), timeout_s=20, **kwargs)
+
+
+def test_a_mean_over_unignored_tokens_is_refused_before_any_parameter_changes(tmp_path: Path) -> None:
+    model = TinyLM()
+    before = {k: v.clone() for k, v in model.double().state_dict().items()}
+    with pytest.raises(DappleConfigError, match=r"cross_entropy averages over the targets other than ignore_index=-100.*Fix: return a mean over samples.*loss_reduction='micro_batch_mean'"):
+        _fit(tmp_path, model, padded=True, strategy=_dapple())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_without_ignored_targets_or_with_the_opt_in_it_trains(tmp_path: Path) -> None:
+    """No padding: a mean over samples, single-device gradients. Padding with
+    ``micro_batch_mean``: each micro-batch's token mean weighted by its rows, as asked."""
+    plain, ours = TinyLM().double(), TinyLM().double()
+    _fit(tmp_path / "plain", plain, padded=False)
+    _fit(tmp_path / "ours", ours, padded=False, strategy=_dapple())
+    assert max(float((ours.state_dict()[k] - v).abs().max()) for k, v in plain.state_dict().items()) < 1e-12
+    opted, reference = TinyLM().double(), TinyLM().double()
+    _fit(tmp_path / "opted", opted, padded=True, strategy=_dapple(loss_reduction="micro_batch_mean"))
+    _fit(tmp_path / "reference", reference, padded=True)
+    assert max(float((opted.state_dict()[k] - v).abs().max()) for k, v in reference.state_dict().items()) > 1e-6  # not one device's
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "reason"),
+    [
+        ({"target": torch.tensor([1, 2]), "weight": torch.ones(3)}, r"weight=\.\.\.\) divides by the summed class weights"),
+        ({"target": torch.tensor([1, 7]), "ignore_index": 7}, "other than ignore_index=7 \\(1 of 2"),
+        ({"target": torch.tensor([1, -100]), "reduction": "sum"}, None),
+        ({"target": torch.tensor([[0.5, 0.5, 0.0], [0.0, 1.0, 0.0]])}, None),  # class probabilities
+        ({"target": torch.tensor([1, 2])}, None),
+    ],
+)
+def test_which_losses_are_means_over_targets(kwargs: dict, reason: str | None) -> None:
+    found = uneven_mean(F.cross_entropy, (torch.randn(2, 3),), kwargs)
+    assert (found is None) if reason is None else (found is not None and re.search(reason, found) is not None), found
+    watch = LossWatch()
+    with watch:
+        torch.nn.NLLLoss(ignore_index=-100)(torch.randn(2, 3).log_softmax(-1), torch.tensor([0, -100]))
+    assert watch.found is not None and watch.found.startswith("nll_loss averages")
+
+
+def test_a_second_self_call_runs_again_on_one_stage_and_is_refused_where_the_input_arrived(tmp_path: Path) -> None:
+    plain, ours = TwoViews().double(), TwoViews().double()
+    _fit(tmp_path / "plain", plain, padded=False)
+    _fit(tmp_path / "ours", ours, padded=False, strategy=_dapple())  # whole model, stash kept: both calls run
+    assert max(float((ours.state_dict()[k] - v).abs().max()) for k, v in plain.state_dict().items()) < 1e-12
+    recomputed = {**ONE_STAGE, "stages": [{"layers": [0, 2], "devices": [0], "recompute": "always"}]}
+    with pytest.raises(DappleConfigError, match=r"calls self\(\.\.\.\) a second time for one batch.*Fix: call self\(\.\.\.\) once"):
+        _fit(tmp_path / "recomputed", TwoViews().double(), padded=False, strategy=_dapple(plan=recomputed))
+
+
+# --------------------------------------------------------------------------- randomness in the step
+
+
+class Denoiser(LightningModule):
+    """Learns the noise its step adds to the input: the loss must see the draws the input got."""
+
+    def __init__(self, out: str) -> None:
+        super().__init__()
+        torch.manual_seed(4)
+        self.layers = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Dropout(0.5), nn.Linear(6, 6))
+        self.out = out
+        self.drawn: list[list[float]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+    def training_step(self, batch, batch_idx):
+        x = batch[0]
+        noise = torch.randn_like(x)
+        self.drawn.append(noise.sum(1).tolist())  # per row: on the first stage and on the last
+        return F.mse_loss(self(x + noise), noise)
+
+    def on_train_end(self) -> None:
+        Path(self.out, f"drawn{self.global_rank}.json").write_text(__import__("json").dumps(self.drawn))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.timeout(300)
+def test_noise_drawn_in_the_step_is_the_same_on_the_first_stage_and_the_last(tmp_path: Path) -> None:
+    """The first stage runs the step up to self(...) to make the input, the last runs it
+    again for the loss: each slice's step runs under one seed of its rows on both."""
+    import json
+
+    data = DataLoader([(torch.randn(4, 6, generator=torch.Generator().manual_seed(s)),) for s in range(3)], batch_size=None)
+    plan = {"global_batch_size": 4, "micro_batches": 2, "stages": [{"layers": [0, 2], "devices": [0]}, {"layers": [2, 4], "devices": [1]}]}
+    trainer = Trainer(
+        strategy=DappleStrategy(plan=plan, timeout_s=60, start_method="spawn"), accelerator="cpu", devices=2, max_steps=3,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
+    )
+    trainer.fit(Denoiser(str(tmp_path)), data)
+    first, last = (json.loads((tmp_path / f"drawn{rank}.json").read_text()) for rank in (0, 1))
+    assert len(first) == len(last) == 1 + 3 * 2  # set-up's call to find the input, then one per micro-batch and step
+    first, last = first[1:], last[1:]
+    assert first == last
+    assert len({tuple(rows) for rows in first}) == 6  # other draws for every slice and step
+
+
+def test_a_step_drawing_before_self_is_refused_where_the_last_stage_holds_other_rows() -> None:
+    from lightning_dapple.execute.stage import Stage
+
+    class Draws:
+        def make_input(self, batch):
+            return batch + torch.randn_like(batch)
+
+    stage = Stage([nn.Linear(3, 3)], torch.device("cpu"), index=0, replica=0, num_stages=2, rows_as_last=False)
+    stage.begin_step(torch.zeros(4, 3), 4, [(0, 2), (2, 4)], Draws(), 1.0, (7, 0))
+    with pytest.raises(DappleConfigError, match=r"draws random numbers before self\(\.\.\.\).*different replica counts"):
+        stage.forward(0)
+    aligned = Stage([nn.Linear(3, 3)], torch.device("cpu"), index=0, replica=0, num_stages=2, rows_as_last=True)
+    aligned.begin_step(torch.zeros(4, 3), 4, [(0, 2), (2, 4)], Draws(), 1.0, (7, 0))
+    aligned.forward(0)  # the last stage draws the same: nothing to refuse
