@@ -202,3 +202,88 @@ def test_a_step_drawing_before_self_is_refused_where_the_last_stage_holds_other_
     aligned = Stage([nn.Linear(3, 3)], torch.device("cpu"), index=0, replica=0, num_stages=2, rows_as_last=True)
     aligned.begin_step(torch.zeros(4, 3), 4, [(0, 2), (2, 4)], Draws(), 1.0, (7, 0))
     aligned.forward(0)  # the last stage draws the same: nothing to refuse
+
+
+# --------------------------------------------------------------------------- a short last validation batch
+
+
+class Classifier(LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(6)
+        self.layers = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+
+    def forward(self, x):
+        return self.layers(x)
+
+    def training_step(self, batch, batch_idx):
+        return F.cross_entropy(self(batch[0]), batch[1])
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", F.cross_entropy(self(batch[0]), batch[1]))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.timeout(300)
+def test_a_validation_set_whose_last_batch_is_short_validates_like_plain_lightning(tmp_path: Path) -> None:
+    """17 samples in batches of 8 with M = 2 on 2 stages: the last batch of 1 row runs as
+    one micro-batch (a forward-only pass needs no M), the metric is plain Lightning's."""
+    g = torch.Generator().manual_seed(8)
+    train = [(torch.randn(8, 5, generator=g, dtype=torch.float64), torch.randint(0, 3, (8,), generator=g)) for _ in range(2)]
+    val = torch.utils.data.TensorDataset(torch.randn(17, 5, generator=g, dtype=torch.float64), torch.randint(0, 3, (17,), generator=g))
+
+    def fit(strategy, devices: int) -> float:
+        trainer = Trainer(
+            strategy=strategy, accelerator="cpu", devices=devices, precision="64-true", max_epochs=1, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
+        )
+        trainer.fit(Classifier(), DataLoader(train, batch_size=None), DataLoader(val, batch_size=8))
+        return float(trainer.callback_metrics["val_loss"])
+
+    plan = {"global_batch_size": 8, "micro_batches": 2, "stages": [{"layers": [0, 2], "devices": [0]}, {"layers": [2, 3], "devices": [1]}]}
+    ours = fit(DappleStrategy(plan=plan, timeout_s=60, start_method="spawn"), 2)
+    assert ours == pytest.approx(fit("auto", 1), abs=1e-12)
+
+
+# --------------------------------------------------------------------------- parts of the model outside the pipeline
+
+
+class Distilled(Classifier):
+    """A frozen teacher outside the layers, called in the step under no_grad."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(9)
+        self.teacher = nn.Sequential(nn.Linear(5, 3)).requires_grad_(False)
+
+    def training_step(self, batch, batch_idx):
+        with torch.no_grad():
+            soft = self.teacher(batch[0]).softmax(-1)
+        return F.cross_entropy(self(batch[0]), soft)
+
+
+def test_a_frozen_teacher_outside_the_layers_is_kept_untrained_and_distils_like_plain_lightning(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(10)
+    data = [(torch.randn(4, 5, generator=g, dtype=torch.float64), torch.zeros(4, dtype=torch.long)) for _ in range(2)]
+
+    def fit(strategy) -> dict:
+        model = Distilled().double()
+        Trainer(
+            strategy=strategy, accelerator="cpu", devices=1, precision="64-true", max_steps=2, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
+        ).fit(model, DataLoader(data, batch_size=None))
+        return model.state_dict()
+
+    plan = {"global_batch_size": 4, "micro_batches": 2, "stages": [{"layers": [0, 3], "devices": [0]}]}
+    ours, plain = fit(_dapple(plan=plan)), fit("auto")
+    assert max(float((ours[k] - v).abs().max()) for k, v in plain.items()) < 1e-12
+    assert torch.equal(ours["teacher.0.weight"], Distilled().double().state_dict()["teacher.0.weight"])  # untrained
+
+
+def test_calling_a_layer_another_stage_holds_says_to_call_self() -> None:
+    from lightning_dapple.strategy.module_adapter import FreedLayer
+
+    with pytest.raises(DappleConfigError, match=r"layer 2: was called directly, but it lives on pipeline stage 1.*Fix: call self\(\.\.\.\)"):
+        FreedLayer(2, 1)(torch.zeros(1))

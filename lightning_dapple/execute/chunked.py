@@ -235,14 +235,14 @@ class ChunkedRunner:
         """Every chunk's forward of every micro-batch, chunks in pipeline order: data only
         flows downstream, so no rank waits for one that waits for it."""
         batch_rows = batch_size_of(batch)
-        self.units[0].check_batch(batch_rows)
+        count = self.units[0].eval_micro_batches(batch_rows)
         self.handoffs.clear()
         self.results.post()
         results: list[Any] = []
         for unit in self.units:
-            results = unit.eval_pass(batch, batch_rows, callbacks)
+            results = unit.eval_pass(batch, batch_rows, callbacks, count)
         self.transport.flush()
-        return self.units[-1].gather_eval(results if self.is_last else None)
+        return self.units[-1].gather_eval(results if self.is_last else None, count)
 
     def finish(self) -> None:
         """Wait for every send still pending (see ``StageRunner.finish``)."""

@@ -153,7 +153,7 @@ class StageRunner:
         self.job_seed: int | None = None
         self.ledger: StashLedger | StageSlots = StashLedger() if chunk is None else StageSlots(chunk.ledger, self.stage)
         self.sizes = StashSizes(self.parameters)
-        self._routes: dict[int, list[_Route]] = {}  # per batch rows
+        self._routes: dict[tuple[int, int], list[_Route]] = {}  # per (batch rows, micro-batches)
         self._actions: list[Action] = list(schedule.actions[self.stage]) if self.stage < schedule.num_stages else []
         self.pipeline_stage = self._build_stage(schedule, loss_reduction, forward_context)
         self.split = self.pipeline_stage.split
@@ -388,28 +388,29 @@ class StageRunner:
         return self._local_down if kind in (Kind.SEND_ACT, Kind.RECV_GRAD) else self._local_up
 
     # -- helpers ---------------------------------------------------------------
-    def _rows(self, stage: int, replica: int, batch_rows: int, microbatch: int) -> tuple[int, int]:
-        return slice_rows(batch_rows, self.plan.micro_batches, microbatch, self.plan.stages[stage].replicas, replica)
+    def _rows(self, stage: int, replica: int, batch_rows: int, microbatch: int, micro_batches: int) -> tuple[int, int]:
+        return slice_rows(batch_rows, micro_batches, microbatch, self.plan.stages[stage].replicas, replica)
 
-    def _routes_for(self, batch_rows: int) -> list[_Route]:
-        """Per micro-batch: this rank's rows and the ranks of the adjacent stages with theirs
-        (memoised per batch size: the same few answers serve every step)."""
-        routes = self._routes.get(batch_rows)
+    def _routes_for(self, batch_rows: int, micro_batches: int | None = None) -> list[_Route]:
+        """Per micro-batch (the plan's M unless ``micro_batches``): this rank's rows and the
+        ranks of the adjacent stages with theirs (memoised: the same few answers serve every step)."""
+        count = micro_batches if micro_batches is not None else self.plan.micro_batches
+        routes = self._routes.get((batch_rows, count))
         if routes is None:
-            routes = self._routes[batch_rows] = [
+            routes = self._routes[(batch_rows, count)] = [
                 _Route(
-                    self._rows(self.stage, self.replica, batch_rows, mb),
-                    self._peers(self.stage - 1, batch_rows, mb) if not self.is_first else [],
-                    self._peers(self.stage + 1, batch_rows, mb) if not self.is_last else [],
+                    self._rows(self.stage, self.replica, batch_rows, mb, count),
+                    self._peers(self.stage - 1, batch_rows, mb, count) if not self.is_first else [],
+                    self._peers(self.stage + 1, batch_rows, mb, count) if not self.is_last else [],
                 )
-                for mb in range(self.plan.micro_batches)
+                for mb in range(count)
             ]
         return routes
 
-    def _peers(self, stage: int, batch_rows: int, microbatch: int) -> list[Peer]:
+    def _peers(self, stage: int, batch_rows: int, microbatch: int, micro_batches: int) -> list[Peer]:
         """The ranks of ``stage`` and the rows of ``microbatch`` each holds."""
         devices = self.plan.stages[stage].devices
-        return [Peer(rank, self._rows(stage, index, batch_rows, microbatch)) for index, rank in enumerate(devices)]
+        return [Peer(rank, self._rows(stage, index, batch_rows, microbatch, micro_batches)) for index, rank in enumerate(devices)]
 
     def run_layers(self, x: Any, meter: StashMeter | None = None) -> Any:
         """Apply the stage's layers; with ``meter``, count what each layer stashes."""
@@ -423,6 +424,20 @@ class StageRunner:
                 f"has {batch_rows} samples, too few for {self.plan.micro_batches} micro-batches sliced over up to {widest} replicas",
                 "use a larger batch, fewer micro-batches, or DataLoader(drop_last=True) to avoid a short last batch",
             )
+
+    def eval_micro_batches(self, batch_rows: int) -> int:
+        """The micro-batches of a forward-only pass over ``batch_rows`` rows: the plan's M, or
+        fewer for a short batch (the last of a validation set), so that every replica of the
+        widest stage still gets rows of each. Nothing is stashed for a backward, so M only
+        shapes the pipeline; every rank sees the same batch and picks the same count."""
+        widest = max(stage.replicas for stage in self.plan.stages)
+        if batch_rows < widest:
+            raise DappleConfigError(
+                "batch",
+                f"of a validation, test or predict loop has {batch_rows} samples, fewer than the {widest} replicas of the widest stage, each of which needs one",
+                f"give that loop's DataLoader a batch size whose last batch keeps at least {widest} samples",
+            )
+        return min(self.plan.micro_batches, batch_rows // widest)
 
     # -- training ----------------------------------------------------------------
     def train_step(
@@ -650,15 +665,15 @@ class StageRunner:
         """GPipe-style forward of every micro-batch; returns the last stage's per-slice
         results ordered by (micro-batch, replica), on every rank."""
         batch_rows = batch_size_of(batch)
-        self.check_batch(batch_rows)
+        count = self.eval_micro_batches(batch_rows)
         self.results.post()
-        results = self.eval_pass(batch, batch_rows, callbacks)
+        results = self.eval_pass(batch, batch_rows, callbacks, count)
         self.transport.flush()
-        return self.gather_eval(results if self.is_last else None)
+        return self.gather_eval(results if self.is_last else None, count)
 
-    def eval_pass(self, batch: Any, batch_rows: int, callbacks: EvalCallbacks) -> list[Any]:
-        """This stage's forward of every micro-batch; the last stage's per-slice results."""
-        routes = self._routes_for(batch_rows)
+    def eval_pass(self, batch: Any, batch_rows: int, callbacks: EvalCallbacks, micro_batches: int) -> list[Any]:
+        """This stage's forward of each of ``micro_batches``; the last stage's per-slice results."""
+        routes = self._routes_for(batch_rows, micro_batches)
         stage = self.pipeline_stage
         results: list[Any] = []
         with torch.no_grad(), stage.forward_context():
@@ -681,9 +696,9 @@ class StageRunner:
                     self.transport.send_activation(stage.run_layers(received), route.rows, route.downstream, self._eval_out[mb])
         return results
 
-    def gather_eval(self, results: list[Any] | None) -> list[Any]:
+    def gather_eval(self, results: list[Any] | None, micro_batches: int) -> list[Any]:
         """The last stage's per-slice results (``results`` there, None elsewhere), ordered by
         (micro-batch, replica), on every rank."""
         gathered = self.share_extras(results)
         replicas = self.plan.stages[-1].replicas
-        return [gathered[replica][mb] for mb in range(self.plan.micro_batches) for replica in range(replicas)]
+        return [gathered[replica][mb] for mb in range(micro_batches) for replica in range(replicas)]

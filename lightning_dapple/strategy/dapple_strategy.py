@@ -699,7 +699,8 @@ class DappleStrategy(DDPStrategy):
             same,
             f"{type(module).__name__}.forward",
             f"does not equal applying '{self.layers_path}' in order on a sample batch",
-            f"make forward(x) apply only the layers of '{self.layers_path}' in order (move pre/post-processing into a layer or into the step)",
+            f"make forward(x) apply only the layers of '{self.layers_path}' in order (move pre/post-processing into a layer or into the step), "
+            "or pass DappleStrategy(layers='auto') to trace the layer list, glue included, from forward",
         )
 
     def planning_context(self, trainer: Trainer) -> PlanningContext:

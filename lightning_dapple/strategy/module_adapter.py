@@ -46,7 +46,13 @@ class FreedLayer(nn.Module):
         self.stage = stage
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError(f"layer {self.index} lives on pipeline stage {self.stage}; it was freed on this rank")
+        raise DappleConfigError(
+            f"layer {self.index}",
+            f"was called directly, but it lives on pipeline stage {self.stage} and this rank holds other layers "
+            "(a step that calls a part of the model itself, such as self.head(...) or self.encoder(...), runs it outside the pipeline)",
+            "call self(...) in training_step, validation_step, test_step and predict_step, which runs every layer on its stage; "
+            "use the parts directly after fit, on the whole model rank 0 gets back",
+        )
 
     def extra_repr(self) -> str:
         return f"index={self.index}, on_stage={self.stage}"
@@ -80,11 +86,13 @@ def find_layers(module: nn.Module, path: str, samples: Callable[[], Sequence[tup
 
 
 def check_parameters_in_layers(module: nn.Module, layers: nn.Module, path: str) -> None:
-    """Every parameter of ``module`` must belong to a layer of the sequence (a stage owns
-    it). A parameter several layers use (tied weights) is allowed: each stage holding one
-    of those layers keeps a copy (``execute/tied.py``)."""
+    """Every trained parameter of ``module`` must belong to a layer of the sequence (a stage
+    owns it). A parameter several layers use (tied weights) is allowed: each stage holding
+    one of those layers keeps a copy (``execute/tied.py``). Frozen parameters outside the
+    layers (a distillation teacher the step calls under ``no_grad``) stay on every rank,
+    untrained: no stage needs to own them."""
     inside = {id(p) for p in layers.parameters()}
-    outside = [name for name, p in module.named_parameters() if id(p) not in inside]
+    outside = [name for name, p in module.named_parameters() if id(p) not in inside and p.requires_grad]
     if outside and isinstance(layers, TracedLayers):
         raise DappleConfigError(
             "model parameters",
@@ -120,7 +128,7 @@ def capture_call(module: nn.Module, step: Callable[[], Any]) -> tuple:
     def capturing(*args: Any, **kwargs: Any) -> Any:
         if kwargs:
             raise DappleConfigError(
-                "forward", "was called with keyword arguments", "call self(x) with one positional input (a tensor or a tuple/dict)"
+                "forward", "was called with keyword arguments", "call self(...) with positional inputs only (self(input_ids, attention_mask), or one tuple/dict)"
             )
         raise _InputCaptured(args)
 
