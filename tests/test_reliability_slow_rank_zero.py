@@ -10,6 +10,7 @@ subprocess launcher (where rank 0 also serves the job's store).
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -50,5 +51,5 @@ def test_rank_zero_dying_while_it_plans_ends_every_rank_with_its_name(tmp_path: 
     codes, text, elapsed = _finish(job, 5)
     assert elapsed < 60, text[-3000:]  # not the 60 s timeout: the dead store host is seen at once
     assert all(code not in (0, None) for code in codes), (codes, text[-3000:])
-    assert "rank 1 was waiting for the plan (profiling and planning) from rank 0" in text, text[-3000:]
-    assert "rank 0, which serves it" in text, text[-3000:]
+    # rank 1 waits for the plan, or (when it lags) for Lightning's broadcast just before it
+    assert re.search(r"rank 0, which serves it .*; rank 1 was waiting for .* from rank 0", text), text[-3000:]

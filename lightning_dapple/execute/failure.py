@@ -74,7 +74,7 @@ HEARTBEAT_KEY = "lightning_dapple/heartbeat/{rank}"
 WHERE_KEY = "lightning_dapple/where/{rank}"
 DEATH_MARKS = ("died without reporting", "stopped responding")
 DEAD_GRACE_S = 3.0
-STORE_LINGER_S = 1.0  # > the 0.2 s a woken peer polls the store for a report (``_raise_for``)
+STORE_LINGER_S = 1.0  # several of the watchdogs' polls (poll_s: 0.25 s by default)
 
 
 class PeerFailedError(RuntimeError):
@@ -223,6 +223,14 @@ class FailureChannel:
                 for work in works:
                     left = max(deadline - time.monotonic(), 0.001)
                     work.wait(timedelta(seconds=left))
+        except Exception as exc:
+            self._raise_for(exc, what)
+
+    def on_store(self, call: Callable[[], Any], what: str) -> Any:
+        """``call()``, a store operation made for ``what``: a store that stopped answering
+        names its host (rank 0 under Lightning's launchers) as the failure."""
+        try:
+            return call()
         except Exception as exc:
             self._raise_for(exc, what)
 
@@ -477,8 +485,7 @@ class FailureChannel:
         message = self._timeout_message(waiting.what, silent)
         self._publish(message)
         self._say(f"{message}; rank {self.rank} exits")
-        self._end_local(silent)
-        self._exit_published()
+        self._exit_published(silent)
 
     def _watch_silence(self, waiting: Waiting | None) -> None:
         """While blocked for long, compare heartbeats; report a peer silent ``unresponsive_s``."""
@@ -496,16 +503,18 @@ class FailureChannel:
         )
         self._publish(message)
         self._say(f"{message}; rank {self.rank} exits")
-        self._end_local(silent)
-        self._exit_published()
+        self._exit_published(silent)
 
-    def _exit_published(self) -> None:
-        """End this process after publishing the job's failure. Under Lightning's launchers
-        rank 0 serves the store: it stays a moment, so that the peers its ending wakes (their
-        waits on the ranks it ended fail at once) read the failure there instead of finding
-        the store gone and naming rank 0 as the dead one."""
+    def _exit_published(self, silent: list[int]) -> None:
+        """End the ``silent`` ranks on this host and this process, after publishing the job's
+        failure. Under Lightning's launchers rank 0 serves the store: it first stays a moment,
+        while the peers' watchdogs read the failure, so that a peer woken by the end of a
+        silent rank (its wait fails at once) knows the failure when the store is gone, rather
+        than naming rank 0 as the dead one. The silent ranks are ended after that moment:
+        until then nothing wakes this rank's own wait on them."""
         if self.rank == 0:
             time.sleep(STORE_LINGER_S)
+        self._end_local(silent)
         os._exit(1)
 
     def _end_local(self, ranks: list[int]) -> None:

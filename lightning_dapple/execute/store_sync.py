@@ -35,33 +35,39 @@ class StoreSync:
         self.store = failure.store
         self.rank, self.world_size = failure.rank, failure.world_size
 
-    def _next_key(self) -> str:
-        number = int(self.store.add(f"{PREFIX}/calls/{self.rank}", 1))
+    def _next_key(self, what: str) -> str:
+        number = int(self.failure.on_store(lambda: self.store.add(f"{PREFIX}/calls/{self.rank}", 1), what))
         return f"{PREFIX}/{number}"
 
-    def _leave(self, key: str, *extra: str) -> None:
+    def _leave(self, key: str, what: str, *extra: str) -> None:
         """Count this rank out of call ``key``; the last one out deletes its keys."""
-        if int(self.store.add(f"{key}/left", 1)) == self.world_size:
-            for name in (*extra, f"{key}/left"):
-                self.store.delete_key(name)
+
+        def leave() -> None:
+            if int(self.store.add(f"{key}/left", 1)) == self.world_size:
+                for name in (*extra, f"{key}/left"):
+                    self.store.delete_key(name)
+
+        self.failure.on_store(leave, what)
 
     def barrier(self, name: str) -> None:
         """Return once every rank has arrived at this barrier (``name`` says which, in messages)."""
-        key = self._next_key()
+        what = f"the other ranks at barrier {name!r}"
+        key = self._next_key(what)
         arrived = f"{key}/arrived"
-        self.store.add(arrived, 1)
-        self.failure.wait_until(lambda: int(self.store.add(arrived, 0)) >= self.world_size, f"the other ranks at barrier {name!r}")
-        self._leave(key, arrived)
+        self.failure.on_store(lambda: self.store.add(arrived, 1), what)
+        self.failure.wait_until(lambda: int(self.store.add(arrived, 0)) >= self.world_size, what)
+        self._leave(key, what, arrived)
 
     def broadcast(self, payload: Any, what: str, src: int = 0) -> Any:
         """``payload`` of rank ``src`` on every rank (pickled; the others' ``payload`` is ignored)."""
-        key = self._next_key()
+        what = f"{what} from rank {src}"
+        key = self._next_key(what)
         data = f"{key}/data"
         if self.rank == src:
-            self.store.set(data, pickle.dumps(payload))
-            self._leave(key, data)
+            self.failure.on_store(lambda: self.store.set(data, pickle.dumps(payload)), what)
+            self._leave(key, what, data)
             return payload
-        self.failure.wait_until(lambda: self.store.check([data]), f"{what} from rank {src}")
-        value = pickle.loads(self.store.get(data))
-        self._leave(key, data)
+        self.failure.wait_until(lambda: self.store.check([data]), what)
+        value = pickle.loads(self.failure.on_store(lambda: self.store.get(data), what))
+        self._leave(key, what, data)
         return value
