@@ -53,3 +53,28 @@ def test_rank_zero_dying_while_it_plans_ends_every_rank_with_its_name(tmp_path: 
     assert all(code not in (0, None) for code in codes), (codes, text[-3000:])
     # rank 1 waits for the plan, or (when it lags) for Lightning's broadcast just before it
     assert re.search(r"rank 0, which serves it .*; rank 1 was waiting for .* from rank 0", text), text[-3000:]
+
+
+def _limit_worker(rank: int, world: int) -> str:
+    from lightning_dapple.execute.failure import CommTimeoutError, FailureChannel
+
+    failure = FailureChannel(rank, timeout_s=10)
+    try:
+        failure.wait_until(lambda: False, "a key no rank writes", limit_s=1.0)
+    except CommTimeoutError as exc:
+        return str(exc)
+    finally:
+        failure.close()
+    return "returned"
+
+
+@pytest.mark.timeout(60)
+def test_a_store_wait_that_no_rank_answers_ends_at_its_limit() -> None:
+    """Every peer beats but none writes what this rank waits for (a collective skipped on
+    one rank): the wait ends at its limit (Lightning's 30 minutes by default) with what it
+    waited for, instead of forever."""
+    from dist_harness import run_ranks
+
+    results = run_ranks(_limit_worker, 2, timeout_s=45)
+    for rank in (0, 1):
+        assert results[rank].startswith(f"rank {rank}: waited 1 s for a key no rank writes while every peer kept beating"), results

@@ -123,10 +123,36 @@ def test_without_ignored_targets_or_with_the_opt_in_it_trains(tmp_path: Path) ->
 def test_which_losses_are_means_over_targets(kwargs: dict, reason: str | None) -> None:
     found = uneven_mean(F.cross_entropy, (torch.randn(2, 3),), kwargs)
     assert (found is None) if reason is None else (found is not None and re.search(reason, found) is not None), found
+    logits = torch.randn(2, 3, requires_grad=True)
     watch = LossWatch()
-    with watch:
-        torch.nn.NLLLoss(ignore_index=-100)(torch.randn(2, 3).log_softmax(-1), torch.tensor([0, -100]))
-    assert watch.found is not None and watch.found.startswith("nll_loss averages")
+    with watch.watching(2):
+        loss = torch.nn.NLLLoss(ignore_index=-100)(logits.log_softmax(-1), torch.tensor([0, -100]))
+    assert len(watch.found) == 1 and watch.found[0][0].startswith("nll_loss averages")
+    with pytest.raises(DappleConfigError, match="nll_loss averages"):
+        watch.check(loss)
+
+
+def test_an_ignored_target_in_every_row_alike_or_a_loss_only_logged_is_not_refused() -> None:
+    """A causal LM's shifted labels keep one -100 per row: every micro-batch's count is
+    proportional to its rows. A masked perplexity computed for a log feeds no loss."""
+    logits = torch.randn(4, 5, 3, requires_grad=True)
+    shifted = torch.randint(0, 3, (4, 5))
+    shifted[:, -1] = -100
+    watch = LossWatch()
+    for rows in ((0, 2), (2, 4)):  # the step's two micro-batches
+        with watch.watching(2):
+            loss = F.cross_entropy(logits[slice(*rows)].reshape(-1, 3), shifted[slice(*rows)].reshape(-1))
+        watch.check(loss)
+    padded = shifted.clone()
+    padded[0, 1:] = -100
+    with watch.watching(4):
+        logged = F.cross_entropy(logits.reshape(-1, 3), padded.reshape(-1))
+        loss = F.mse_loss(logits, torch.zeros_like(logits))
+    watch.check(loss)  # the padded one is not in the loss
+    with watch.watching(4):
+        loss = F.cross_entropy(logits.reshape(-1, 3), padded.reshape(-1)) + 0 * logged
+    with pytest.raises(DappleConfigError, match="differs between rows"):
+        watch.check(loss)
 
 
 def test_a_second_self_call_runs_again_on_one_stage_and_is_refused_where_the_input_arrived(tmp_path: Path) -> None:
@@ -135,8 +161,40 @@ def test_a_second_self_call_runs_again_on_one_stage_and_is_refused_where_the_inp
     _fit(tmp_path / "ours", ours, padded=False, strategy=_dapple())  # whole model, stash kept: both calls run
     assert max(float((ours.state_dict()[k] - v).abs().max()) for k, v in plain.state_dict().items()) < 1e-12
     recomputed = {**ONE_STAGE, "stages": [{"layers": [0, 2], "devices": [0], "recompute": "always"}]}
-    with pytest.raises(DappleConfigError, match=r"calls self\(\.\.\.\) a second time for one batch.*Fix: call self\(\.\.\.\) once"):
+    with pytest.raises(DappleConfigError, match=r"calls self\(\.\.\.\) more than once on a stage that recomputes its forward.*Fix: call self\(\.\.\.\) once per step"):
         _fit(tmp_path / "recomputed", TwoViews().double(), padded=False, strategy=_dapple(plan=recomputed))
+
+
+def test_where_the_input_arrived_a_repeat_call_with_that_input_runs_again_and_another_input_is_refused() -> None:
+    from lightning_dapple.execute.stage import guard_calls
+
+    calls = []
+    x, y = torch.ones(2, 3), torch.zeros(2, 3)
+    guarded = guard_calls(lambda *args: calls.append(args) or len(calls), recomputed=False)
+    assert guarded(x) == 1 and guarded(x) == 2 and guarded(x.clone()) == 3  # a loss, then a metric from self(x)
+    with pytest.raises(DappleConfigError, match=r"calls self\(\.\.\.\) again with another input.*Fix: put the views in one batch"):
+        guarded(y)
+    once = guard_calls(lambda *args: 0, recomputed=True)
+    once(x)
+    with pytest.raises(DappleConfigError, match="recomputes its forward"):
+        once(x)
+
+
+def test_two_calls_on_one_stage_draw_two_dropout_samples() -> None:
+    """R-Drop, SimCSE: two self(x) calls on the whole model must not share a dropout mask."""
+    from lightning_dapple.execute.stage import Stage
+
+    class TwoSamples:
+        def compute_loss(self, batch, forward):
+            a, b = forward(batch), forward(batch)
+            self.differ = not torch.equal(a, b)
+            return (a - b).pow(2).mean()
+
+    callbacks = TwoSamples()
+    stage = Stage([nn.Dropout(0.5)], torch.device("cpu"), index=0, replica=0, num_stages=1)
+    stage.begin_step(torch.ones(4, 8), 4, [(0, 4)], callbacks, 1.0, (7, 0))
+    stage.forward(0)
+    assert callbacks.differ
 
 
 # --------------------------------------------------------------------------- randomness in the step

@@ -74,6 +74,7 @@ HEARTBEAT_KEY = "lightning_dapple/heartbeat/{rank}"
 WHERE_KEY = "lightning_dapple/where/{rank}"
 DEATH_MARKS = ("died without reporting", "stopped responding")
 DEAD_GRACE_S = 3.0
+LONG_WAIT_S = 1800.0  # a wait for one rank's own work: Lightning's default process-group timeout
 STORE_LINGER_S = 1.0  # several of the watchdogs' polls (poll_s: 0.25 s by default)
 
 
@@ -234,22 +235,29 @@ class FailureChannel:
         except Exception as exc:
             self._raise_for(exc, what)
 
-    def wait_until(self, ready: Callable[[], bool], what: str) -> None:
-        """Block until ``ready()`` (a store query) holds, for as long as the peers live: no
-        deadline, since what this rank waits for is a peer's own work of any length (rank 0
-        planning, or writing a checkpoint; ``store_sync``). A peer's report ends the wait
-        with its message; a peer silent for ``unresponsive_s`` ends the job (the watchdog's
-        silence rule), and a store that stopped answering names its host."""
+    def wait_until(self, ready: Callable[[], bool], what: str, limit_s: float = LONG_WAIT_S) -> None:
+        """Block until ``ready()`` (a store query) holds, for as long as the peers live, up to
+        ``limit_s``: what this rank waits for is a peer's own work of any length (rank 0
+        planning, or writing a checkpoint; ``store_sync``), bounded as Lightning bounds its
+        collectives by default. A peer's report ends the wait with its message; a peer silent
+        for ``unresponsive_s`` ends the job (the watchdog's silence rule), and a store that
+        stopped answering names its host."""
         if self._peer_message is not None:
             self.check()
         pause = 0.001  # a short wait stays short; a long one polls every poll_s
+        deadline = time.monotonic() + limit_s
         try:
             with self._blocked(what, bounded_here=False):
                 while not ready():
                     self.check()
+                    if time.monotonic() > deadline:
+                        raise CommTimeoutError(
+                            f"rank {self.rank}: waited {limit_s:.0f} s for {what} while every peer kept beating; "
+                            "a rank may have skipped a collective call the others made (e.g. one made under 'if rank == 0')"
+                        )
                     time.sleep(pause)
                     pause = min(2 * pause, self.poll_s)
-        except PeerFailedError:
+        except (PeerFailedError, CommTimeoutError):
             raise
         except Exception as exc:  # the store is gone with its host
             self._raise_for(exc, what)

@@ -40,6 +40,7 @@ from typing import Any, Callable, ContextManager, Mapping, Protocol, Sequence
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from lightning_dapple.errors import require
 from lightning_dapple.execute.replay import buffer_slots, detached, discard_saved, reseed, same_rng, save_rng, scratch_buffers, tensor_leaves, weight_groups
@@ -280,10 +281,14 @@ class Stage:
             item.outputs = self._keep_input(item, x) if keep_input else self.run_layers(x, meter)
             return
         received = item.inputs
+        calls = 0
 
         def forward(*args: Any, **kwargs: Any) -> Any:
+            nonlocal calls
             x = (args[0] if len(args) == 1 else args) if self.is_first else received
-            reseed(self._seed(microbatch), self.device)
+            calls += 1
+            if calls == 1:  # later calls draw on from here (two dropout samples differ)
+                reseed(self._seed(microbatch), self.device)
             if not keep_input:
                 return self.run_layers(x, meter)
             y = self._keep_input(item, x)
@@ -291,8 +296,8 @@ class Stage:
             return y
 
         reseed(self._step_seed(item.rows), self.device)
-        # the whole model in one process, stash kept: another call runs the layers again
-        loss = callbacks.compute_loss(batch_slice, forward if self.is_first and not keep_input else called_once(forward))
+        # the whole model in one process, stash kept: another call runs the layers on its own input
+        loss = callbacks.compute_loss(batch_slice, forward if self.is_first and not keep_input else guard_calls(forward, keep_input))
         weight = (item.rows[1] - item.rows[0]) / self._batch_rows if self.loss_reduction == "mean" else 1.0
         loss = loss * weight
         self._losses.append(loss.detach())
@@ -399,29 +404,52 @@ class Stage:
                 return self.run_layers(args[0] if len(args) == 1 else args)
             return self.run_layers(received)
 
-        return callbacks.compute_output(batch_slice, forward if self.is_first else called_once(forward), weight)
+        return callbacks.compute_output(batch_slice, forward if self.is_first else guard_calls(forward, False), weight)
 
 
-def called_once(forward: Callable[..., Any]) -> Callable[..., Any]:
-    """``forward`` for a step that may call ``self(...)`` once per micro-batch: the stage input
-    arrived from upstream for the first call, so a second call (a second view of the batch,
-    a consistency or contrastive term) would silently get the same output; it is refused."""
-    calls = 0
+def guard_calls(forward: Callable[..., Any], recomputed: bool) -> Callable[..., Any]:
+    """``forward`` for a step whose layer input arrived from upstream for its first
+    ``self(...)`` call. A later call with that same input runs the layers again (a loss and
+    then a metric from ``self(x)``); one with another input (a second view of the batch, a
+    consistency or contrastive term) would silently get the first input's output, and is
+    refused, as is any second call on a ``recomputed`` stage, which keeps one call's
+    input and outputs per micro-batch."""
+    first: list[Any] = []
 
-    def once(*args: Any, **kwargs: Any) -> Any:
-        nonlocal calls
-        calls += 1
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        if not first:
+            first.append(args)
+            return forward(*args, **kwargs)
         require(
-            calls == 1,
+            not recomputed,
+            "training_step",
+            "calls self(...) more than once on a stage that recomputes its forward, which keeps one call's input and outputs per micro-batch",
+            "call self(...) once per step, or give that stage recompute='never'",
+        )
+        require(
+            _same_input(first[0], args),
             "training_step / validation_step",
-            "calls self(...) a second time for one batch; a pipeline runs the layers once per micro-batch, on the "
-            "input of the step's first self(...) call, so every further call would return that call's output",
-            "call self(...) once: put the views in one batch (torch.cat) and split the output, or train on a "
+            "calls self(...) again with another input (a second view of the batch, a consistency or contrastive term); "
+            "a pipeline runs the layers once per micro-batch, on the input of the step's first self(...) call",
+            "put the views in one batch (torch.cat), call self(...) once and split the output, or train on a "
             "single-stage plan (data parallelism) without recomputation",
         )
         return forward(*args, **kwargs)
 
-    return once
+    return guarded
+
+
+def _same_input(a: Any, b: Any) -> bool:
+    """Whether two ``self(...)`` argument tuples hold the same tensors (or equal ones)."""
+    left, left_spec = pytree.tree_flatten(a)
+    right, right_spec = pytree.tree_flatten(b)
+    if left_spec != right_spec or len(left) != len(right):
+        return False
+    return all(
+        x is y or (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.shape == y.shape and torch.equal(x, y))
+        or (not isinstance(x, torch.Tensor) and x == y)
+        for x, y in zip(left, right)
+    )
 
 
 def _unique(params: Any) -> list[nn.Parameter]:

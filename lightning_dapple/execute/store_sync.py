@@ -7,9 +7,10 @@ that waits while another works alone: rank 0 profiling and planning (``plan="aut
 rank 0 writing a checkpoint while the others wait in Lightning's barrier after
 ``save_checkpoint``. Under DDP such waits may last the launcher's 30 minutes; asking users to
 size ``timeout_s`` by their slowest checkpoint write would trade away the quick detection of
-stuck transfers. So these waits go through the store, as many as the peers take, while the
-failure channel watches that they live (``FailureChannel.wait_until``): a peer's error, its
-death or its silence ends every rank, within ``unresponsive_s``.
+stuck transfers. So these waits go through the store, as long as the peers take (up to
+Lightning's default 30 minutes, ``failure.LONG_WAIT_S``), while the failure channel watches
+that they live (``FailureChannel.wait_until``): a peer's error, its death or its silence
+ends every rank, within ``unresponsive_s``.
 
 Every rank makes the same calls in the same order; each call's keys are numbered by a
 per-rank counter kept in the store itself, so the numbers agree across fits of one job, and

@@ -151,11 +151,11 @@ class _TrainCallbacks:
         return self.transfers.last.run(batch, lambda on_device: self._compute_loss(on_device, forward, weight))
 
     def _compute_loss(self, batch: Any, forward: Callable[..., Any], weight: float) -> torch.Tensor:
-        watch = self.loss_watch if self.loss_watch is not None else nullcontext()
+        watch = self.loss_watch.watching(batch_size_of(batch)) if self.loss_watch is not None else nullcontext()
         with forward_replaced(self.module, forward), self.recorder.recording(self.module, weight), self.context(), watch:
             loss = loss_of(self.step(batch, self.batch_idx))
         if self.loss_watch is not None:
-            self.loss_watch.check()
+            self.loss_watch.check(loss)
         return self.scale_backward(loss) if self.scale_backward is not None else loss
 
 
@@ -820,7 +820,8 @@ class DappleStrategy(DDPStrategy):
         context = mixed.forward_context if mixed is not None else nullcontext
         transfers = self._transfers_for("training_step")
         scale_backward = mixed.scale_backward if mixed is not None else None
-        watch = LossWatch() if self.loss_reduction == "mean" and not self._loss_checked else None
+        sliced = self.plan.micro_batches * self.plan.stages[-1].replicas > 1  # else each loss is the whole batch's
+        watch = LossWatch() if self.loss_reduction == "mean" and sliced and not self._loss_checked else None
         self._loss_checked = True
         callbacks = _TrainCallbacks(module, batch_idx, recorder, transfers, batch_size_of(batch), context, scale_backward, watch)
         scale = 1.0 / self.lightning_module.trainer.accumulate_grad_batches
