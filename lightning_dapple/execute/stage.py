@@ -8,7 +8,9 @@ the compute actions; the stage keeps what each micro-batch needs between them:
   stashing what backward needs (DAPPLE 3.2: at most K_i micro-batches in flight). Each F
   runs under an RNG seed of its own (step, stage, replica, micro-batch), so dropout masks do
   not depend on the order in which a schedule runs its forwards, and a recomputation
-  replays them exactly. Losses are weighted by (slice rows / global batch rows) for
+  replays them exactly. The user's step around it (the first stage runs it up to
+  ``self(...)``, the last all of it) runs under a seed of the step and the slice's rows,
+  the same on both, so what it draws before ``self(...)`` is drawn alike. Losses are weighted by (slice rows / global batch rows) for
   mean-reduced losses, so the accumulated gradients are exactly those of one device on the
   whole global batch;
 * B (``backward_input``): backpropagate that micro-batch, accumulating parameter gradients
