@@ -363,7 +363,8 @@ class Transport:
     policy (``gloo`` and ``staged`` messages are alike, so those two can mix). With the
     ``nccl`` wire the constructor is collective: every rank builds its Transport at the same
     point, with the same ``links`` (the rank pairs that exchange rows, ``links.plan_links``;
-    None: every pair), and it creates one process group per link and direction.
+    for a ``tagged`` transport its streams, ``links.plan_streams``; None: every pair), and it
+    creates one process group per link (or stream) and direction.
     """
 
     def __init__(
