@@ -87,6 +87,16 @@ def session_processes(job: Job) -> list[int]:
     return alive
 
 
+def drain(job: Job, limit_s: float) -> list[int]:
+    """The job's processes still alive ``limit_s`` after its start, polled until none is.
+
+    Under Lightning's subprocess launcher rank 0 may exit before the ranks it started have
+    finished their own exit; a process left at the deadline is one that did not end."""
+    while session_processes(job) and time.monotonic() - job.started < limit_s:
+        time.sleep(0.2)
+    return session_processes(job)
+
+
 def pid_alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
