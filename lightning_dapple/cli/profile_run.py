@@ -23,6 +23,7 @@ from lightning_dapple.execute.overhead_probe import with_action_overhead
 from lightning_dapple.profile.model_profile import ModelProfile
 from lightning_dapple.profile.profiler import iter_tensors, map_tensors, profile_layers
 from lightning_dapple.profile.traced_layers import finds_layers_from_forward, traced_layers
+from lightning_dapple.strategy.module_adapter import forward_signature, positional_arguments
 from lightning_dapple.strategy.optimizer_probe import with_run_optimizer
 
 __all__ = ["layers_of", "load_model", "print_profile", "profile_model", "resolve_layers", "run", "sample_input_of"]
@@ -81,19 +82,16 @@ def layers_of(model: nn.Module, path: str, say: Callable[[str], Any] = print) ->
     and two samples; ``profile.traced_layers``), which is shown with ``say``."""
     if not finds_layers_from_forward(model, path):
         return resolve_layers(model, path)
-    layers = traced_layers(model, [_positional(sample_input_of(model, rows)) for rows in (1, 2)])
+    layers = traced_layers(model, [_positional(model, sample_input_of(model, rows)) for rows in (1, 2)])
     say("\n".join(layers.describe()))
     return layers
 
 
-def _positional(sample: Any) -> tuple:
-    """``forward``'s positional arguments, as Lightning reads ``example_input_array``."""
-    require(
-        not isinstance(sample, Mapping),
-        "example_input_array",
-        "is a dict (keyword arguments), which a traced layer list cannot take",
-        "set it to a tensor or a tuple of forward's positional arguments",
-    )
+def _positional(model: Any, sample: Any) -> tuple:
+    """``forward``'s arguments as Lightning reads ``example_input_array`` (a tuple is
+    positional, a dict is by keyword), in the positional form the traced layers take."""
+    if isinstance(sample, Mapping):
+        return positional_arguments(forward_signature(model), (), dict(sample), type(model).__name__)
     return sample if isinstance(sample, tuple) else (sample,)
 
 
@@ -102,9 +100,10 @@ def profile_model(args: Any, say: Callable[[str], Any] = print) -> ModelProfile:
     on ``example_input_array`` resized to ``args.batch_size``."""
     model = load_model(args.model)
     layers = layers_of(model, args.layers, say)
+    arguments = _positional(model, sample_input_of(model, args.batch_size))
     profile = profile_layers(
         layers,
-        sample_input_of(model, args.batch_size),
+        arguments[0] if len(arguments) == 1 else arguments,  # what layer 0 gets, as from self(...) in a step
         device=args.device,
         repeats=args.repeats,
         warmup=args.warmup,

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dis
 import inspect
+import operator
 import os
 import traceback
 from bisect import bisect_left
@@ -207,14 +208,25 @@ def _trace_once(module: nn.Module, num_inputs: int, expanded: set[str]) -> fx.Gr
             raise _TraceStop("forward takes *args/**kwargs", _forward_place(module))
     placeholders = [node for node in traced.graph.nodes if node.op == "placeholder"]
     for node in placeholders[num_inputs:]:
-        for check in [user for user in node.users if user.target is _assert_is_none]:
-            traced.graph.erase_node(check)  # fx's guard that the default was passed
+        _erase_default_guards(traced.graph, node)
         if node.users:
             raise _TraceStop(f"forward's defaulted argument '{node.target}' is used as a value", _forward_place(module))
         traced.graph.erase_node(node)
     traced.graph.eliminate_dead_code()
     traced.recompile()
     return traced
+
+
+def _erase_default_guards(graph: fx.Graph, node: fx.Node) -> None:
+    """Remove fx's checks that a parameter left at its default got that default: the
+    pipeline never passes it. A None default is checked by ``_assert_is_none(x)``, any
+    other by ``torch._assert(x == default)``."""
+    for user in list(node.users):
+        if user.target is _assert_is_none:
+            graph.erase_node(user)
+        elif user.target is operator.eq and len(user.users) == 1 and next(iter(user.users)).target is torch._assert:
+            graph.erase_node(next(iter(user.users)))
+            graph.erase_node(user)
 
 
 def _delegate(traced: fx.GraphModule, expanded: set[str]) -> str | None:

@@ -51,10 +51,13 @@ def finds_layers_from_forward(module: nn.Module, path: str) -> bool:
 class TracedLayers(nn.ModuleList):
     """The layers cut from a traced ``forward``, in order, with the children each calls."""
 
-    def __init__(self, layers: Sequence[nn.Module], calls: Sequence[Sequence[str]], source: str) -> None:
+    def __init__(self, layers: Sequence[nn.Module], calls: Sequence[Sequence[str]], source: str, inputs: Sequence[str] = ()) -> None:
         super().__init__(layers)
         self.calls = [list(names) for names in calls]
         self.source = source
+        # the forward parameters the program was traced with, in order: every self(...) call
+        # must pass these (the program is specialised to the others' defaults)
+        self.inputs = tuple(inputs)
 
     def describe(self) -> list[str]:
         """One line per layer: index, the children it calls, its parameter count."""
@@ -236,7 +239,7 @@ def cut_program(program: TracedProgram) -> TracedLayers:
         outputs = None if number == len(groups) - 1 else cutter.crossing(plan, last)
         layers.append(_build(cutter, plan, first, last, inputs, outputs))
         calls.append([str(anchor.target) for anchor in cutter.anchors[first : last + 1]])
-    return TracedLayers(layers, calls, program.name)
+    return TracedLayers(layers, calls, program.name, [str(node.target) for node in placeholders])
 
 
 def traced_layers(module: nn.Module, samples: Sequence[tuple]) -> TracedLayers:

@@ -128,8 +128,10 @@ class _TrainCallbacks:
         context: Callable[[], ContextManager] = nullcontext,
         scale_backward: Callable[[torch.Tensor], torch.Tensor] | None = None,
         loss_watch: LossWatch | None = None,
+        traced_inputs: tuple[str, ...] | None = None,
     ) -> None:
         self.module = module
+        self.traced_inputs = traced_inputs
         self.loss_watch = loss_watch  # the first step: is the loss a mean over samples (loss_check.py)
         self.batch_idx = batch_idx
         self.recorder = recorder
@@ -144,7 +146,7 @@ class _TrainCallbacks:
 
     def _make_input(self, batch: Any) -> Any:
         with self.recorder.recording(self.module, 0.0), self.context():
-            return capture_input(self.module, lambda: self.step(batch, self.batch_idx))
+            return capture_input(self.module, lambda: self.step(batch, self.batch_idx), self.traced_inputs)
 
     def compute_loss(self, batch: Any, forward: Callable[..., Any]) -> torch.Tensor:
         weight = batch_size_of(batch) / self.batch_rows
@@ -152,7 +154,7 @@ class _TrainCallbacks:
 
     def _compute_loss(self, batch: Any, forward: Callable[..., Any], weight: float) -> torch.Tensor:
         watch = self.loss_watch.watching(batch_size_of(batch)) if self.loss_watch is not None else nullcontext()
-        with forward_replaced(self.module, forward), self.recorder.recording(self.module, weight), self.context(), watch:
+        with forward_replaced(self.module, forward, self.traced_inputs), self.recorder.recording(self.module, weight), self.context(), watch:
             loss = loss_of(self.step(batch, self.batch_idx))
         if self.loss_watch is not None:
             self.loss_watch.check(loss)
@@ -160,8 +162,12 @@ class _TrainCallbacks:
 
 
 class _EvalCallbacks:
-    def __init__(self, module: LightningModule, step_name: str, args: tuple, recorder: LogRecorder, transfers: StepTransfers) -> None:
+    def __init__(
+        self, module: LightningModule, step_name: str, args: tuple, recorder: LogRecorder, transfers: StepTransfers, traced_inputs: tuple[str, ...] | None = None
+    ) -> None:
         self.module = module
+        self.step_name = step_name
+        self.traced_inputs = traced_inputs
         self.step = getattr(module, step_name)
         self.args = args
         self.recorder = recorder
@@ -173,13 +179,13 @@ class _EvalCallbacks:
 
     def _make_input(self, batch: Any) -> Any:
         with self.recorder.recording(self.module, 0.0):
-            return capture_input(self.module, lambda: self.step(batch, *self.args))
+            return capture_input(self.module, lambda: self.step(batch, *self.args), self.traced_inputs, self.step_name)
 
     def compute_output(self, batch: Any, forward: Callable[..., Any], weight: float) -> Any:
         return self.transfers.last.run(batch, lambda on_device: self._compute_output(on_device, forward, weight))
 
     def _compute_output(self, batch: Any, forward: Callable[..., Any], weight: float) -> Any:
-        with forward_replaced(self.module, forward), self.recorder.recording(self.module, weight):
+        with forward_replaced(self.module, forward, self.traced_inputs, self.step_name), self.recorder.recording(self.module, weight):
             output = self.step(batch, *self.args)
         if not self.keep_output:
             return None
@@ -338,6 +344,7 @@ class DappleStrategy(DDPStrategy):
         self.failure: FailureChannel | None = None
         self._sync: StoreSync | None = None  # Lightning's barriers and broadcasts, once the channel exists
         self._loss_checked = False  # the first training step watches the loss (loss_check.py)
+        self._traced_inputs: tuple[str, ...] | None = None  # forward's parameters a traced layer list takes
         self.groups: PlanGroups | None = None
         self._layer_container: nn.Module | None = None
         self.checkpoint_layout: ckpt.CheckpointLayout | None = None
@@ -551,6 +558,7 @@ class DappleStrategy(DDPStrategy):
         """
         sample = self._sample_batch(trainer, module)
         container = self._find_layers(trainer, module, sample)
+        self._traced_inputs = container.inputs if isinstance(container, TracedLayers) else None
         check_parameters_in_layers(module, container, self.layers_path)
         self._check_forward_is_layers(module, container, sample, trainer)
         self._close_runner()
@@ -823,7 +831,7 @@ class DappleStrategy(DDPStrategy):
         sliced = self.plan.micro_batches * self.plan.stages[-1].replicas > 1  # else each loss is the whole batch's
         watch = LossWatch() if self.loss_reduction == "mean" and sliced and not self._loss_checked else None
         self._loss_checked = True
-        callbacks = _TrainCallbacks(module, batch_idx, recorder, transfers, batch_size_of(batch), context, scale_backward, watch)
+        callbacks = _TrainCallbacks(module, batch_idx, recorder, transfers, batch_size_of(batch), context, scale_backward, watch, self._traced_inputs)
         scale = 1.0 / self.lightning_module.trainer.accumulate_grad_batches
         params = self.runner.parameters
         # Under Trainer(accumulate_grad_batches) the gradients of earlier batches are still
@@ -868,7 +876,7 @@ class DappleStrategy(DDPStrategy):
         module = self.lightning_module
         batch = args[0]
         recorder = LogRecorder()
-        callbacks = _EvalCallbacks(module, step_name, tuple(args[1:]), recorder, self._transfers_for(step_name))
+        callbacks = _EvalCallbacks(module, step_name, tuple(args[1:]), recorder, self._transfers_for(step_name), self._traced_inputs)
         try:
             with torch.no_grad():
                 outputs = self.runner.forward_step(batch, callbacks)

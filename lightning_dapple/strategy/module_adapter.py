@@ -3,7 +3,8 @@
 A qualifying module keeps its layers in a sequence (``self.layers`` by default) and its
 ``forward`` applies them in order, or has no such sequence and gets the layer list traced
 from its ``forward`` (``profile/traced_layers.py``); its ``training_step`` calls
-``self(x)``. The pipeline
+``self(x)`` (or ``self(input_ids=..., attention_mask=...)``: keywords are bound to
+``forward``'s parameters and handed on by position). The pipeline
 then needs two things from user code (DAPPLE 5.2.1 builds per-stage graphs from the
 model; here the module's own step functions are reused instead):
 
@@ -18,6 +19,7 @@ so loggers, the progress bar and callbacks on rank 0 (a first-stage rank) see th
 from __future__ import annotations
 
 import contextlib
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
@@ -25,7 +27,7 @@ import torch
 from torch import nn
 from torchmetrics import Metric
 
-from lightning_dapple.errors import DappleConfigError
+from lightning_dapple.errors import DappleConfigError, require
 from lightning_dapple.profile.traced_layers import TracedLayers, finds_layers_from_forward, traced_layers
 
 
@@ -108,11 +110,33 @@ def check_parameters_in_layers(module: nn.Module, layers: nn.Module, path: str) 
 
 
 @contextlib.contextmanager
-def forward_replaced(module: nn.Module, forward: Callable[..., Any]) -> Iterator[None]:
-    """Temporarily make ``module(...)`` call ``forward`` (instance attribute shadows the method)."""
+def forward_replaced(
+    module: nn.Module, forward: Callable[..., Any], traced_inputs: Sequence[str] | None = None, step_name: str = "training_step"
+) -> Iterator[None]:
+    """Temporarily make ``module(...)`` call ``forward`` (instance attribute shadows the
+    method) with the call's arguments in positional form (``positional_arguments``), so a
+    step may call ``self(input_ids=ids, attention_mask=mask)`` as it would the model.
+
+    With ``traced_inputs`` (the parameters a traced layer list takes), a call passing other
+    arguments is refused: the program was traced for those and specialised to the others'
+    defaults (a validation_step leaving out the ``labels`` the training call passed)."""
+
+    def positional(*args: Any, **kwargs: Any) -> Any:
+        if kwargs:
+            args = positional_arguments(forward_signature(module), args, kwargs, type(module).__name__)
+        if traced_inputs is not None and len(args) != len(traced_inputs):
+            raise DappleConfigError(
+                step_name,
+                f"calls self(...) with {len(args)} argument(s), but the layer list was traced from forward on a call with "
+                f"{len(traced_inputs)} ({', '.join(traced_inputs)}), and runs only that call",
+                "pass the same arguments to self(...) in every step (by position or by keyword), or give the layer list by hand "
+                "(DappleStrategy(layers='...'))",
+            )
+        return forward(*args)
+
     had = "forward" in module.__dict__
     previous = module.__dict__.get("forward")
-    module.forward = forward  # type: ignore[method-assign]
+    module.forward = positional  # type: ignore[method-assign]
     try:
         yield
     finally:
@@ -122,17 +146,54 @@ def forward_replaced(module: nn.Module, forward: Callable[..., Any]) -> Iterator
             del module.forward
 
 
-def capture_call(module: nn.Module, step: Callable[[], Any]) -> tuple:
-    """Run ``step`` until it calls ``self(...)``; return the positional arguments of that call."""
+def forward_signature(module: nn.Module) -> inspect.Signature:
+    """The signature of the module's own ``forward`` (its class's, without ``self``)."""
+    method = type(module).forward
+    signature = inspect.signature(method)
+    return signature.replace(parameters=list(signature.parameters.values())[1:])
 
-    def capturing(*args: Any, **kwargs: Any) -> Any:
-        if kwargs:
-            raise DappleConfigError(
-                "forward", "was called with keyword arguments", "call self(...) with positional inputs only (self(input_ids, attention_mask), or one tuple/dict)"
+
+def positional_arguments(signature: inspect.Signature, args: tuple, kwargs: dict[str, Any], owner: str = "model") -> tuple:
+    """The arguments of a ``self(...)`` call as the positional tuple that layer 0 (or the
+    traced program's inputs) takes: keywords bound to forward's parameters by name, up to
+    the last one given a value other than its default (an unpassed or defaulted trailing
+    parameter is left to forward's default, as a positional call leaving it out would)."""
+    if not kwargs:
+        return args
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError as exc:
+        raise DappleConfigError(f"self(...) in the step of {owner}", f"does not match forward{signature}: {exc}", "pass the arguments forward takes") from None
+    values: list[Any] = []
+    given = len(args)
+    for parameter in signature.parameters.values():
+        if parameter.kind is parameter.VAR_POSITIONAL:
+            values.extend(bound.arguments.get(parameter.name, ()))
+            continue
+        if parameter.kind not in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD):
+            require(
+                parameter.name not in bound.arguments,
+                f"self(...) in the step of {owner}",
+                f"passes '{parameter.name}', which forward{signature} takes only by keyword (or in **kwargs), while the pipeline "
+                "hands layer 0 its inputs by position",
+                f"make '{parameter.name}' a positional parameter of forward",
             )
+            continue
+        value = bound.arguments.get(parameter.name, parameter.default)
+        values.append(value)
+        if parameter.name in bound.arguments and value is not parameter.default:
+            given = max(given, len(values))
+    return tuple(values[:given])
+
+
+def capture_call(module: nn.Module, step: Callable[[], Any], traced_inputs: Sequence[str] | None = None, step_name: str = "training_step") -> tuple:
+    """Run ``step`` until it calls ``self(...)``; return that call's arguments in
+    positional form (``forward_replaced``)."""
+
+    def capturing(*args: Any) -> Any:
         raise _InputCaptured(args)
 
-    with forward_replaced(module, capturing):
+    with forward_replaced(module, capturing, traced_inputs, step_name):
         try:
             step()
         except _InputCaptured as captured:
@@ -142,9 +203,9 @@ def capture_call(module: nn.Module, step: Callable[[], Any]) -> tuple:
     )
 
 
-def capture_input(module: nn.Module, step: Callable[[], Any]) -> Any:
+def capture_input(module: nn.Module, step: Callable[[], Any], traced_inputs: Sequence[str] | None = None, step_name: str = "training_step") -> Any:
     """Run ``step`` until it calls ``self(x)``; return ``x`` (a tuple if several args)."""
-    args = capture_call(module, step)
+    args = capture_call(module, step, traced_inputs, step_name)
     return args[0] if len(args) == 1 else args
 
 
