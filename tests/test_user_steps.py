@@ -209,6 +209,7 @@ class Denoiser(LightningModule):
         self.layers = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Dropout(0.5), nn.Linear(6, 6))
         self.out = out
         self.drawn: list[list[float]] = []
+        self.val_drawn: list[list[float]] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.layers(x)
@@ -219,8 +220,18 @@ class Denoiser(LightningModule):
         self.drawn.append(noise.sum(1).tolist())  # per row: on the first stage and on the last
         return F.mse_loss(self(x + noise), noise)
 
+    def validation_step(self, batch, batch_idx):
+        """A diffusion model's validation loss: noise drawn in the step, before self(...)."""
+        x = batch[0]
+        noise = torch.randn_like(x)
+        self.val_drawn.append(noise.sum(1).tolist())
+        predicted = self(x + noise)
+        shown = torch.randint(0, len(x), ())  # a row to show: drawn after self(...), on the last stage only
+        self.log("val_loss", F.mse_loss(predicted, noise))
+        self.log("val_shown_row", predicted[shown].abs().mean())
+
     def on_train_end(self) -> None:
-        Path(self.out, f"drawn{self.global_rank}.json").write_text(__import__("json").dumps(self.drawn))
+        Path(self.out, f"drawn{self.global_rank}.json").write_text(__import__("json").dumps([self.drawn, self.val_drawn]))
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
@@ -229,21 +240,26 @@ class Denoiser(LightningModule):
 @pytest.mark.timeout(300)
 def test_noise_drawn_in_the_step_is_the_same_on_the_first_stage_and_the_last(tmp_path: Path) -> None:
     """The first stage runs the step up to self(...) to make the input, the last runs it
-    again for the loss: each slice's step runs under one seed of its rows on both."""
+    again for the loss: each slice's step runs under one seed of its rows on both, in
+    training and in validation."""
     import json
 
     data = DataLoader([(torch.randn(4, 6, generator=torch.Generator().manual_seed(s)),) for s in range(3)], batch_size=None)
+    val = DataLoader([(torch.randn(4, 6, generator=torch.Generator().manual_seed(s)),) for s in (7, 8)], batch_size=None)
     plan = {"global_batch_size": 4, "micro_batches": 2, "stages": [{"layers": [0, 2], "devices": [0]}, {"layers": [2, 4], "devices": [1]}]}
     trainer = Trainer(
         strategy=DappleStrategy(plan=plan, timeout_s=60, start_method="spawn"), accelerator="cpu", devices=2, max_steps=3,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
     )
-    trainer.fit(Denoiser(str(tmp_path)), data)
-    first, last = (json.loads((tmp_path / f"drawn{rank}.json").read_text()) for rank in (0, 1))
+    trainer.fit(Denoiser(str(tmp_path)), data, val)
+    (first, first_val), (last, last_val) = (json.loads((tmp_path / f"drawn{rank}.json").read_text()) for rank in (0, 1))
     assert len(first) == len(last) == 1 + 3 * 2  # set-up's call to find the input, then one per micro-batch and step
     first, last = first[1:], last[1:]
     assert first == last
     assert len({tuple(rows) for rows in first}) == 6  # other draws for every slice and step
+    assert len(first_val) == len(last_val) == 2 * 2 * 2  # the sanity check's 2 batches, then the epoch's 2; 2 slices each
+    assert first_val == last_val
+    assert len({tuple(rows) for rows in first_val}) == 8  # each eval batch draws anew
 
 
 def test_a_step_drawing_before_self_is_refused_where_the_last_stage_holds_other_rows() -> None:

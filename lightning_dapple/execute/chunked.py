@@ -44,7 +44,7 @@ from torch import nn
 
 from lightning_dapple.errors import DappleConfigError
 from lightning_dapple.execute.failure import PeerFailedError
-from lightning_dapple.execute.replay import restore_rng, save_rng
+from lightning_dapple.execute.replay import restore_rng, save_rng, step_key
 from lightning_dapple.execute.results import ResultChannel
 from lightning_dapple.execute.slicing import batch_size_of
 from lightning_dapple.execute.spans import span_clock
@@ -128,6 +128,7 @@ class ChunkedRunner:
         self.stats = StageStats()
         self.steps_done = 0  # training steps run so far (part of every dropout seed; a resume sets it)
         self.job_seed: int | None = None  # as StageRunner's
+        self.evals_done = 0  # as StageRunner's
         self.post_ahead = post_ahead
         self._program = self._compile()
 
@@ -189,7 +190,7 @@ class ChunkedRunner:
         self.handoffs.clear()
         self.results.post()
         rng = save_rng(self.device)  # every F reseeds; the caller's RNG stream is put back when the step ends
-        seed = (self.job_seed if self.job_seed is not None else torch.initial_seed(), self.steps_done)  # read before any reseed
+        seed = step_key(self.job_seed, self.steps_done)  # read before any reseed
         for unit in self.units:
             unit.begin_step(batch, batch_rows, callbacks, seed, stats)
         losses: list[torch.Tensor] = []
@@ -239,8 +240,14 @@ class ChunkedRunner:
         self.handoffs.clear()
         self.results.post()
         results: list[Any] = []
-        for unit in self.units:
-            results = unit.eval_pass(batch, batch_rows, callbacks, count)
+        rng = save_rng(self.device)  # as StageRunner.forward_step
+        try:
+            self.evals_done += 1
+            key = step_key(self.job_seed, self.steps_done, self.evals_done)  # one key for the batch on every chunk
+            for unit in self.units:
+                results = unit.eval_pass(batch, batch_rows, callbacks, count, key)
+        finally:
+            restore_rng(rng)
         self.transport.flush()
         return self.units[-1].gather_eval(results if self.is_last else None, count)
 

@@ -41,6 +41,7 @@ __all__ = [
     "scratch_buffers",
     "save_rng",
     "restore_rng",
+    "step_key",
     "same_rng",
     "reseed",
     "tensor_bytes",
@@ -181,3 +182,11 @@ def tensor_bytes(value: Any) -> int:
         seen.add(key)
         total += leaf.numel() * leaf.element_size()
     return total
+
+
+def step_key(job_seed: int | None, steps_done: int, evals_done: int | None = None) -> tuple:
+    """What every seed of one step hashes, alike on every rank: the job's seed (None: this
+    process's initial seed) and the training steps done; an eval batch adds its count and
+    a marker, so its key is never a training step's."""
+    base = (job_seed if job_seed is not None else torch.initial_seed(), steps_done)
+    return base if evals_done is None else (*base, evals_done, 0)

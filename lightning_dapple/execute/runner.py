@@ -51,7 +51,7 @@ from lightning_dapple.execute.grad_sync import GradientSync
 from lightning_dapple.execute.groups import PlanGroups, build_groups
 from lightning_dapple.execute.keys import TransferKey, transfer_key
 from lightning_dapple.execute.links import check_stream_orders, plan_links, plan_streams
-from lightning_dapple.execute.replay import detached, restore_rng, save_rng
+from lightning_dapple.execute.replay import detached, restore_rng, save_rng, step_key
 from lightning_dapple.execute.results import ResultChannel
 from lightning_dapple.execute.slicing import batch_size_of, slice_rows, take_rows
 from lightning_dapple.execute.spans import span_clock
@@ -151,6 +151,7 @@ class StageRunner:
         # the seed every rank's step seeds derive from (None: this process's initial seed);
         # the strategy gives rank 0's, so a step's draws before self(...) agree across stages
         self.job_seed: int | None = None
+        self.evals_done = 0  # eval batches run so far (part of their step seeds)
         self.ledger: StashLedger | StageSlots = StashLedger() if chunk is None else StageSlots(chunk.ledger, self.stage)
         self.sizes = StashSizes(self.parameters)
         self._routes: dict[tuple[int, int], list[_Route]] = {}  # per (batch rows, micro-batches)
@@ -462,7 +463,7 @@ class StageRunner:
         self.results.post()
         rng = save_rng(self.device)  # every F reseeds; the caller's RNG stream is put back when the step ends
         # the seed base is read before any reseed changes what initial_seed() answers
-        seed = (self.job_seed if self.job_seed is not None else torch.initial_seed(), self.steps_done)
+        seed = step_key(self.job_seed, self.steps_done)
         self.begin_step(batch, batch_rows, callbacks, seed, stats)
         try:
             self._run_program()
@@ -667,12 +668,18 @@ class StageRunner:
         batch_rows = batch_size_of(batch)
         count = self.eval_micro_batches(batch_rows)
         self.results.post()
-        results = self.eval_pass(batch, batch_rows, callbacks, count)
+        rng = save_rng(self.device)  # the step seeds draw; the caller's RNG stream is put back
+        self.evals_done += 1
+        try:
+            results = self.eval_pass(batch, batch_rows, callbacks, count, step_key(self.job_seed, self.steps_done, self.evals_done))
+        finally:
+            restore_rng(rng)
         self.transport.flush()
         return self.gather_eval(results if self.is_last else None, count)
 
-    def eval_pass(self, batch: Any, batch_rows: int, callbacks: EvalCallbacks, micro_batches: int) -> list[Any]:
-        """This stage's forward of each of ``micro_batches``; the last stage's per-slice results."""
+    def eval_pass(self, batch: Any, batch_rows: int, callbacks: EvalCallbacks, micro_batches: int, key: tuple) -> list[Any]:
+        """This stage's forward of each of ``micro_batches`` (the user's step under the seed
+        of ``key`` and each slice's rows); the last stage's per-slice results."""
         routes = self._routes_for(batch_rows, micro_batches)
         stage = self.pipeline_stage
         results: list[Any] = []
@@ -680,7 +687,7 @@ class StageRunner:
             for mb, route in enumerate(routes):
                 batch_slice = take_rows(batch, *route.rows)
                 if self.is_first:
-                    received = None if self.is_last else callbacks.make_input(batch_slice)
+                    received = None if self.is_last else stage.eval_input(batch_slice, route.rows, callbacks, key)
                 elif self._local_up:
                     assert self.chunk is not None
                     received = self.chunk.handoffs.take(self._eval_in[mb])
@@ -688,7 +695,7 @@ class StageRunner:
                     received = self.transport.recv_activation(route.rows, route.upstream, self._eval_in[mb])
                 if self.is_last:
                     weight = (route.rows[1] - route.rows[0]) / batch_rows
-                    results.append(stage.evaluate(batch_slice, received, callbacks, weight))
+                    results.append(stage.evaluate(batch_slice, received, callbacks, weight, route.rows, key))
                 elif self._local_down:
                     assert self.chunk is not None
                     self.chunk.handoffs.put(self._eval_out[mb], stage.run_layers(received))

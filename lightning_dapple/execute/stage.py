@@ -197,12 +197,13 @@ class Stage:
         """The RNG seed of one micro-batch's stage forward on this rank in this step."""
         return hash((*self._seed_key, microbatch)) & 0x7FFF_FFFF_FFFF_FFFF
 
-    def _step_seed(self, rows: tuple[int, int]) -> int:
-        """The RNG seed of the user's step on one slice (rows of the batch): the same on the
-        first stage, whose step makes the input, and the last, whose step computes the loss
-        from it, so noise or masks the step draws before ``self(...)`` are the same draws on
-        both (ints only: Python hashes them alike in every process)."""
-        return hash((*self._step_key, -1, *rows)) & 0x7FFF_FFFF_FFFF_FFFF
+    def _step_seed(self, rows: tuple[int, int], key: tuple | None = None) -> int:
+        """The RNG seed of the user's step on one slice (rows of the batch) in the step
+        ``key`` names (this training step's by default): the same on the first stage, whose
+        step makes the input, and the last, whose step computes the loss from it, so noise or
+        masks the step draws before ``self(...)`` are the same draws on both (ints only:
+        Python hashes them alike in every process)."""
+        return hash((*(self._step_key if key is None else key), -1, *rows)) & 0x7FFF_FFFF_FFFF_FFFF
 
     # -- boundaries ----------------------------------------------------------------------
     def receive(self, microbatch: int, inputs: Any) -> None:
@@ -305,11 +306,11 @@ class Stage:
         self._losses.append(loss.detach())
         item.loss = loss * self._loss_scale if self._loss_scale != 1.0 else loss
 
-    def _make_input(self, callbacks: StageCallbacks, batch_slice: Any, rows: tuple[int, int]) -> Any:
+    def _make_input(self, callbacks: StageCallbacks | EvalCallbacks, batch_slice: Any, rows: tuple[int, int], key: tuple | None = None) -> Any:
         """The first stage's part of the user's step, under the step seed of ``rows``. Where
         the last stage holds other rows (another replica count) its draws cannot be these:
         a step that draws random numbers before ``self(...)`` is refused there, once."""
-        reseed(self._step_seed(rows), self.device)
+        reseed(self._step_seed(rows, key), self.device)
         if self.rows_as_last or self._rng_checked:
             return callbacks.make_input(batch_slice)
         self._rng_checked = True
@@ -397,9 +398,18 @@ class Stage:
             self._release(microbatch, item)
 
     # -- forward only (validation, test, predict) ----------------------------------------
-    def evaluate(self, batch_slice: Any, received: Any, callbacks: EvalCallbacks, weight: float) -> Any:
+    def eval_input(self, batch_slice: Any, rows: tuple[int, int], callbacks: EvalCallbacks, key: tuple) -> Any:
+        """The first stage's input of one slice for an eval step: the user's step up to
+        ``self(...)`` under the step seed of ``key`` (one per eval batch) and ``rows``, which
+        ``evaluate`` on the last stage uses too, so a validation step drawing noise or
+        timesteps before ``self(...)`` (a diffusion model's loss) sees one draw on both."""
+        return self._make_input(callbacks, batch_slice, rows, key)
+
+    def evaluate(self, batch_slice: Any, received: Any, callbacks: EvalCallbacks, weight: float, rows: tuple[int, int], key: tuple) -> Any:
         """The last stage's eval result on one slice (``received``: the stage input from
-        upstream; on a single-stage plan the callbacks make it)."""
+        upstream; on a single-stage plan the callbacks make it), under the step seed
+        ``eval_input`` used for these rows."""
+        reseed(self._step_seed(rows, key), self.device)
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             if self.is_first:
