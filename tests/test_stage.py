@@ -100,6 +100,35 @@ def test_split_backward_leaves_the_linear_weights_to_w_and_then_matches() -> Non
         torch.testing.assert_close(got, want, rtol=0, atol=1e-14)
 
 
+def test_a_parametrized_weight_keeps_its_backward_whole_and_trains_its_own_parameters() -> None:
+    """weight_norm's Linear computes ``weight`` from g and v in its forward: W could only
+    write a gradient to that computed tensor, so its backward is not split."""
+    from torch.nn.utils.parametrizations import weight_norm
+
+    def build() -> list[nn.Module]:
+        layers = _layers()
+        layers[1][1] = weight_norm(layers[1][1])
+        return layers
+
+    layers = build()
+    stage = _stage(layers, split=True, w_count={0: 1, 1: 1})
+    for mb in range(MICRO):
+        stage.forward(mb)
+        stage.backward_input(mb)
+    for mb in range(MICRO):
+        stage.backward_weight(mb)
+    stage.end_step()
+    reference = build()
+    x, y = _batch()
+    nn.functional.mse_loss(nn.Sequential(*reference)(x), y).backward()
+    original = dict(layers[1][1].named_parameters())
+    assert {"parametrizations.weight.original0", "parametrizations.weight.original1"} <= set(original)
+    for got, want in zip(layers, reference):
+        for (name, a), (_, b) in zip(got.named_parameters(), want.named_parameters()):
+            assert a.grad is not None, name
+            torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=1e-14)
+
+
 def test_recomputation_replays_dropout_exactly() -> None:
     """A recomputed micro-batch's B (replayed forward, same seed) gives what a stashed one gives."""
     kept_layers, replayed_layers = _layers(dropout=0.5), _layers(dropout=0.5)

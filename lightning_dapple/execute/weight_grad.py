@@ -30,6 +30,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import parametrize
 
 __all__ = ["WeightGradStore", "install_deferred_weights", "deferrable_modules"]
 
@@ -181,9 +182,13 @@ def _padding(module: nn.Module) -> Any:
 def deferrable_modules(layer: nn.Module) -> list[nn.Module]:
     """The modules of ``layer`` whose weight gradient W can compute alone: plain
     ``nn.Linear`` and zero-padded ``nn.Conv*d`` (not subclasses with their own forward)
-    with a trainable weight."""
+    with a trainable weight that is the parameter itself. A parametrized one (weight
+    normalisation, spectral norm) computes ``weight`` from other parameters in the forward:
+    its gradient must flow back through that computation, so its backward stays whole."""
     found = []
     for module in layer.modules():
+        if parametrize.is_parametrized(module) or not isinstance(getattr(module, "weight", None), nn.Parameter):
+            continue
         kind = type(module)
         plain_linear = isinstance(module, nn.Linear) and kind.forward is nn.Linear.forward
         plain_conv = (
