@@ -321,6 +321,63 @@ def test_a_validation_set_whose_last_batch_is_short_validates_like_plain_lightni
     assert ours == pytest.approx(fit("auto", 1), abs=1e-12)
 
 
+# --------------------------------------------------------------------------- torchmetrics objects
+
+
+class Scored(Classifier):
+    """Metrics as Lightning's docs log them: a Metric called in the step, one only updated,
+    and a MetricCollection through log_dict; macro F1 is not a mean of batch values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torchmetrics import MetricCollection
+        from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score, MulticlassPrecision
+
+        self.train_f1 = MulticlassF1Score(num_classes=3, average="macro")
+        self.val_f1 = MulticlassF1Score(num_classes=3, average="macro")
+        self.val_acc = MulticlassAccuracy(num_classes=3, average="macro")
+        self.val_set = MetricCollection({"precision": MulticlassPrecision(num_classes=3, average="macro")}, prefix="val_")
+
+    def training_step(self, batch, batch_idx):
+        logits = self(batch[0])
+        self.train_f1(logits, batch[1])
+        self.log("train_f1", self.train_f1, on_step=False, on_epoch=True)
+        return F.cross_entropy(logits, batch[1])
+
+    def validation_step(self, batch, batch_idx):
+        logits = self(batch[0])
+        self.val_f1(logits, batch[1])
+        self.log("val_f1", self.val_f1)
+        self.val_acc.update(logits, batch[1])
+        self.log("val_acc", self.val_acc)
+        self.val_set.update(logits, batch[1])
+        self.log_dict(self.val_set)
+
+
+@pytest.mark.timeout(300)
+def test_torchmetrics_objects_log_what_they_log_under_plain_lightning(tmp_path: Path) -> None:
+    """Two stages, M = 2: the last stage's ranks update the metrics with the rows they hold
+    and every rank logs its own copy; the epoch values are one device's compute()."""
+    g = torch.Generator().manual_seed(12)
+    train = [(torch.randn(8, 5, generator=g, dtype=torch.float64), torch.randint(0, 3, (8,), generator=g)) for _ in range(3)]
+    val = [(torch.randn(8, 5, generator=g, dtype=torch.float64), torch.randint(0, 3, (8,), generator=g)) for _ in range(3)]
+
+    def fit(strategy, devices: int) -> dict[str, float]:
+        trainer = Trainer(
+            strategy=strategy, accelerator="cpu", devices=devices, precision="64-true", max_epochs=1, logger=False,
+            num_sanity_val_steps=0, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            default_root_dir=str(tmp_path),
+        )
+        trainer.fit(Scored(), DataLoader(train, batch_size=None), DataLoader(val, batch_size=None))
+        return {name: float(value) for name, value in trainer.callback_metrics.items()}
+
+    plan = {"global_batch_size": 8, "micro_batches": 2, "stages": [{"layers": [0, 2], "devices": [0]}, {"layers": [2, 3], "devices": [1]}]}
+    ours, plain = fit(DappleStrategy(plan=plan, timeout_s=60, start_method="spawn"), 2), fit("auto", 1)
+    assert set(plain) == {"train_f1", "val_f1", "val_acc", "val_precision"} and set(ours) == set(plain)
+    for name, value in plain.items():
+        assert ours[name] == pytest.approx(value, abs=1e-12), name
+
+
 # --------------------------------------------------------------------------- parts of the model outside the pipeline
 
 

@@ -295,10 +295,12 @@ class LogRecorder:
 
     values: dict[str, LoggedValue] = field(default_factory=dict)
     weight: float = 1.0
+    module: nn.Module | None = None
 
     @contextlib.contextmanager
     def recording(self, module: nn.Module, weight: float) -> Iterator[None]:
         self.weight = weight
+        self.module = module
         original = module.log
 
         def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
@@ -321,23 +323,32 @@ class LogRecorder:
             module.log_dict = original_dict  # type: ignore[method-assign]
 
     def add(self, name: str, value: Any, kwargs: dict[str, Any]) -> None:
-        if isinstance(value, Metric):
-            cache = getattr(value, "_forward_cache", None)
-            if cache is None:
-                raise DappleConfigError(
-                    f"self.log('{name}', metric)",
-                    "logs a torchmetrics Metric that was not called this step",
-                    "call the metric (metric(preds, target)) before logging it, or log metric.compute()",
-                )
-            value = cache
-        number = value.detach().to(torch.float64).mean() if isinstance(value, torch.Tensor) else float(value)
         kwargs = {k: v for k, v in kwargs.items() if k not in ("batch_size", "sync_dist", "rank_zero_only")}
+        if isinstance(value, Metric):
+            kwargs["metric_attribute"] = kwargs.get("metric_attribute") or self._metric_path(name, value)
+            value = getattr(value, "_forward_cache", None)  # its value on this slice; None after update() alone
+        if value is None:
+            self.values.setdefault(name, LoggedValue(0.0, 0.0, kwargs))
+            return
+        number = value.detach().to(torch.float64).mean() if isinstance(value, torch.Tensor) else float(value)
         entry = self.values.get(name)
         if entry is None:
             self.values[name] = LoggedValue(number * self.weight, self.weight, kwargs)
         else:
             entry.weighted_sum = entry.weighted_sum + number * self.weight
             entry.weight += self.weight
+
+    def _metric_path(self, name: str, metric: Metric) -> str:
+        """Where ``metric`` lives in the module: every rank logs its own copy from there."""
+        assert self.module is not None
+        for path, sub in self.module.named_modules():
+            if sub is metric:
+                return path
+        raise DappleConfigError(
+            f"self.log('{name}', metric)",
+            "logs a torchmetrics Metric that is not a submodule of the LightningModule, so the other ranks cannot log their copy of it",
+            "assign the metric to an attribute in __init__ (self.val_f1 = F1Score(...)), or keep it in an nn.ModuleDict or a MetricCollection",
+        )
 
     def summary(self, on_host: bool = False) -> Logs | None:
         """What was logged, or None when nothing was (then nothing needs to travel). With
@@ -362,11 +373,24 @@ def _to_floats(values: list[torch.Tensor | float]) -> list[float]:
 
 def replay_logs(module: nn.Module, logs: Logs, batch_size: int, dtype: torch.dtype) -> None:
     """Log the combined values on this rank, weighted per step by the global batch size
-    (a value still on the device is logged from there, without a host read)."""
+    (a value still on the device is logged from there, without a host read).
+
+    A torchmetrics Metric is logged as the rank's own copy of it (``metric_attribute``), as
+    Lightning logs it: its step value is the slices' weighted mean, its epoch value
+    Lightning's ``compute()``, which adds up the states of every rank. The last stage's
+    ranks updated theirs with the rows they hold; the other ranks' copies stay empty and add
+    nothing, so the epoch value is that of one device over the whole data."""
     log_dtype = dtype if dtype.is_floating_point else torch.float32
     for name, (weighted_sum, weight, kwargs) in logs.items():
         if isinstance(weighted_sum, torch.Tensor):
             value = weighted_sum / weight if weight else torch.zeros_like(weighted_sum)
         else:
             value = torch.tensor(weighted_sum / weight if weight else 0.0, dtype=torch.float64)
-        module.log(name, value.to(log_dtype), batch_size=batch_size, **kwargs)
+        path = kwargs.get("metric_attribute")
+        if path is None:
+            module.log(name, value.to(log_dtype), batch_size=batch_size, **kwargs)
+            continue
+        metric = module.get_submodule(path)
+        metric._forward_cache = value.to(log_dtype) if weight else None  # what Lightning logs on the step
+        metric._update_count = max(metric._update_count, 1)  # updated for this step, if not on this rank
+        module.log(name, metric, **kwargs)
