@@ -418,3 +418,28 @@ def test_calling_a_layer_another_stage_holds_says_to_call_self() -> None:
 
     with pytest.raises(DappleConfigError, match=r"layer 2: was called directly, but it lives on pipeline stage 1.*Fix: call self\(\.\.\.\)"):
         FreedLayer(2, 1)(torch.zeros(1))
+
+
+class FrozenBackbone(Classifier):
+    """Fine-tuning: the first Linear frozen, the optimizer built from the trained parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers[0].requires_grad_(False)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.1)
+
+
+@pytest.mark.timeout(300)
+def test_a_stage_of_frozen_layers_only_is_named_when_the_optimizer_gets_nothing(tmp_path: Path) -> None:
+    data = [(torch.randn(4, 5, dtype=torch.float64), torch.zeros(4, dtype=torch.long))]
+    plan = {"global_batch_size": 4, "micro_batches": 2, "stages": [{"layers": [0, 2], "devices": [0]}, {"layers": [2, 3], "devices": [1]}]}
+    trainer = Trainer(
+        strategy=DappleStrategy(plan=plan, timeout_s=60, start_method="spawn"), accelerator="cpu", devices=2, precision="64-true",
+        max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+    )
+    with pytest.raises(Exception, match=r"rank 0: .*configure_optimizers: failed on rank 0 \(optimizer got an empty parameter list\): "
+                       r"its stage 0 \(layers \[0, 2\)\) holds no trained parameter.*Fix: give every stage a trained layer"):
+        trainer.fit(FrozenBackbone(), DataLoader(data, batch_size=None))

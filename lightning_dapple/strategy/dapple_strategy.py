@@ -485,7 +485,7 @@ class DappleStrategy(DDPStrategy):
         if mixed is not None and mixed.scaler is not None:
             mixed.scaler.scale(torch.ones((), device=self.root_device))  # the scale lives on this device
         if trainer.state.fn == TrainerFn.FITTING:
-            self.setup_optimizers(trainer)
+            self._setup_local_optimizers(trainer)
             if mixed is not None:
                 mixed.check_optimizers(self.optimizers)
         self.setup_precision_plugin()
@@ -495,6 +495,24 @@ class DappleStrategy(DDPStrategy):
         # the module's own transfer hooks define what a batch on the device is: they then
         # move whole batches, as in Lightning (see batch_to_device)
         self._stages_move_slices = not any(is_overridden(hook, module) for hook in ("transfer_batch_to_device", "on_after_batch_transfer"))
+
+    def _setup_local_optimizers(self, trainer: Trainer) -> None:
+        """``configure_optimizers`` on this rank's parameters. A stage holding only frozen
+        layers (a frozen backbone's first layers) gives an optimizer built from the trained
+        parameters nothing, which torch refuses; say which stage and what to do."""
+        try:
+            self.setup_optimizers(trainer)
+        except ValueError as exc:
+            if self.runner is None or self.runner.parameters or self.plan is None:
+                raise
+            held = [f"stage {index} (layers [{self.plan.stages[index].layers[0]}, {self.plan.stages[index].layers[1]}))" for index in self.plan.stages_of_rank(self.global_rank)]
+            raise DappleConfigError(
+                "configure_optimizers",
+                f"failed on rank {self.global_rank} ({exc}): its {', '.join(held)} holds no trained parameter (every layer there is "
+                "frozen), so an optimizer over the trained parameters it sees gets none",
+                "give every stage a trained layer (a plan whose first stage also holds the first trained layers), or build the "
+                "optimizer from self.parameters() (frozen ones get no gradient, so they stay as they are)",
+            ) from None
 
     def _check_precision(self) -> None:
         plugin = self.precision_plugin
