@@ -10,7 +10,10 @@ loss from ``labels`` and returns a dict trains like plain Lightning on two stage
 from __future__ import annotations
 
 import inspect
+from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -27,6 +30,22 @@ from lightning_dapple.strategy import DappleStrategy
 from lightning_dapple.strategy.module_adapter import positional_arguments
 
 VOCAB, LENGTH, ROWS, WIDTH = 13, 5, 4, 8
+
+
+class LMOutput(OrderedDict):
+    """Hugging Face's ``ModelOutput`` in small: a dict subclass read by attribute or key."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+@dataclass
+class Prediction:
+    logits: torch.Tensor
+    hidden: torch.Tensor
 
 
 def _signature(function) -> inspect.Signature:
@@ -89,7 +108,8 @@ class Block(nn.Module):
 
 class HFStyleLM(LightningModule):
     """forward(input_ids, attention_mask=None, labels=None, return_dict=True): the loss is
-    computed in forward when labels are given; the steps pass ``**batch``."""
+    computed in forward when labels are given and returned in an ``LMOutput``; the steps
+    pass ``**batch`` and read ``.loss``."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -107,10 +127,10 @@ class HFStyleLM(LightningModule):
             hidden = block(hidden, attention_mask)
         logits = self.head(hidden)
         loss = None if labels is None else F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
-        return {"loss": loss, "logits": logits} if return_dict else (loss, logits)
+        return LMOutput(loss=loss, logits=logits) if return_dict else (loss, logits)
 
     def training_step(self, batch, batch_idx):
-        return self(**batch)["loss"]
+        return self(**batch).loss
 
     def validation_step(self, batch, batch_idx):
         self.log("val_loss", self(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])["loss"])
@@ -177,6 +197,37 @@ def test_a_step_passing_other_arguments_than_the_traced_call_is_refused_before_t
     with pytest.raises(DappleConfigError, match=words):
         trainer.fit(model, _batches(2, 5), _batches(1, 6))
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+class DataclassOutput(HFStyleLM):
+    """forward returns a dataclass; the step reads its fields."""
+
+    def forward(self, input_ids, attention_mask=None):
+        hidden = self.embed(input_ids)
+        for block in self.blocks:
+            hidden = block(hidden, attention_mask)
+        return Prediction(logits=self.head(hidden), hidden=hidden)
+
+    def training_step(self, batch, batch_idx):
+        out = self(batch["input_ids"], batch["attention_mask"])
+        return F.cross_entropy(out.logits.reshape(-1, VOCAB), batch["labels"].reshape(-1)) + out.hidden.pow(2).mean()
+
+    def validation_step(self, batch, batch_idx):
+        pass
+
+
+def test_a_dataclass_output_is_checked_field_by_field_and_trains_like_plain_lightning(tmp_path: Path) -> None:
+    def fit(strategy) -> dict:
+        model = DataclassOutput().double()
+        Trainer(
+            strategy=strategy, accelerator="cpu", devices=1, precision="64-true", max_steps=2, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
+        ).fit(model, _batches(2, 7))
+        return model.state_dict()
+
+    plan = {"global_batch_size": ROWS, "micro_batches": 2, "stages": [{"devices": [0]}]}
+    ours, plain = fit(DappleStrategy(plan=plan, layers="auto", timeout_s=20)), fit("auto")
+    assert max(float((ours[k] - v).abs().max()) for k, v in plain.items()) < 1e-12
 
 
 def make_hf_style() -> HFStyleLM:

@@ -37,7 +37,7 @@ from bisect import bisect_left
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.fx as fx
@@ -140,6 +140,13 @@ class _LeafTracer(fx.Tracer):
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return module_qualified_name not in self.expanded and not _is_plain_sequential(m)
 
+    def create_arg(self, a: Any) -> Any:
+        """fx records a dict subclass as a plain dict; a forward returning one (Hugging
+        Face's ``ModelOutput``, read as ``out.logits``) gets it rebuilt as its own type."""
+        if isinstance(a, dict) and type(a) is not dict and not isinstance(a, fx.immutable_collections.immutable_dict):
+            return self.create_node("call_function", _rebuilder(type(a)), (super().create_arg(dict(a)),), {})
+        return super().create_arg(a)
+
     def to_bool(self, obj: fx.Proxy) -> bool:
         frame = _user_frame(inspect.currentframe())
         if frame is not None and _is_assert(frame):
@@ -148,6 +155,16 @@ class _LeafTracer(fx.Tracer):
             return True
         where = _place(frame.f_code.co_filename, frame.f_lineno) if frame is not None else "forward"
         raise _TraceStop("a traced value decides Python control flow (data-dependent if/while)", where)
+
+
+def _rebuilder(kind: type) -> Callable[[dict], Any]:
+    """A function making a ``kind`` (a dict subclass) from a dict, named for fx's code."""
+
+    def rebuild(items: dict) -> Any:
+        return kind(items)
+
+    rebuild.__name__ = rebuild.__qualname__ = f"as_{kind.__name__}"
+    return rebuild
 
 
 def _failure_place(exc: BaseException) -> str:

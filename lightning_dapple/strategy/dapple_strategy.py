@@ -34,6 +34,8 @@ group set-up, cluster environments) and replaces what differs:
 """
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -223,6 +225,18 @@ def _run_or_explain(call: Callable[[], Any], what: str, args: tuple, step_name: 
         raise DappleConfigError(
             what, problem, f"make forward(x) apply the layers of '{path}' in order, each taking what the previous one returned"
         ) from None
+
+
+def _output_leaves(value: Any) -> list[Any]:
+    """The values in a forward output, in order, through tuples, lists, mappings (a Hugging
+    Face ``ModelOutput`` is an OrderedDict) and dataclasses, which pytree leaves whole."""
+    if isinstance(value, (tuple, list)):
+        return [leaf for item in value for leaf in _output_leaves(item)]
+    if isinstance(value, Mapping):
+        return [leaf for key in value for leaf in _output_leaves(value[key])]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [leaf for field in dataclasses.fields(value) for leaf in _output_leaves(getattr(value, field.name))]
+    return [value]
 
 
 def _step_name(trainer: Trainer) -> str:
@@ -716,11 +730,20 @@ class DappleStrategy(DDPStrategy):
         finally:
             module.train(was_training)
             torch.random.set_rng_state(state)
-        left, right = pytree.tree_leaves(expected), pytree.tree_leaves(actual)
+        left, right = _output_leaves(expected), _output_leaves(actual)
         same = len(left) == len(right) and all(
-            isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+            (a.shape == b.shape and torch.allclose(a, b, atol=1e-5, rtol=1e-4))
+            if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+            else (not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor) and a == b)
             for a, b in zip(left, right)
         )
+        if isinstance(container, TracedLayers):
+            require(
+                same,
+                f"{type(module).__name__}.forward",
+                "computes other values than the layer list traced from it, on a sample batch",
+                "give the layer list by hand: an nn.Sequential that forward applies in order, passed as DappleStrategy(layers='...')",
+            )
         require(
             same,
             f"{type(module).__name__}.forward",
