@@ -443,3 +443,56 @@ def test_a_stage_of_frozen_layers_only_is_named_when_the_optimizer_gets_nothing(
     with pytest.raises(Exception, match=r"rank 0: .*configure_optimizers: failed on rank 0 \(optimizer got an empty parameter list\): "
                        r"its stage 0 \(layers \[0, 2\)\) holds no trained parameter.*Fix: give every stage a trained layer"):
         trainer.fit(FrozenBackbone(), DataLoader(data, batch_size=None))
+
+
+# --------------------------------------------------------------------------- outputs that hold the batch in another dimension
+
+
+class LastState(nn.Module):
+    """A layer handing on nn.LSTM's (output, h_n): h_n is (num_layers, rows, hidden)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(4, 4, batch_first=True)
+
+    def forward(self, x):
+        out, (h_n, _) = self.rnn(x)
+        return out, h_n
+
+
+class FromState(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, pair):
+        out, h_n = pair
+        return self.head(torch.cat([out[:, -1], h_n[-1]], dim=-1))
+
+
+def test_an_output_holding_rows_in_another_dimension_is_refused_where_a_cut_regroups_rows() -> None:
+    """h_n's rows are in its second dimension: between 2 and 1 replicas it would be cut (or
+    taken whole) along the first; between equal replica counts it passes untouched."""
+    from lightning_dapple.plan.plan import plan_from_dict
+    from lightning_dapple.strategy.layer_rows import check_regrouped_cuts, rows_elsewhere
+
+    torch.manual_seed(0)
+    layers = [nn.Linear(4, 4), LastState(), FromState()]
+    outputs = []
+    for rows in (1, 2):
+        value, each = torch.randn(rows, 5, 4), []
+        for layer in layers:
+            value = layer(value)
+            each.append(value)
+        outputs.append(each)
+    found = rows_elsewhere(outputs, [1, 2])
+    assert list(found) == [1] and found[1] == "(1, 1, 4) at 1 row, (1, 2, 4) at 2 rows"
+
+    def plan(first_devices: list[int], cut: int) -> object:
+        return plan_from_dict({"global_batch_size": 4, "micro_batches": 1, "stages": [
+            {"layers": [0, cut], "devices": first_devices}, {"layers": [cut, 3], "devices": [len(first_devices)]}]})
+
+    with pytest.raises(DappleConfigError, match=r"plan: cuts after layer 1, whose output holds the batch elsewhere.*between 2 and 1 replicas.*Fix: return batch-first"):
+        check_regrouped_cuts(plan([0, 1], 2), found)
+    check_regrouped_cuts(plan([0], 2), found)  # 1:1: each receiver gets its sender's tensors as they are
+    check_regrouped_cuts(plan([0, 1], 1), found)  # a cut after a batch-first output

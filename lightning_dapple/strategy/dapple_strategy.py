@@ -82,6 +82,7 @@ from lightning_dapple.strategy.auto_plan import PlanningContext, PlanningInputs,
 from lightning_dapple.strategy.batch_guard import check_training_batch, check_training_loss
 from lightning_dapple.strategy.ddp_options import refuse_ddp_options
 from lightning_dapple.strategy.handles import Detached, LayerTensors
+from lightning_dapple.strategy.layer_rows import check_regrouped_cuts, rows_elsewhere
 from lightning_dapple.strategy.loss_check import LossWatch
 from lightning_dapple.strategy.module_adapter import (
     FreedLayer,
@@ -359,6 +360,7 @@ class DappleStrategy(DDPStrategy):
         self._sync: StoreSync | None = None  # Lightning's barriers and broadcasts, once the channel exists
         self._loss_checked = False  # the first training step watches the loss (loss_check.py)
         self._traced_inputs: tuple[str, ...] | None = None  # forward's parameters a traced layer list takes
+        self._rows_elsewhere: dict[int, str] = {}  # layers whose outputs hold rows elsewhere than dim 0 (layer_rows.py)
         self.groups: PlanGroups | None = None
         self._layer_container: nn.Module | None = None
         self.checkpoint_layout: ckpt.CheckpointLayout | None = None
@@ -599,6 +601,7 @@ class DappleStrategy(DDPStrategy):
         self._sync = StoreSync(self.failure)
         plan = self._resolve_plan(trainer, module, container, sample)
         plan = plan.validate(num_layers=len(container), world_size=self.world_size).with_warmups()
+        check_regrouped_cuts(plan, self._rows_elsewhere)
         self.plan = plan
         self._save_plan(trainer)
         report_placement(self.cluster_environment, self.num_nodes, self.num_processes, plan)  # every rank: the launch's nodes agree with the plan; rank 0 prints them
@@ -713,20 +716,24 @@ class DappleStrategy(DDPStrategy):
         """DAPPLE executes the layer list; a forward that does more would silently differ.
 
         Runs on two sample rows where the module lives (normally the CPU, never the whole
-        model on this rank's device), without autograd, autocast or RNG side effects.
+        model on this rank's device), without autograd, autocast or RNG side effects; the
+        layers run on one row too, to find outputs that hold the rows elsewhere than in
+        their first dimension (``layer_rows.py``).
         """
         step_name = _step_name(trainer)
-        args = _forward_args(module, take_rows(batch, 0, min(2, batch_size_of(batch))), step_name)
-        x = args[0] if len(args) == 1 else args
+        rows = min(2, batch_size_of(batch))
+        args = _forward_args(module, take_rows(batch, 0, rows), step_name)
         state = torch.random.get_rng_state()
         was_training = module.training
         module.eval()
         try:
             with torch.no_grad():
                 expected = _run_or_explain(lambda: module(*args), f"{type(module).__name__}.forward", args, step_name, self.layers_path)
-                actual = x
-                for index, layer in enumerate(container):
-                    actual = _run_or_explain(lambda: layer(actual), f"{self.layers_path}[{index}] ({type(layer).__name__})", args, step_name, self.layers_path)
+                outputs = self._layer_outputs(container, args, step_name)
+                actual = outputs[-1]
+                if rows == 2:
+                    one = self._layer_outputs(container, _forward_args(module, take_rows(batch, 0, 1), step_name), step_name)
+                    self._rows_elsewhere = rows_elsewhere([one, outputs], [1, 2])
         finally:
             module.train(was_training)
             torch.random.set_rng_state(state)
@@ -751,6 +758,14 @@ class DappleStrategy(DDPStrategy):
             f"make forward(x) apply only the layers of '{self.layers_path}' in order (move pre/post-processing into a layer or into the step), "
             "or pass DappleStrategy(layers='auto') to trace the layer list, glue included, from forward",
         )
+
+    def _layer_outputs(self, container: nn.Module, args: tuple, step_name: str) -> list[Any]:
+        """Each layer's output, the layers applied in order to what ``self(*args)`` passes."""
+        outputs, value = [], args[0] if len(args) == 1 else args
+        for index, layer in enumerate(container):
+            value = _run_or_explain(lambda: layer(value), f"{self.layers_path}[{index}] ({type(layer).__name__})", args, step_name, self.layers_path)
+            outputs.append(value)
+        return outputs
 
     def planning_context(self, trainer: Trainer) -> PlanningContext:
         """What ``plan="auto"`` needs to know about this run (``strategy/auto_plan.py``).
