@@ -155,6 +155,54 @@ def test_an_ignored_target_in_every_row_alike_or_a_loss_only_logged_is_not_refus
         watch.check(loss)
 
 
+def _token_losses(rows: int, padded: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Logits (rows, 5, 3) that need gradients, their labels, and a padding mask (1: a real
+    token): rows of 5, 3, 5, ... tokens when ``padded``, else all 5."""
+    logits = torch.randn(rows, 5, 3, requires_grad=True)
+    labels = torch.randint(0, 3, (rows, 5))
+    mask = torch.ones(rows, 5)
+    if padded:
+        mask[1::2, 3:] = 0
+    return logits, labels, mask
+
+
+@pytest.mark.parametrize(
+    ("loss_of", "refused"),
+    [
+        # Hugging Face-style token means written by hand: refused with padding
+        (lambda tokens, labels, mask: (tokens * mask.reshape(-1)).sum() / mask.sum(), "divides by the sum of a mask"),
+        (lambda tokens, labels, mask: (tokens * mask.reshape(-1)).sum() / mask.sum().clamp(min=1.0), "divides by the sum of a mask"),
+        (lambda tokens, labels, mask: tokens[mask.reshape(-1).bool()].mean(), "averages what a boolean mask selects"),
+        # per-sample means: each row's token mean, then the rows
+        (lambda tokens, labels, mask: ((tokens.reshape(mask.shape) * mask).sum(1) / mask.sum(1)).mean(), None),
+    ],
+)
+def test_token_means_written_by_hand_are_refused_where_rows_hold_other_counts(loss_of, refused: str | None) -> None:
+    for padded in (True, False):
+        logits, labels, mask = _token_losses(4, padded)
+        watch = LossWatch()
+        for rows in ((0, 2), (2, 4)):  # the step's two micro-batches
+            with watch.watching(2):
+                tokens = F.cross_entropy(logits[slice(*rows)].reshape(-1, 3), labels[slice(*rows)].reshape(-1), reduction="none")
+                loss = loss_of(tokens, labels[slice(*rows)], mask[slice(*rows)])
+            if refused is None or not padded:  # no padding: every row's count alike, a mean over samples
+                watch.check(loss)
+                continue
+            with pytest.raises(DappleConfigError, match=f"{refused} \\(a token mean\\), whose count of targets differs between rows"):
+                watch.check(loss)
+            break
+
+
+def test_cross_entropy_over_what_a_boolean_mask_selected_is_refused_with_padding() -> None:
+    logits, labels, mask = _token_losses(2, padded=True)
+    watch = LossWatch()
+    with watch.watching(2):
+        keep = mask.bool()
+        loss = F.cross_entropy(logits[keep], labels[keep])
+    with pytest.raises(DappleConfigError, match="cross_entropy averages over the targets a boolean mask selected"):
+        watch.check(loss)
+
+
 def test_a_second_self_call_runs_again_on_one_stage_and_is_refused_where_the_input_arrived(tmp_path: Path) -> None:
     plain, ours = TwoViews().double(), TwoViews().double()
     _fit(tmp_path / "plain", plain, padded=False)
@@ -253,8 +301,8 @@ def test_noise_drawn_in_the_step_is_the_same_on_the_first_stage_and_the_last(tmp
     )
     trainer.fit(Denoiser(str(tmp_path)), data, val)
     (first, first_val), (last, last_val) = (json.loads((tmp_path / f"drawn{rank}.json").read_text()) for rank in (0, 1))
-    assert len(first) == len(last) == 1 + 3 * 2  # set-up's call to find the input, then one per micro-batch and step
-    first, last = first[1:], last[1:]
+    assert len(first) == len(last) == 2 + 3 * 2  # set-up's calls to find the input (of 2 rows and of 1), then one per micro-batch and step
+    first, last = first[2:], last[2:]
     assert first == last
     assert len({tuple(rows) for rows in first}) == 6  # other draws for every slice and step
     assert len(first_val) == len(last_val) == 2 * 2 * 2  # the sanity check's 2 batches, then the epoch's 2; 2 slices each
