@@ -16,9 +16,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from lightning.pytorch import Callback, Trainer
+import torch.nn.functional as F
+from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_dapple  # noqa: F401  (registers the strategies)
 from dist_harness import run_ranks
@@ -366,3 +368,54 @@ def test_trainer_trains_the_tied_model_under_v_with_embedding_and_head_on_one_ra
     state = torch.load(next((tmp_path / "ckpt").iterdir()), weights_only=False)
     assert _max_relative(state["state_dict"], references[-1]) <= 1e-10
     assert "layers.4.head.weight" not in state["optimizer_states"][0]["state"]  # one optimizer entry for the tie
+
+
+class ReadTieGPT(LightningModule):
+    """A head written as ``F.linear(h, self.wte.weight)`` (no head module): the layer traced
+    from forward that computes the logits reads the embedding's weight, a tie with the
+    layer that calls ``wte``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.wte = nn.Embedding(10, 8)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8), nn.Tanh()) for _ in range(3))
+        self.ln_f = nn.LayerNorm(8)
+
+    def forward(self, idx):
+        h = self.wte(idx)
+        for block in self.blocks:
+            h = h + block(h)
+        return F.linear(self.ln_f(h), self.wte.weight)
+
+    def training_step(self, batch, batch_idx):
+        return F.cross_entropy(self(batch[0]).flatten(0, 1), batch[1].flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=0.05)
+
+
+@pytest.mark.timeout(300)
+def test_a_weight_read_from_forward_by_another_stage_trains_there_and_is_checkpointed_once(tmp_path: Path) -> None:
+    """The stage computing the logits holds the embedding's weight without its module: that
+    copy stays a parameter of the module there, so its optimizer steps it with the tie's
+    summed gradient, and both copies stay one device's weight."""
+    tokens = torch.randint(0, 10, (12, 6), generator=torch.Generator().manual_seed(1))
+    loader = lambda: DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=4)  # noqa: E731
+
+    def fit(strategy, devices: int, callbacks: list) -> dict:
+        model = ReadTieGPT().double()
+        Trainer(
+            strategy=strategy, accelerator="cpu", devices=devices, precision="64-true", max_steps=3, logger=False,
+            enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path), callbacks=callbacks,
+        ).fit(model, loader())
+        return model.state_dict()
+
+    plan = {"global_batch_size": 4, "micro_batches": 2, "stages": [{"devices": [0]}, {"devices": [1]}]}
+    saved = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=3)
+    ours = fit(DappleStrategy(plan=plan, layers="auto", start_method="spawn", timeout_s=60), 2, [saved])
+    plain = fit("auto", 1, [])
+    assert _max_relative(ours, plain) <= 1e-12
+    checkpoint = torch.load(next((tmp_path / "ckpt").iterdir()), weights_only=False)
+    assert _max_relative(checkpoint["state_dict"], plain) <= 1e-12
+    assert "wte.weight" in checkpoint["optimizer_states"][0]["state"]

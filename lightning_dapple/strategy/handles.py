@@ -119,12 +119,31 @@ class LayerTensors:
                     continue
                 index = self._layer_of(child, kept)
                 if index is not None and index not in mine:
-                    parent._modules[name] = FreedLayer(index, stage_of(index))
+                    parent._modules[name] = self._stand_in(child, FreedLayer(index, stage_of(index)), mine)
                     detached.references.append((parent, name, child))
                     continue
                 seen.add(id(child))
                 stack.append(child)
         return detached
+
+    def _stand_in(self, child: nn.Module, freed: FreedLayer, mine: set[int]) -> FreedLayer:
+        """``freed`` in place of another stage's module, holding, under their own names,
+        those of its tensors that a layer of this rank uses too: a weight read from
+        ``forward`` (``F.linear(h, self.wte.weight)``) is a tie between the module's layer
+        and the reading one, and this rank's copy must stay a parameter of the module, so
+        that ``configure_optimizers`` steps it with the gradient the tie sums."""
+        for prefix, part in child.named_modules():
+            for kind, name, tensor in _slots(part):
+                owner = self._owner(tensor)
+                if owner is None or not owner[0] & mine:
+                    continue
+                holder: nn.Module = freed
+                for step in (prefix.split(".") if prefix else []):
+                    if step not in holder._modules:
+                        holder._modules[step] = nn.Module()
+                    holder = holder._modules[step]
+                getattr(holder, kind)[name] = tensor
+        return freed
 
     def rebuild(self, skeleton: nn.Module, index: int, state: dict[str, Any]) -> nn.Module:
         """A freed layer (a meta-device skeleton) made whole on the CPU from the module's
