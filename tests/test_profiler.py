@@ -82,6 +82,14 @@ def test_tuple_and_dict_outputs_are_passed_as_one_argument() -> None:
     assert profile.to_dict()["layers"][0]["backward_input_ms"] >= 0
 
 
+def test_an_in_place_activation_as_its_own_layer_is_timed_on_a_copy_of_its_input() -> None:
+    """VGG-style stacks make nn.ReLU(inplace=True) a layer of its own: it cannot write the
+    leaf the profiler times its backward from, so it gets a copy, as in the executor."""
+    layers = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(inplace=True), nn.Flatten(), nn.Linear(4 * 6 * 6, 3))
+    profile = profile_layers(layers, torch.randn(4, 1, 6, 6), **FAST)
+    assert profile.num_layers == 4 and profile.layers[1].output_bytes == 4 * 4 * 6 * 6 * 4
+
+
 def test_integer_input_has_no_input_gradient() -> None:
     layers = [nn.Embedding(10, 8), nn.Linear(8, 2)]
     profile = profile_layers(layers, torch.randint(0, 10, (4, 3)), **FAST)

@@ -170,6 +170,33 @@ def test_a_middle_stage_passes_the_input_gradient_upstream() -> None:
         torch.testing.assert_close(got, want, rtol=0, atol=1e-14)
 
 
+def test_a_middle_stage_starting_with_an_in_place_activation_gets_a_copy_of_its_input() -> None:
+    """nn.ReLU(inplace=True) first on a stage (a cut inside a torchvision-style stack) would
+    write the received leaf in place, which autograd refuses: it gets a copy, and the
+    gradients are plain autograd's. The received view of a transport buffer is such a leaf."""
+    from lightning_dapple.profile.inplace import writes_input_in_place
+
+    torch.manual_seed(4)
+    layers = [nn.ReLU(inplace=True), nn.Linear(5, 5).double()]
+    assert writes_input_in_place(layers[0]) and writes_input_in_place(nn.Sequential(nn.Sequential(nn.ReLU(inplace=True)), nn.Linear(5, 5)))
+    assert not writes_input_in_place(nn.Sequential(nn.Linear(5, 5), nn.ReLU(inplace=True))) and not writes_input_in_place(nn.ReLU())
+    stage = _stage(layers, split=False, index=1, stages=3)
+    inputs = torch.randn(3, 5, dtype=torch.float64)
+    received = torch.zeros(6, 5, dtype=torch.float64)[:3]  # a view, as unpacked from a buffer
+    received.copy_(inputs)
+    stage.receive(0, received.requires_grad_(True) if received.is_leaf else received.detach().requires_grad_(True))
+    stage.forward(0)
+    like = stage.gradient_like(0)
+    out_grad = torch.randn(3, 5, dtype=torch.float64)
+    stage.receive_gradient(0, like, [out_grad])
+    stage.backward_input(0)
+    (grad_in,) = stage.input_gradients(0)
+    stage.end_step()
+    reference_input = inputs.clone().requires_grad_(True)
+    nn.Sequential(nn.ReLU(), layers[1])(reference_input).backward(out_grad)
+    torch.testing.assert_close(grad_in, reference_input.grad, rtol=0, atol=1e-14)
+
+
 def test_weight_span_covers_layers_that_share_a_parameter() -> None:
     shared = nn.Linear(3, 3)
     layers = [nn.Linear(3, 3), shared, nn.Tanh(), shared, nn.Linear(3, 3)]

@@ -48,6 +48,7 @@ from lightning_dapple.errors import require
 from lightning_dapple.execute.replay import buffer_slots, detached, discard_saved, reseed, same_rng, save_rng, scratch_buffers, tensor_leaves, weight_groups
 from lightning_dapple.execute.slicing import flatten, take_rows
 from lightning_dapple.execute.weight_grad import WeightGradStore, deferrable_modules, install_deferred_weights
+from lightning_dapple.profile.inplace import writes_input_in_place
 from lightning_dapple.profile.stash import StashMeter
 
 __all__ = ["Stage", "StageCallbacks", "EvalCallbacks"]
@@ -112,6 +113,7 @@ class Stage:
         rows_as_last: bool = True,
     ) -> None:
         self.layers = list(layers)
+        self._copy_input = bool(self.layers) and writes_input_in_place(self.layers[0])
         # whether the first and last stage hold the same rows of every micro-batch (equal
         # replica counts): then the user's step draws the same random numbers on both
         self.rows_as_last = rows_as_last
@@ -182,7 +184,10 @@ class Stage:
 
     def run_layers(self, x: Any, meter: StashMeter | None = None) -> Any:
         """Apply the stage's layers; with ``meter``, count what each layer stashes (the
-        layers only: the loss's own saves are not in any profile)."""
+        layers only: the loss's own saves are not in any profile). A first layer that
+        writes its input in place gets a copy of a received input (``profile/inplace.py``)."""
+        if self._copy_input:
+            x = pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) and t.requires_grad else t, x)
         if meter is None:
             for layer in self.layers:
                 x = layer(x)

@@ -60,6 +60,7 @@ import torch
 from torch import nn
 
 from lightning_dapple.errors import DappleConfigError, require
+from lightning_dapple.profile.inplace import writes_input_in_place
 from lightning_dapple.profile.model_profile import LayerProfile, ModelProfile, profile_from_dict
 from lightning_dapple.profile.sample_rows import batch_rows, is_whole, split_bytes
 from lightning_dapple.profile.stash import StashMeter, parameter_storages, whole_input_storages
@@ -237,6 +238,8 @@ def _measure_layer(
     param_bytes = sum(p.numel() * p.element_size() for p in layer.parameters())
     param_storages_ptrs = parameter_storages(list(layer.parameters()))
 
+    copy_input = writes_input_in_place(layer)  # as the executor gives such a layer a copy
+
     def grad_input() -> tuple[Any, list[torch.Tensor]]:
         leaves: list[torch.Tensor] = []
 
@@ -244,7 +247,7 @@ def _measure_layer(
             if tensor.is_floating_point():
                 leaf = tensor.detach().requires_grad_(True)
                 leaves.append(leaf)
-                return leaf
+                return leaf.clone() if copy_input else leaf
             return tensor
 
         return map_tensors(x, make_leaf), leaves
