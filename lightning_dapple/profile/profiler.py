@@ -228,6 +228,21 @@ def _cache_key(
 # --------------------------------------------------------------------------- measurement
 
 
+def _leaf_input(x: Any, copy_input: bool) -> tuple[Any, list[torch.Tensor]]:
+    """``x`` with its floating tensors made leaves that require grad (a stage input), and
+    those leaves; a layer writing its input in place gets copies of them."""
+    leaves: list[torch.Tensor] = []
+
+    def make_leaf(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.is_floating_point():
+            leaf = tensor.detach().requires_grad_(True)
+            leaves.append(leaf)
+            return leaf.clone() if copy_input else leaf
+        return tensor
+
+    return map_tensors(x, make_leaf), leaves
+
+
 def _measure_layer(
     layer: nn.Module, index: int, label: str, x: Any, device: torch.device, repeats: int, warmup: int, autocast: torch.dtype | None = None, *, rows: int
 ) -> tuple[LayerProfile, Any]:
@@ -241,16 +256,7 @@ def _measure_layer(
     copy_input = writes_input_in_place(layer)  # as the executor gives such a layer a copy
 
     def grad_input() -> tuple[Any, list[torch.Tensor]]:
-        leaves: list[torch.Tensor] = []
-
-        def make_leaf(tensor: torch.Tensor) -> torch.Tensor:
-            if tensor.is_floating_point():
-                leaf = tensor.detach().requires_grad_(True)
-                leaves.append(leaf)
-                return leaf.clone() if copy_input else leaf
-            return tensor
-
-        return map_tensors(x, make_leaf), leaves
+        return _leaf_input(x, copy_input)
 
     # Stash: tensors saved for backward during one forward, the layer's parameters
     # excluded, by the rule the executor uses too (profile/stash.py).
