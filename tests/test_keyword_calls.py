@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import BasePredictionWriter
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -228,6 +229,44 @@ def test_a_dataclass_output_is_checked_field_by_field_and_trains_like_plain_ligh
     plan = {"global_batch_size": ROWS, "micro_batches": 2, "stages": [{"devices": [0]}]}
     ours, plain = fit(DappleStrategy(plan=plan, layers="auto", timeout_s=20)), fit("auto")
     assert max(float((ours[k] - v).abs().max()) for k, v in plain.items()) < 1e-12
+
+
+class Predicting(HFStyleLM):
+    def predict_step(self, batch, batch_idx):
+        return self(input_ids=batch["input_ids"]).logits  # one input; the training step passes three
+
+
+class Written(BasePredictionWriter):
+    """A spawned run returns no predictions: rank 0 writes each batch's."""
+
+    def __init__(self, out: Path) -> None:
+        super().__init__(write_interval="batch")
+        self.out = out
+
+    def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx) -> None:
+        if trainer.global_rank == 0:
+            torch.save(prediction, self.out / f"prediction{batch_idx}.pt")
+
+
+@pytest.mark.timeout(300)
+def test_predict_on_a_fresh_trainer_plans_from_the_predict_steps_call(tmp_path: Path) -> None:
+    """A plan shape on a Trainer that only predicts: the layers are traced from
+    predict_step's self(...) (no labels), and the profile that cuts them is measured on
+    that call's input too."""
+
+    def predict(strategy, devices: int) -> list[torch.Tensor]:
+        trainer = Trainer(
+            strategy=strategy, accelerator="cpu", devices=devices, precision="64-true", logger=False,
+            enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path), callbacks=[Written(tmp_path)],
+        )
+        trainer.predict(Predicting().double(), _batches(2, 8), return_predictions=False)
+        return [torch.load(tmp_path / f"prediction{index}.pt") for index in range(2)]
+
+    plan = {"global_batch_size": ROWS, "micro_batches": 2, "stages": [{"devices": [0]}, {"devices": [1]}]}
+    ours = predict(DappleStrategy(plan=plan, layers="auto", timeout_s=60, start_method="spawn"), 2)
+    plain = predict("auto", 1)
+    assert len(ours) == len(plain) == 2
+    assert max(float((a - b).abs().max()) for a, b in zip(ours, plain)) < 1e-12
 
 
 def make_hf_style() -> HFStyleLM:

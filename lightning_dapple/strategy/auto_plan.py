@@ -65,6 +65,8 @@ class PlanningContext:
     local_processes: int = 1
     # the cluster was detected, its links assumed: measure the run's AllReduce before planning
     measure_links: bool = False
+    # the step the Trainer runs now, whose self(...) call gives the layers' input to profile
+    step_name: str = "training_step"
 
 
 def schedules_for_cores(device_type: str, local_processes: int, cores: int) -> tuple[tuple[str, ...], str]:
@@ -164,7 +166,7 @@ def _plan_on_rank_zero(context: PlanningContext, module: LightningModule, contai
     per_device = max(1, rows // max(1, context.world_size))
     piece = take_rows(sample, 0, per_device)
     with LogRecorder().recording(module, 0.0):
-        x = capture_input(module, lambda: module.training_step(piece, 0))
+        x = capture_input(module, lambda: getattr(module, context.step_name)(piece, 0))
     profile = profile_layers(
         container,
         x,

@@ -790,6 +790,7 @@ class DappleStrategy(DDPStrategy):
             autocast_dtype=self.autocast_dtype(),
             local_processes=max(1, self.num_processes),
             measure_links=self.cluster_spec is None,
+            step_name=_step_name(trainer),
         )
 
     def _resolve_plan(self, trainer: Trainer, module: LightningModule, container: nn.Module, sample: Any) -> Plan:
