@@ -90,6 +90,17 @@ def test_an_in_place_activation_as_its_own_layer_is_timed_on_a_copy_of_its_input
     assert profile.num_layers == 4 and profile.layers[1].output_bytes == 4 * 4 * 6 * 6 * 4
 
 
+@pytest.mark.timeout(300)
+def test_a_compiled_layer_is_profiled_with_its_whole_backward_as_b() -> None:
+    """A torch.compile'd block's backward donates its buffers: it runs once per forward, so
+    B and W cannot be timed apart; its whole backward is timed as B."""
+    torch.manual_seed(0)
+    layers = nn.Sequential(nn.Linear(8, 8), torch.compile(nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))), nn.Linear(8, 2))
+    profile = profile_layers(layers, torch.randn(4, 8), **FAST)
+    compiled = profile.layers[1]
+    assert compiled.backward_input_ms == compiled.backward_ms > 0 and compiled.backward_weight_ms == 0.0
+
+
 def test_integer_input_has_no_input_gradient() -> None:
     layers = [nn.Embedding(10, 8), nn.Linear(8, 2)]
     profile = profile_layers(layers, torch.randint(0, 10, (4, 3)), **FAST)

@@ -228,6 +228,14 @@ def _cache_key(
 # --------------------------------------------------------------------------- measurement
 
 
+def _no_second_backward(exc: RuntimeError) -> bool:
+    """Whether a backward refused to keep its graph for a second one: a ``torch.compile``d
+    layer whose compiled backward donates its buffers (AOTAutograd) runs once per forward,
+    so B and W cannot be timed apart; the layer's whole backward is its B."""
+    text = str(exc)
+    return "retain_graph" in text or "donated buffer" in text
+
+
 def _leaf_input(x: Any, copy_input: bool) -> tuple[Any, list[torch.Tensor]]:
     """``x`` with its floating tensors made leaves that require grad (a stage input), and
     those leaves; a layer writing its input in place gets copies of them."""
@@ -288,12 +296,17 @@ def _measure_layer(
             with torch.enable_grad():
                 out = _call(layer, index, xg, autocast)
             outs = [t for t in iter_tensors(out) if t.requires_grad]
-            if leaves:
-                b_ms, _ = timed_ms(
-                    device, lambda: torch.autograd.grad(outs, leaves, cotangents, retain_graph=bool(params), allow_unused=True)
-                )
-            if params:
-                w_ms, _ = timed_ms(device, lambda: torch.autograd.grad(outs, params, cotangents, allow_unused=True))
+            try:
+                if leaves:
+                    b_ms, _ = timed_ms(
+                        device, lambda: torch.autograd.grad(outs, leaves, cotangents, retain_graph=bool(params), allow_unused=True)
+                    )
+                if params:
+                    w_ms, _ = timed_ms(device, lambda: torch.autograd.grad(outs, params, cotangents, allow_unused=True))
+            except RuntimeError as exc:
+                if not _no_second_backward(exc):
+                    raise
+                b_ms, w_ms = full_ms, 0.0  # a compiled layer's backward runs once: B does all of it
         del out, outs, xg, leaves
         if step >= warmup:
             forward.append(fwd_ms)

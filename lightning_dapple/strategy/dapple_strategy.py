@@ -241,13 +241,13 @@ def _output_leaves(value: Any) -> list[Any]:
 
 
 def _step_name(trainer: Trainer) -> str:
-    """The step function the Trainer runs now (it calls ``self(...)``)."""
+    """The step function the Trainer runs now (it calls ``self(...)``); a Trainer not
+    running yet is taken to fit."""
     return {
-        TrainerFn.FITTING: "training_step",
         TrainerFn.VALIDATING: "validation_step",
         TrainerFn.TESTING: "test_step",
         TrainerFn.PREDICTING: "predict_step",
-    }[trainer.state.fn]
+    }.get(trainer.state.fn, "training_step")
 
 
 def _forward_args(module: LightningModule, batch: Any, step_name: str) -> tuple:
