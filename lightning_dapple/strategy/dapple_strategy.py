@@ -731,6 +731,7 @@ class DappleStrategy(DDPStrategy):
                 expected = _run_or_explain(lambda: module(*args), f"{type(module).__name__}.forward", args, step_name, self.layers_path)
                 outputs = self._layer_outputs(container, args, step_name)
                 actual = outputs[-1]
+                self._rows_elsewhere = {}
                 if rows == 2:
                     one = self._layer_outputs(container, _forward_args(module, take_rows(batch, 0, 1), step_name), step_name)
                     self._rows_elsewhere = rows_elsewhere([one, outputs], [1, 2])

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
@@ -271,6 +272,10 @@ def loss_of(output: Any) -> torch.Tensor:
     )
 
 
+# per module: id of each torchmetrics Metric it holds -> its submodule path
+_METRIC_PATHS: "weakref.WeakKeyDictionary[nn.Module, dict[int, str]]" = weakref.WeakKeyDictionary()
+
+
 @dataclass
 class LoggedValue:
     """One name's values of a step: the sum of value x slice weight (a float64 tensor where
@@ -339,11 +344,16 @@ class LogRecorder:
             entry.weight += self.weight
 
     def _metric_path(self, name: str, metric: Metric) -> str:
-        """Where ``metric`` lives in the module: every rank logs its own copy from there."""
+        """Where ``metric`` lives in the module: every rank logs its own copy from there.
+        The module's metric paths are found once (the step logs them per micro-batch), and
+        again only for a metric added since."""
         assert self.module is not None
-        for path, sub in self.module.named_modules():
-            if sub is metric:
-                return path
+        paths = _METRIC_PATHS.get(self.module)
+        if paths is None or id(metric) not in paths or self.module.get_submodule(paths[id(metric)]) is not metric:
+            paths = {id(sub): path for path, sub in self.module.named_modules() if isinstance(sub, Metric)}
+            _METRIC_PATHS[self.module] = paths
+        if id(metric) in paths:
+            return paths[id(metric)]
         raise DappleConfigError(
             f"self.log('{name}', metric)",
             "logs a torchmetrics Metric that is not a submodule of the LightningModule, so the other ranks cannot log their copy of it",
