@@ -75,6 +75,7 @@ def _fit(tmp_path: Path, model, plan=ONE_STAGE, precision="64-true", loader=None
         ("precision", "does not support"),
         ("two_arguments", "2 positional arguments.*one tuple.*Fix: call self\\(x\\)"),
         ("fused", "16-mixed.*fused optimizer.*cannot agree"),
+        ("compiled_whole", "compiled whole.*Fix: compile the blocks instead"),
     ],
 )
 def test_bad_input_fails_before_training(tmp_path: Path, case: str, match: str) -> None:
@@ -92,6 +93,8 @@ def test_bad_input_fails_before_training(tmp_path: Path, case: str, match: str) 
         kwargs["plugins"] = [UnknownPrecision()]
     elif case == "fused":
         kwargs["plugins"] = [MixedPrecision("16-mixed", "cpu")]
+    elif case == "compiled_whole":
+        model = torch.compile(model, backend="eager")  # as Lightning's docs compile a LightningModule
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(DappleConfigError, match=match) as info:
         _fit(tmp_path, model, plan=plan, **kwargs)

@@ -30,6 +30,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._dynamo.eval_frame import OptimizedModule
 from torch.nn.utils import parametrize
 
 __all__ = ["WeightGradStore", "install_deferred_weights", "deferrable_modules"]
@@ -184,10 +185,13 @@ def deferrable_modules(layer: nn.Module) -> list[nn.Module]:
     ``nn.Linear`` and zero-padded ``nn.Conv*d`` (not subclasses with their own forward)
     with a trainable weight that is the parameter itself. A parametrized one (weight
     normalisation, spectral norm) computes ``weight`` from other parameters in the forward:
-    its gradient must flow back through that computation, so its backward stays whole."""
+    its gradient must flow back through that computation, so its backward stays whole. So
+    does a ``torch.compile``d block's: its modules run inside one compiled program, whose
+    backward runs once per forward (the profiler times it whole as B)."""
+    compiled = {id(inner) for block in layer.modules() if isinstance(block, OptimizedModule) for inner in block.modules()}
     found = []
     for module in layer.modules():
-        if parametrize.is_parametrized(module) or not isinstance(getattr(module, "weight", None), nn.Parameter):
+        if id(module) in compiled or parametrize.is_parametrized(module) or not isinstance(getattr(module, "weight", None), nn.Parameter):
             continue
         kind = type(module)
         plain_linear = isinstance(module, nn.Linear) and kind.forward is nn.Linear.forward

@@ -492,6 +492,15 @@ class DappleStrategy(DDPStrategy):
             "is off; manual optimization is not supported by the pipeline",
             "use automatic optimization (the default)",
         )
+        require(
+            getattr(module, "_compiler_ctx", None) is None,
+            "the model",
+            "was compiled whole (trainer.fit(torch.compile(model))): Lightning then runs forward and every step as compiled "
+            "programs, but the pipeline runs the step's forward as stages on several processes, which one compiled program "
+            "cannot span",
+            "compile the blocks instead, e.g. `for i, block in enumerate(self.blocks): self.blocks[i] = torch.compile(block)` "
+            "in __init__ or configure_model, and pass the LightningModule itself to fit",
+        )
         self.precision_plugin.convert_module(module)
         if self.plan is None:
             self._prepare_pipeline(trainer, module)
