@@ -23,7 +23,8 @@ from lightning_dapple.execute.overhead_probe import with_action_overhead
 from lightning_dapple.profile.model_profile import ModelProfile
 from lightning_dapple.profile.profiler import iter_tensors, map_tensors, profile_layers
 from lightning_dapple.profile.traced_layers import finds_layers_from_forward, traced_layers
-from lightning_dapple.strategy.module_adapter import forward_signature, positional_arguments
+from lightning_dapple.profile.trace import forward_signature
+from lightning_dapple.strategy.module_adapter import positional_arguments
 from lightning_dapple.strategy.optimizer_probe import with_run_optimizer
 
 __all__ = ["layers_of", "load_model", "print_profile", "profile_model", "resolve_layers", "run", "sample_input_of"]

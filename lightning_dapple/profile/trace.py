@@ -46,7 +46,7 @@ from torch import nn
 
 from lightning_dapple.errors import DappleConfigError
 
-__all__ = ["LAYER_LIST_FIX", "TracedProgram", "ValueKind", "trace_forward"]
+__all__ = ["LAYER_LIST_FIX", "TracedProgram", "ValueKind", "forward_signature", "trace_forward"]
 
 LAYER_LIST_FIX = (
     "give the layer list by hand: keep the layers in an nn.Sequential that forward applies in order "
@@ -182,9 +182,16 @@ def _source_line(where: str) -> str:
     return f" (`{text}`)" if text else ""
 
 
+def forward_signature(module: nn.Module) -> inspect.Signature:
+    """The signature of the module's own ``forward`` (its class's, without ``self``): what
+    ``self(...)`` in a step binds to, and what a traced program's inputs follow."""
+    signature = inspect.signature(type(module).forward)
+    return signature.replace(parameters=list(signature.parameters.values())[1:])
+
+
 def _concrete_arguments(module: nn.Module, num_inputs: int) -> dict[str, Any]:
     """``forward``'s parameters after the ``num_inputs`` the pipeline passes, at their defaults."""
-    parameters = list(inspect.signature(module.forward).parameters.values())
+    parameters = list(forward_signature(module).parameters.values())
     concrete: dict[str, Any] = {}
     for parameter in parameters[num_inputs:]:
         if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):

@@ -29,6 +29,7 @@ from torch import nn
 from torchmetrics import Metric
 
 from lightning_dapple.errors import DappleConfigError, require
+from lightning_dapple.profile.trace import forward_signature
 from lightning_dapple.profile.traced_layers import TracedLayers, finds_layers_from_forward, traced_layers
 
 
@@ -145,13 +146,6 @@ def forward_replaced(
             module.forward = previous  # type: ignore[method-assign]
         else:
             del module.forward
-
-
-def forward_signature(module: nn.Module) -> inspect.Signature:
-    """The signature of the module's own ``forward`` (its class's, without ``self``)."""
-    method = type(module).forward
-    signature = inspect.signature(method)
-    return signature.replace(parameters=list(signature.parameters.values())[1:])
 
 
 def positional_arguments(signature: inspect.Signature, args: tuple, kwargs: dict[str, Any], owner: str = "model") -> tuple:
