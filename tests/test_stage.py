@@ -129,6 +129,32 @@ def test_a_parametrized_weight_keeps_its_backward_whole_and_trains_its_own_param
             torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=1e-14)
 
 
+def test_a_weight_frozen_after_set_up_gets_no_gradient_from_w_and_its_neighbours_keep_theirs() -> None:
+    """A fine-tuning callback may freeze a layer after the stage routed its Linear through
+    the weight-gradient store: W then gives that weight nothing, as autograd would."""
+    layers = _layers()
+    stage = _stage(layers, split=True, w_count={0: 1, 1: 1})
+    frozen = layers[1][1].weight
+    frozen.requires_grad_(False)
+    stage.keep_trainable_deferred()
+    for mb in range(MICRO):
+        stage.forward(mb)
+        stage.backward_input(mb)
+    for mb in range(MICRO):
+        stage.backward_weight(mb)
+    stage.end_step()
+    reference = _layers()
+    reference[1][1].weight.requires_grad_(False)
+    x, y = _batch()
+    nn.functional.mse_loss(nn.Sequential(*reference)(x), y).backward()
+    assert frozen.grad is None
+    for got, want in zip(layers, reference):
+        for (name, a), (_, b) in zip(got.named_parameters(), want.named_parameters()):
+            assert (a.grad is None) == (b.grad is None), name
+            if b.grad is not None:
+                torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=1e-14)
+
+
 def test_recomputation_replays_dropout_exactly() -> None:
     """A recomputed micro-batch's B (replayed forward, same seed) gives what a stashed one gives."""
     kept_layers, replayed_layers = _layers(dropout=0.5), _layers(dropout=0.5)

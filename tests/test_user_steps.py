@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -544,3 +544,61 @@ def test_an_output_holding_rows_in_another_dimension_is_refused_where_a_cut_regr
         check_regrouped_cuts(plan([0, 1], 2), found)
     check_regrouped_cuts(plan([0], 2), found)  # 1:1: each receiver gets its sender's tensors as they are
     check_regrouped_cuts(plan([0, 1], 1), found)  # a cut after a batch-first output
+
+
+# --------------------------------------------------------------------------- layers frozen or unfrozen during training
+
+
+class FineTuned(LightningModule):
+    """Fine-tuning as Lightning's callbacks do it: ``BackboneFinetuning`` freezes
+    ``self.backbone`` before training and unfreezes it at epoch 1 (a new param group), and
+    another callback freezes a middle layer at epoch 2."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(8)
+        self.layers = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
+        self.backbone = nn.Sequential(self.layers[0])
+
+    def forward(self, x):
+        return self.layers(x)
+
+    def training_step(self, batch, batch_idx):
+        return F.cross_entropy(self(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.Adam([p for p in self.parameters() if p.requires_grad], lr=0.05)
+
+
+class FreezeMiddle(Callback):
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        if trainer.current_epoch == 2:
+            pl_module.layers[2].requires_grad_(False)
+
+
+@pytest.mark.timeout(300)
+def test_layers_unfrozen_and_frozen_by_callbacks_train_like_plain_lightning(tmp_path: Path) -> None:
+    """The unfrozen backbone sits on a replicated stage (its gradients join the replicas'
+    buckets from then on); the layer frozen later has its weight gradient deferred to W by
+    out-of-order backprop, which must then give it nothing."""
+    from lightning.pytorch.callbacks import BackboneFinetuning
+
+    g = torch.Generator().manual_seed(13)
+    data = [(torch.randn(8, 5, generator=g, dtype=torch.float64), torch.randint(0, 3, (8,), generator=g)) for _ in range(2)]
+
+    def fit(strategy, devices: int) -> dict[str, torch.Tensor]:
+        model = FineTuned().double()
+        Trainer(
+            strategy=strategy, accelerator="cpu", devices=devices, precision="64-true", max_epochs=4, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
+            callbacks=[BackboneFinetuning(unfreeze_backbone_at_epoch=1), FreezeMiddle()],
+        ).fit(model, DataLoader(data, batch_size=None))
+        return model.state_dict()
+
+    plan = {"global_batch_size": 8, "micro_batches": 2, "ooo": True,
+            "stages": [{"layers": [0, 3], "devices": [0, 1]}, {"layers": [3, 5], "devices": [2]}]}
+    ours, plain = fit(DappleStrategy(plan=plan, timeout_s=60, start_method="spawn"), 3), fit("auto", 1)
+    start = FineTuned().double().state_dict()
+    assert not torch.equal(plain["layers.0.weight"], start["layers.0.weight"])  # the backbone trained after epoch 1
+    for name, value in plain.items():
+        assert torch.allclose(ours[name], value, rtol=0, atol=1e-12), name

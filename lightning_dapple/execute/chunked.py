@@ -124,13 +124,23 @@ class ChunkedRunner:
         self.is_first = self.units[0].is_first
         self.is_last = self.units[-1].is_last
         self.layers: list[nn.Module] = [layer for unit in self.units for layer in unit.layers]
-        self.parameters: list[nn.Parameter] = list({id(p): p for unit in self.units for p in unit.parameters}.values())
+        self.parameters: list[nn.Parameter] = self._trainable()
         self.stats = StageStats()
         self.steps_done = 0  # training steps run so far (part of every dropout seed; a resume sets it)
         self.job_seed: int | None = None  # as StageRunner's
         self.evals_done = 0  # as StageRunner's
         self.post_ahead = post_ahead
         self._program = self._compile()
+
+    def _trainable(self) -> list[nn.Parameter]:
+        return list({id(p): p for unit in self.units for p in unit.parameters}.values())
+
+    def refresh_trainable(self) -> bool:
+        """``StageRunner.refresh_trainable`` for every chunk, and the rank's union of them."""
+        changed = [unit.refresh_trainable() for unit in self.units]
+        if any(changed):
+            self.parameters = self._trainable()
+        return any(changed)
 
     def _compile(self) -> list[tuple[Any, Any]]:
         """The chunks' ops in the group's merged order, each with the runner that owns it;

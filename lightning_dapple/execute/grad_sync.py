@@ -107,8 +107,14 @@ class GradientSync:
         self._next = 0
         self.launched_early = 0  # buckets of the last step started before its end (overlapped)
         self.live = False  # hooks report only during the stage's last ordinary backward
-        for param in hooked:
-            param.register_post_accumulate_grad_hook(self._hook)
+        self._handles = [param.register_post_accumulate_grad_hook(self._hook) for param in hooked]
+
+    def close(self) -> None:
+        """Take this sync's hooks off the parameters (a new one replaces it)."""
+        self.live = False
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
     def _hook(self, param: torch.Tensor) -> None:
         if self.live:

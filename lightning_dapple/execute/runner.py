@@ -144,8 +144,7 @@ class StageRunner:
         self._local_up = chunk is not None and not self.is_first and plan.stages[self.stage - 1].devices == self.stage_plan.devices
         self._local_down = chunk is not None and not self.is_last and plan.stages[self.stage + 1].devices == self.stage_plan.devices
         self.stats = StageStats()
-        # each once: layers of one stage may share a parameter (tied weights)
-        self.parameters = list({id(p): p for layer in self.layers for p in layer.parameters() if p.requires_grad}.values())
+        self.parameters = self._trainable()
         self.tied = tied
         self.steps_done = 0  # training steps run so far (part of every dropout seed; a resume sets it)
         # the seed every rank's step seeds derive from (None: this process's initial seed);
@@ -161,6 +160,7 @@ class StageRunner:
         self.store = self.pipeline_stage.store
         self.forward_context = self.pipeline_stage.forward_context
         self.recomputed = schedule.recomputed(self.stage) if self.stage < schedule.num_stages else frozenset()
+        self._bucket_bytes = bucket_bytes
         self.sync = self._build_sync(bucket_bytes)
         self.buffers = StageBuffers(
             self.layers, self.replica_groups.get(self.stage), self.stage_plan.devices[0], self.replica, self.stage_plan.replicas, failure, self.stage
@@ -271,6 +271,26 @@ class StageRunner:
             split=split, w_count=self._w_count, loss_reduction=loss_reduction, forward_context=forward_context,
             rows_as_last=self.plan.stages[0].replicas == self.plan.stages[-1].replicas,
         )
+
+    def _trainable(self) -> list[nn.Parameter]:
+        # each once: layers of one stage may share a parameter (tied weights)
+        return list({id(p): p for layer in self.layers for p in layer.parameters() if p.requires_grad}.values())
+
+    def refresh_trainable(self) -> bool:
+        """Follow parameters frozen or unfrozen since set-up (Lightning's ``BackboneFinetuning``
+        unfreezes a backbone at an epoch): ``parameters``, the gradient buckets and the
+        stash sizes are rebuilt from what requires grad now. Replicas of a stage run the
+        same hooks, so they rebuild alike. Returns whether anything changed."""
+        current = self._trainable()
+        if len(current) == len(self.parameters) and all(a is b for a, b in zip(current, self.parameters)):
+            return False
+        self.parameters = current
+        self.sizes = StashSizes(current)
+        self.pipeline_stage.keep_trainable_deferred()
+        if self.sync is not None:
+            self.sync.close()
+        self.sync = self._build_sync(self._bucket_bytes)
+        return True
 
     def _build_sync(self, bucket_bytes: int) -> GradientSync | None:
         """The stage's gradient buckets; parameters that autograd reports (not deferred to W)."""

@@ -132,12 +132,17 @@ class Stage:
         self._buffer_slots = buffer_slots(self.layers)  # where the buffers a replay must not write live
         # per layer: the parameters whose gradients W computes (empty unless split)
         self.deferred: list[list[nn.Parameter]] = [[] for _ in self.layers]
+        self._routed: list[list[nn.Parameter]] = [[] for _ in self.layers]  # through the store, trained or not
         if split:
             install_deferred_weights(self.layers, self.store)
-            for position, layer in enumerate(self.layers):
-                self.deferred[position] = _unique(p for m in deferrable_modules(layer) for p in m.parameters(recurse=False) if p.requires_grad)
+            self._routed = [_unique(p for m in deferrable_modules(layer) for p in m.parameters(recurse=False)) for layer in self.layers]
+            self.keep_trainable_deferred()
         self._state: dict[int, _MicroBatch] = {}
         self._begin(None, 0, (), None, 1.0, ())
+
+    def keep_trainable_deferred(self) -> None:
+        """``deferred``: the routed parameters that require grad now (a frozen one gets no W)."""
+        self.deferred = [[p for p in params if p.requires_grad] for params in self._routed]
 
     def _begin(self, batch: Any, batch_rows: int, rows: Sequence[tuple[int, int]], callbacks: Any, loss_scale: float, seed: tuple) -> None:
         """The context every action of a step shares (emptied between steps)."""

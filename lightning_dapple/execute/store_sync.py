@@ -1,5 +1,5 @@
-"""Waiting for another rank's own work, through the job's store: rank 0's plan, and
-Lightning's barriers and broadcasts.
+"""Waiting for another rank's own work, through the job's store: rank 0's plan, Lightning's
+barriers and broadcasts, and the rare exchange of what every rank holds.
 
 A process-group collective waits at most the group's timeout (``timeout_s``). That suits the
 pipeline's transfers, whose two ends reach them within a step of each other, but not a rank
@@ -72,3 +72,13 @@ class StoreSync:
         value = pickle.loads(self.failure.on_store(lambda: self.store.get(data), what))
         self._leave(key, what, data)
         return value
+
+    def gather(self, payload: Any, what: str) -> list[Any]:
+        """Every rank's ``payload`` (pickled), in rank order, on every rank."""
+        key = self._next_key(what)
+        parts = [f"{key}/data/{rank}" for rank in range(self.world_size)]
+        self.failure.on_store(lambda: self.store.set(parts[self.rank], pickle.dumps(payload)), what)
+        self.failure.wait_until(lambda: self.store.check(parts), what)
+        values = [pickle.loads(self.failure.on_store(lambda part=part: self.store.get(part), what)) for part in parts]
+        self._leave(key, what, *parts)
+        return values

@@ -119,9 +119,10 @@ class _DeferredLinear(torch.autograd.Function):
         store, microbatch, layer, module = ctx.slot
         grad_in = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
 
-        def work() -> None:
+        def work() -> None:  # a weight frozen since set-up (a fine-tuning callback) gets nothing
             flat_dy = grad_out.reshape(-1, grad_out.shape[-1])
-            _accumulate(module.weight, flat_dy.t().mm(x.reshape(-1, x.shape[-1])))
+            if module.weight.requires_grad:
+                _accumulate(module.weight, flat_dy.t().mm(x.reshape(-1, x.shape[-1])))
             if module.bias is not None and module.bias.requires_grad:
                 _accumulate(module.bias, flat_dy.sum(0))
 
@@ -166,10 +167,14 @@ def _conv_weight_work(
     shape takes its place, as ``torch.nn.grad.conv2d_weight`` does.
     """
     stand_in = grad_out.new_empty(1).expand(weight_shape)
-    has_bias = bias_sizes is not None
-    _, grad_w, grad_b = torch.ops.aten.convolution_backward(grad_out, x, stand_in, bias_sizes, *args, [False, True, has_bias])
-    _accumulate(module.weight, grad_w)
-    if has_bias and module.bias.requires_grad:
+    weight = module.weight.requires_grad  # a weight frozen since set-up gets nothing
+    bias = bias_sizes is not None and module.bias.requires_grad
+    if not (weight or bias):
+        return
+    _, grad_w, grad_b = torch.ops.aten.convolution_backward(grad_out, x, stand_in, bias_sizes, *args, [False, weight, bias])
+    if weight:
+        _accumulate(module.weight, grad_w)
+    if bias:
         _accumulate(module.bias, grad_b)
 
 

@@ -99,6 +99,7 @@ from lightning_dapple.strategy.module_adapter import (
     replay_logs,
     state_aliases,
 )
+from lightning_dapple.strategy.param_groups import append_missing_groups
 from lightning_dapple.strategy.part_stream import PartLane, open_part_lane, to_host
 from lightning_dapple.strategy.precision import (
     DappleMixedPrecision,
@@ -435,6 +436,15 @@ class DappleStrategy(DDPStrategy):
         if self.runner is not None:
             trainer = self.lightning_module.trainer
             self.runner.steps_done = trainer.global_step * trainer.accumulate_grad_batches
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Before an epoch's first step, every rank's optimizer gets the parameter groups
+        another rank added (``param_groups.py``: a fine-tuning callback's backbone group)."""
+        super().on_train_batch_start(batch, batch_idx)
+        if batch_idx == 0 and self.world_size > 1 and self._sync is not None and self.optimizers:
+            sync = self._sync
+            append_missing_groups(self.optimizers, lambda settings: sync.gather(settings, "the optimizers' parameter groups"))
 
     @override
     def setup_distributed(self) -> None:
@@ -900,6 +910,7 @@ class DappleStrategy(DDPStrategy):
         self._loss_checked = True
         callbacks = _TrainCallbacks(module, batch_idx, recorder, transfers, batch_size_of(batch), context, scale_backward, watch, self._traced_inputs)
         scale = 1.0 / self.lightning_module.trainer.accumulate_grad_batches
+        self.runner.refresh_trainable()  # a callback may have frozen or unfrozen layers since the last step
         params = self.runner.parameters
         # Under Trainer(accumulate_grad_batches) the gradients of earlier batches are still
         # in .grad; the runner starts from none, so they are put back after the step.
