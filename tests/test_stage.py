@@ -100,6 +100,16 @@ def test_split_backward_leaves_the_linear_weights_to_w_and_then_matches() -> Non
         torch.testing.assert_close(got, want, rtol=0, atol=1e-14)
 
 
+def _split_step(stage: Stage) -> None:
+    """Every micro-batch's F and B, then every W, as ooo-backprop's tail runs them."""
+    for mb in range(MICRO):
+        stage.forward(mb)
+        stage.backward_input(mb)
+    for mb in range(MICRO):
+        stage.backward_weight(mb)
+    stage.end_step()
+
+
 def test_a_parametrized_weight_keeps_its_backward_whole_and_trains_its_own_parameters() -> None:
     """weight_norm's Linear computes ``weight`` from g and v in its forward: W could only
     write a gradient to that computed tensor, so its backward is not split."""
@@ -112,12 +122,7 @@ def test_a_parametrized_weight_keeps_its_backward_whole_and_trains_its_own_param
 
     layers = build()
     stage = _stage(layers, split=True, w_count={0: 1, 1: 1})
-    for mb in range(MICRO):
-        stage.forward(mb)
-        stage.backward_input(mb)
-    for mb in range(MICRO):
-        stage.backward_weight(mb)
-    stage.end_step()
+    _split_step(stage)
     reference = build()
     x, y = _batch()
     nn.functional.mse_loss(nn.Sequential(*reference)(x), y).backward()
@@ -137,12 +142,7 @@ def test_a_weight_frozen_after_set_up_gets_no_gradient_from_w_and_its_neighbours
     frozen = layers[1][1].weight
     frozen.requires_grad_(False)
     stage.keep_trainable_deferred()
-    for mb in range(MICRO):
-        stage.forward(mb)
-        stage.backward_input(mb)
-    for mb in range(MICRO):
-        stage.backward_weight(mb)
-    stage.end_step()
+    _split_step(stage)
     reference = _layers()
     reference[1][1].weight.requires_grad_(False)
     x, y = _batch()
