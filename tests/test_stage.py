@@ -110,6 +110,13 @@ def _split_step(stage: Stage) -> None:
     stage.end_step()
 
 
+def _whole_step(stage: Stage) -> None:
+    for mb in range(MICRO):
+        stage.forward(mb)
+        stage.backward_input(mb)
+    stage.end_step()
+
+
 def test_a_parametrized_weight_keeps_its_backward_whole_and_trains_its_own_parameters() -> None:
     """weight_norm's Linear computes ``weight`` from g and v in its forward: W could only
     write a gradient to that computed tensor, so its backward is not split."""
@@ -153,6 +160,34 @@ def test_a_weight_frozen_after_set_up_gets_no_gradient_from_w_and_its_neighbours
             assert (a.grad is None) == (b.grad is None), name
             if b.grad is not None:
                 torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=1e-14)
+
+
+class _HeadGradientPenalty(_Callbacks):
+    """A step that differentiates its loss itself: the squared gradient of the head's
+    weight (``torch.autograd.grad(..., create_graph=True)``) added to the loss."""
+
+    def __init__(self, head: nn.Linear) -> None:
+        self.head = head
+
+    def compute_loss(self, batch: Any, forward: Callable[..., Any]) -> torch.Tensor:
+        loss = nn.functional.mse_loss(forward(batch[0]), batch[1])
+        (grad,) = torch.autograd.grad(loss, self.head.weight, create_graph=True)
+        return loss + grad.pow(2).sum()
+
+
+def test_a_step_differentiating_through_a_routed_linear_gets_its_whole_backward_there() -> None:
+    """Only the executor's B files weight work for W; the step's own autograd.grad through a
+    Linear routed to the store gets that Linear's whole, differentiable backward, so the
+    penalty trains as without the split."""
+    grads = []
+    for split in (False, True):
+        layers = _layers()
+        stage = Stage(layers, torch.device("cpu"), 0, 0, 1, split=split, w_count={0: 1, 1: 1} if split else None)
+        stage.begin_step(_batch(), ROWS, _rows(), _HeadGradientPenalty(layers[2]), 1.0, (1234, 0))
+        _split_step(stage) if split else _whole_step(stage)
+        grads.append(_grads(layers))
+    for got, want in zip(grads[1], grads[0]):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-14)
 
 
 def test_recomputation_replays_dropout_exactly() -> None:

@@ -384,7 +384,11 @@ class Stage:
         item.y = None
         item.replayed = None
         if roots:
-            torch.autograd.backward(roots, root_grads)
+            self.store.splitting = microbatch  # this backward, and only it, files weight work for W
+            try:
+                torch.autograd.backward(roots, root_grads)
+            finally:
+                self.store.splitting = None
         del roots, root_grads
         item.outputs = None
         item.w_todo = self._w_count.get(microbatch, 0)

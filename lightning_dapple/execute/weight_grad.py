@@ -43,11 +43,16 @@ class WeightGradStore:
 
     ``recording`` is the micro-batch whose forward runs with deferral (``None``: modules run
     their ordinary forward, e.g. evaluation, a forward whose backward is not split, or the
-    forward of a micro-batch that is recomputed later).
+    forward of a micro-batch that is recomputed later). ``splitting`` is the micro-batch
+    whose B the executor is running: only that backward files weight work. Any other
+    backward through a routed module (``torch.autograd.grad`` in the user's step: a
+    gradient penalty, a physics-informed loss's du/dx with ``create_graph``) gets the
+    module's whole backward, differentiable as ``nn.Linear``'s own.
     """
 
     def __init__(self) -> None:
         self.recording: int | None = None
+        self.splitting: int | None = None
         self._pending: dict[int, list[tuple[int, Callable[[], None], int]]] = {}
 
     def defer(self, microbatch: int, layer: int, work: Callable[[], None], nbytes: int) -> None:
@@ -114,10 +119,15 @@ class _DeferredLinear(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight = ctx.saved_tensors
         store, microbatch, layer, module = ctx.slot
         grad_in = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
+        if store.splitting != microbatch:  # not the executor's B: the whole backward, now
+            flat_dy = grad_out.reshape(-1, grad_out.shape[-1])
+            grad_w = flat_dy.t().mm(x.reshape(-1, x.shape[-1])).to(module.weight.dtype) if ctx.needs_input_grad[1] else None
+            grad_b = flat_dy.sum(0).to(module.bias.dtype) if ctx.needs_input_grad[2] else None
+            return grad_in, grad_w, grad_b, None
 
         def work() -> None:  # a weight frozen since set-up (a fine-tuning callback) gets nothing
             flat_dy = grad_out.reshape(-1, grad_out.shape[-1])
@@ -143,11 +153,15 @@ class _DeferredConv(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight = ctx.saved_tensors
         store, microbatch, layer, module = ctx.slot
         args = (module.stride, _padding(module), module.dilation, False, [0] * len(module.stride), module.groups)
         bias_sizes = [weight.shape[0]] if ctx.has_bias else None
+        if store.splitting != microbatch:  # not the executor's B: the whole backward, now (as _DeferredLinear)
+            wanted = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]]
+            grad_in, grad_w, grad_b = torch.ops.aten.convolution_backward(grad_out, x, weight, bias_sizes, *args, wanted)
+            return grad_in, (grad_w.to(module.weight.dtype) if wanted[1] else None), (grad_b.to(module.bias.dtype) if wanted[2] else None), None
         grad_in = None
         if ctx.needs_input_grad[0]:
             grad_in = torch.ops.aten.convolution_backward(grad_out, x, weight, bias_sizes, *args, [True, False, False])[0]
