@@ -228,6 +228,58 @@ def test_where_the_input_arrived_a_repeat_call_with_that_input_runs_again_and_an
         once(x)
 
 
+def _fit_two_stages(tmp_path: Path, model: LightningModule, cut: int) -> None:
+    """One step of ``model`` (5 inputs, 4 rows) on two stages cut before layer ``cut``."""
+    data = [(torch.randn(4, 5, dtype=torch.float64), torch.zeros(4, dtype=torch.long))]
+    layers = len(model.layers)
+    plan = {"global_batch_size": 4, "micro_batches": 2, "stages": [{"layers": [0, cut], "devices": [0]}, {"layers": [cut, layers], "devices": [1]}]}
+    Trainer(
+        strategy=DappleStrategy(plan=plan, timeout_s=60, start_method="spawn"), accelerator="cpu", devices=2, precision="64-true",
+        max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+    ).fit(model, DataLoader(data, batch_size=None))
+
+
+class RDrop(LightningModule):
+    """R-Drop: two self(x) calls and a symmetric KL between their dropout samples; the
+    dropout sits in the layers the plan puts on the first stage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(4)
+        self.layers = nn.Sequential(nn.Linear(5, 8), nn.Dropout(0.3), nn.Tanh(), nn.Linear(8, 3))
+
+    def forward(self, x):
+        return self.layers(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        a, b = self(x), self(x)
+        kl = F.kl_div(a.log_softmax(-1), b.log_softmax(-1), log_target=True, reduction="batchmean")
+        return F.cross_entropy(a, y) + F.cross_entropy(b, y) + kl
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_which_layers_draw_dropout() -> None:
+    from lightning_dapple.execute.random_layers import draws_random
+
+    assert draws_random([nn.Linear(2, 2), nn.Sequential(nn.Dropout(0.1))])
+    assert draws_random([nn.MultiheadAttention(4, 2, dropout=0.1)])
+    assert draws_random([nn.TransformerEncoderLayer(4, 2, dim_feedforward=8)])
+    assert not draws_random([nn.Linear(2, 2), nn.Dropout(0.0), nn.MultiheadAttention(4, 2)])
+
+
+@pytest.mark.timeout(300)
+def test_a_second_call_sharing_the_first_stages_dropout_is_refused(tmp_path: Path) -> None:
+    """On one device the two calls draw two dropout samples; on a pipeline the first stage
+    ran once, so they would share its draws and the KL term would lose them."""
+    with pytest.raises(Exception, match=r"rank 1: .*calls self\(\.\.\.\) again on the same input, expecting new dropout draws.*"
+                       r"Fix: put both samples in one batch"):
+        _fit_two_stages(tmp_path, RDrop().double(), cut=3)
+
+
 def test_two_calls_on_one_stage_draw_two_dropout_samples() -> None:
     """R-Drop, SimCSE: two self(x) calls on the whole model must not share a dropout mask."""
     from lightning_dapple.execute.stage import Stage
@@ -481,16 +533,9 @@ class FrozenBackbone(Classifier):
 
 @pytest.mark.timeout(300)
 def test_a_stage_of_frozen_layers_only_is_named_when_the_optimizer_gets_nothing(tmp_path: Path) -> None:
-    data = [(torch.randn(4, 5, dtype=torch.float64), torch.zeros(4, dtype=torch.long))]
-    plan = {"global_batch_size": 4, "micro_batches": 2, "stages": [{"layers": [0, 2], "devices": [0]}, {"layers": [2, 3], "devices": [1]}]}
-    trainer = Trainer(
-        strategy=DappleStrategy(plan=plan, timeout_s=60, start_method="spawn"), accelerator="cpu", devices=2, precision="64-true",
-        max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        default_root_dir=str(tmp_path),
-    )
     with pytest.raises(Exception, match=r"rank 0: .*configure_optimizers: failed on rank 0 \(optimizer got an empty parameter list\): "
                        r"its stage 0 \(layers \[0, 2\)\) holds no trained parameter.*Fix: give every stage a trained layer"):
-        trainer.fit(FrozenBackbone(), DataLoader(data, batch_size=None))
+        _fit_two_stages(tmp_path, FrozenBackbone(), cut=2)
 
 
 # --------------------------------------------------------------------------- outputs that hold the batch in another dimension

@@ -123,6 +123,9 @@ class Stage:
         self.replica = replica
         self.is_first = index == 0
         self.is_last = index == num_stages - 1
+        # the layers of the stages before this last one draw random numbers when they train
+        # (set by the strategy, which sees every layer: execute/random_layers.py)
+        self.upstream_draws = False
         self.split = split
         self.loss_reduction = loss_reduction
         self.forward_context = forward_context or contextlib.nullcontext
@@ -310,7 +313,8 @@ class Stage:
 
         reseed(self._step_seed(item.rows), self.device)
         # the whole model in one process, stash kept: another call runs the layers on its own input
-        loss = callbacks.compute_loss(batch_slice, forward if self.is_first and not keep_input else guard_calls(forward, keep_input))
+        guarded = guard_calls(forward, keep_input, self.upstream_draws)
+        loss = callbacks.compute_loss(batch_slice, forward if self.is_first and not keep_input else guarded)
         weight = (item.rows[1] - item.rows[0]) / self._batch_rows if self.loss_reduction == "mean" else 1.0
         loss = loss * weight
         self._losses.append(loss.detach())
@@ -433,13 +437,15 @@ class Stage:
         return callbacks.compute_output(batch_slice, forward if self.is_first else guard_calls(forward, False), weight)
 
 
-def guard_calls(forward: Callable[..., Any], recomputed: bool) -> Callable[..., Any]:
+def guard_calls(forward: Callable[..., Any], recomputed: bool, upstream_draws: bool = False) -> Callable[..., Any]:
     """``forward`` for a step whose layer input arrived from upstream for its first
     ``self(...)`` call. A later call with that same input runs the layers again (a loss and
     then a metric from ``self(x)``); one with another input (a second view of the batch, a
     consistency or contrastive term) would silently get the first input's output, and is
     refused, as is any second call on a ``recomputed`` stage, which keeps one call's
-    input and outputs per micro-batch."""
+    input and outputs per micro-batch, and, in training, any second call where the stages
+    before this one draw dropout (``upstream_draws``): it would share their draws, where
+    one device draws anew (R-Drop's two samples)."""
     first: list[Any] = []
 
     def guarded(*args: Any, **kwargs: Any) -> Any:
@@ -451,6 +457,13 @@ def guard_calls(forward: Callable[..., Any], recomputed: bool) -> Callable[..., 
             "training_step",
             "calls self(...) more than once on a stage that recomputes its forward, which keeps one call's input and outputs per micro-batch",
             "call self(...) once per step, or give that stage recompute='never'",
+        )
+        require(
+            not upstream_draws,
+            "training_step",
+            "calls self(...) again on the same input, expecting new dropout draws (R-Drop, a consistency term between two "
+            "samples), but the stages before the last run once per micro-batch, so both calls would share their dropout",
+            "put both samples in one batch (self(torch.cat([x, x])) and split the output), or train on a single-stage plan",
         )
         require(
             _same_input(first[0], args),

@@ -66,6 +66,7 @@ from lightning_dapple.execute.chunked import ChunkedRunner
 from lightning_dapple.execute.clipping import clip_grad_norm_global
 from lightning_dapple.execute.failure import FailureChannel
 from lightning_dapple.execute.groups import PlanGroups, build_groups
+from lightning_dapple.execute.random_layers import draws_random
 from lightning_dapple.execute.runner import StageRunner
 from lightning_dapple.execute.shutdown import destroy_groups_at_exit
 from lightning_dapple.execute.store_sync import StoreSync
@@ -638,6 +639,7 @@ class DappleStrategy(DDPStrategy):
         self._layer_tensors = LayerTensors.of(module, container, keep_transient=self.global_rank == 0)
         # handles and traced layers' own paths first, while every tensor is still the original
         self._detached = self._layer_tensors.detach(module, container, held, self._stage_of_layer)
+        upstream_draws = draws_random(container[i] for i in range(plan.stages[-1].start))  # before they are freed
         self._free_other_stages(container, held)
         self._layer_container = container
         self.groups = build_groups(plan)  # a collective; BatchNorm's statistics use the replica groups
@@ -656,6 +658,8 @@ class DappleStrategy(DDPStrategy):
             forward_context=self._forward_context(),
             wire=self.wire,
         )
+        for unit in getattr(self.runner, "units", [self.runner]):
+            unit.pipeline_stage.upstream_draws = upstream_draws and unit.is_last and not unit.is_first
         # rank 0's seed on every rank: a step's random draws before self(...) (noise, masks)
         # are then the same on the first stage and the last (execute/stage.py)
         self.runner.job_seed = self._sync.broadcast(torch.initial_seed(), "the job's seed") if self.world_size > 1 else torch.initial_seed()
