@@ -54,8 +54,9 @@ class FlatBucket:
         self.on_device, self.device_index = waits_on_device(device, group), device.index
 
     def launch(self, group: Any) -> None:
-        """Pack the gradients (zeros where a parameter got none) and start their sum."""
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        """Pack the gradients (zeros where a parameter got none; a sparse one, of an
+        ``nn.Embedding(sparse=True)``, densified) and start their sum."""
+        grads = [(p.grad.to_dense() if p.grad.is_sparse else p.grad) if p.grad is not None else torch.zeros_like(p) for p in self.params]
         if self.flat is None:
             dtype = grads[0].dtype
             for grad in grads[1:]:
@@ -77,6 +78,8 @@ class FlatBucket:
             summed = self.flat[offset : offset + count].view_as(param)
             if param.grad is None:
                 param.grad = summed.clone()
+            elif param.grad.is_sparse:  # stays sparse for the optimizer (SparseAdam takes nothing else)
+                param.grad = summed.to_sparse(param.grad.sparse_dim())
             else:
                 param.grad.copy_(summed)
             offset += count
