@@ -103,3 +103,28 @@ def test_a_step_using_its_ids_trains_like_plain_lightning(tmp_path: Path, collat
     plan = {"global_batch_size": 4, "micro_batches": 2, "stages": [{"layers": [0, 3], "devices": [0]}]}
     ours, plain = fit(DappleStrategy(plan=plan, timeout_s=30)), fit("auto")
     assert max(float((ours[k] - v).abs().max()) for k, v in plain.items()) < 1e-12
+
+
+def test_a_shuffled_loader_under_a_seed_yields_plain_lightnings_order(tmp_path: Path) -> None:
+    """Set-up takes a sample batch and runs the step and the layers; none of it may move the
+    seeded generators, or the first epoch's shuffle (and every dropout mask) differs."""
+    from lightning.pytorch import seed_everything
+    from torch.utils.data import TensorDataset
+
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(16, 5, generator=g, dtype=torch.float64), torch.randint(0, 3, (16,), generator=g))
+
+    def fit(strategy) -> dict[str, torch.Tensor]:
+        model = WeightedById().double()
+        model.training_step = lambda batch, batch_idx: F.cross_entropy(model(batch[0]), batch[1])
+        trainer = Trainer(
+            strategy=strategy, accelerator="cpu", devices=1, precision="64-true", max_epochs=1, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
+        )
+        seed_everything(42)
+        trainer.fit(model, DataLoader(data, batch_size=4, shuffle=True))
+        return model.state_dict()
+
+    plan = {"global_batch_size": 4, "micro_batches": 2, "stages": [{"layers": [0, 3], "devices": [0]}]}
+    ours, plain = fit(DappleStrategy(plan=plan, timeout_s=30)), fit("auto")
+    assert max(float((ours[k] - v).abs().max()) for k, v in plain.items()) < 1e-12

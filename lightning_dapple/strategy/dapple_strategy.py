@@ -111,6 +111,7 @@ from lightning_dapple.strategy.precision import (
 )
 from lightning_dapple.strategy.reporting import SILENT, OneLineLauncher, failure_known, install_excepthook, watch_for_peer_failures
 from lightning_dapple.strategy.resolve import PlanArguments, resolve_plan, shape_with_arguments
+from lightning_dapple.strategy.rng_guard import random_streams_kept
 from lightning_dapple.strategy.slice_transfer import StepTransfers
 from lightning_dapple.strategy.tied_layers import KeptTensors, free_layer, retie
 
@@ -514,7 +515,8 @@ class DappleStrategy(DDPStrategy):
         )
         self.precision_plugin.convert_module(module)
         if self.plan is None:
-            self._prepare_pipeline(trainer, module)
+            with random_streams_kept():  # the first epoch's shuffle and draws are plain Lightning's
+                self._prepare_pipeline(trainer, module)
         # only now, with the other stages' layers freed, does anything move to the device
         self.model_to_device()
         mixed = self._mixed()
