@@ -538,6 +538,39 @@ def test_a_stage_of_frozen_layers_only_is_named_when_the_optimizer_gets_nothing(
         _fit_two_stages(tmp_path, FrozenBackbone(), cut=2)
 
 
+class LoggedFrozenBackbone(FrozenBackbone):
+    """The frozen first layers fill stage 0; the optimizer is built from self.parameters()."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.timeout(300)
+def test_a_stage_training_nothing_logs_the_loss_in_the_modules_dtype(tmp_path: Path) -> None:
+    """Rank 0 holds only frozen layers: its logged loss is float64 under 64-true all the
+    same, equal to plain Lightning's."""
+    g = torch.Generator().manual_seed(15)
+    data = [(torch.randn(4, 5, generator=g, dtype=torch.float64), torch.randint(0, 3, (4,), generator=g)) for _ in range(2)]
+
+    def fit(strategy, devices: int) -> torch.Tensor:
+        trainer = Trainer(
+            strategy=strategy, accelerator="cpu", devices=devices, precision="64-true", max_steps=2, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
+        )
+        trainer.fit(LoggedFrozenBackbone(), DataLoader(data, batch_size=None))
+        return trainer.callback_metrics["train_loss"]
+
+    plan = {"global_batch_size": 4, "micro_batches": 2, "stages": [{"layers": [0, 2], "devices": [0]}, {"layers": [2, 3], "devices": [1]}]}
+    ours, plain = fit(DappleStrategy(plan=plan, timeout_s=60, start_method="spawn"), 2), fit("auto", 1)
+    assert ours.dtype == plain.dtype == torch.float64
+    assert float(ours) == pytest.approx(float(plain), abs=1e-12)
+
+
 # --------------------------------------------------------------------------- outputs that hold the batch in another dimension
 
 

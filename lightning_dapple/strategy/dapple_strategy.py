@@ -243,6 +243,12 @@ def _output_leaves(value: Any) -> list[Any]:
     return [value]
 
 
+def _value_dtype(module: LightningModule) -> torch.dtype:
+    """The dtype the step's loss and logged values reach Lightning in: the module's
+    parameters' (frozen ones count: a stage may train none), as one device's would be."""
+    return next((p.dtype for p in module.parameters() if p.is_floating_point()), module.dtype)
+
+
 def _step_name(trainer: Trainer) -> str:
     """The step function the Trainer runs now (it calls ``self(...)``); a Trainer not
     running yet is taken to fit."""
@@ -936,7 +942,7 @@ class DappleStrategy(DDPStrategy):
         self._saved_grads = [p.grad for p in params]
         for p, grad in zip(params, previous):
             p.grad = grad
-        dtype = next((p.dtype for p in params), torch.float32)
+        dtype = _value_dtype(module)
         replay_logs(module, _merge_logs(logs), callbacks.batch_rows, dtype)
         # on the device, as Lightning's loops expect (fp16: its loss scaling stays there too)
         return {"loss": loss.to(device=self.root_device, dtype=dtype, non_blocking=True)}
@@ -968,7 +974,7 @@ class DappleStrategy(DDPStrategy):
         except BaseException as exc:
             self.failure.report(exc)
             raise
-        dtype = next((p.dtype for p in module.parameters()), torch.float32)
+        dtype = _value_dtype(module)
         replay_logs(module, _merge_logs(logs), batch_size_of(batch), dtype)
         return _combine_outputs(outputs) if step_name == "predict_step" else None
 
