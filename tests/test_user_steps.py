@@ -478,6 +478,48 @@ def test_torchmetrics_objects_log_what_they_log_under_plain_lightning(tmp_path: 
         assert ours[name] == pytest.approx(value, abs=1e-12), name
 
 
+class Extremes(Classifier):
+    """Values logged with reduce_fx max, min and sum: the batch's largest logit, its
+    smallest, and the count of right answers in it."""
+
+    def _log_batch(self, stage: str, batch) -> torch.Tensor:
+        logits = self(batch[0])
+        self.log(f"{stage}_max", logits.max(), reduce_fx="max", on_step=False, on_epoch=True)
+        self.log(f"{stage}_min", logits.min(), reduce_fx=torch.min, on_step=False, on_epoch=True)
+        self.log(f"{stage}_right", (logits.argmax(-1) == batch[1]).sum().double(), reduce_fx="sum", on_step=False, on_epoch=True)
+        return F.cross_entropy(logits, batch[1])
+
+    def training_step(self, batch, batch_idx):
+        return self._log_batch("train", batch)
+
+    def validation_step(self, batch, batch_idx):
+        self._log_batch("val", batch)
+
+
+@pytest.mark.timeout(300)
+def test_values_logged_with_reduce_fx_max_min_or_sum_combine_their_slices_that_way(tmp_path: Path) -> None:
+    """One stage on two replicas, M = 2: each step's value is the max, min or sum over its
+    four slices, so the epoch values are plain Lightning's."""
+    g = torch.Generator().manual_seed(16)
+    train = [(torch.randn(8, 5, generator=g, dtype=torch.float64), torch.randint(0, 3, (8,), generator=g)) for _ in range(2)]
+    val = [(torch.randn(8, 5, generator=g, dtype=torch.float64), torch.randint(0, 3, (8,), generator=g)) for _ in range(2)]
+
+    def fit(strategy, devices: int) -> dict[str, float]:
+        trainer = Trainer(
+            strategy=strategy, accelerator="cpu", devices=devices, precision="64-true", max_epochs=1, logger=False,
+            num_sanity_val_steps=0, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            default_root_dir=str(tmp_path),
+        )
+        trainer.fit(Extremes(), DataLoader(train, batch_size=None), DataLoader(val, batch_size=None))
+        return {name: float(value) for name, value in trainer.callback_metrics.items()}
+
+    plan = {"global_batch_size": 8, "micro_batches": 2, "stages": [{"layers": [0, 3], "devices": [0, 1]}]}
+    ours, plain = fit(DappleStrategy(plan=plan, timeout_s=60, start_method="spawn"), 2), fit("auto", 1)
+    assert set(plain) == {f"{stage}_{what}" for stage in ("train", "val") for what in ("max", "min", "right")} == set(ours)
+    for name, value in plain.items():
+        assert ours[name] == pytest.approx(value, abs=1e-12), name
+
+
 # --------------------------------------------------------------------------- parts of the model outside the pipeline
 
 

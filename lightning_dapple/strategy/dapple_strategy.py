@@ -92,6 +92,7 @@ from lightning_dapple.strategy.module_adapter import (
     capture_call,
     capture_input,
     check_parameters_in_layers,
+    combine_logged,
     find_layers,
     forward_replaced,
     key_owners,
@@ -270,7 +271,7 @@ def _merge_logs(per_replica: list[Logs | None]) -> Logs:
     for logs in per_replica:
         for name, (total, weight, kwargs) in (logs or {}).items():
             if name in merged:
-                merged[name] = (merged[name][0] + total, merged[name][1] + weight, kwargs)
+                merged[name] = (*combine_logged(merged[name][:2], (total, weight), kwargs), kwargs)
             else:
                 merged[name] = (total, weight, kwargs)
     return merged

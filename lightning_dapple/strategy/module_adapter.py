@@ -283,6 +283,29 @@ class LoggedValue:
 Logs = dict[str, tuple["torch.Tensor | float", float, dict[str, Any]]]
 
 
+def combination(kwargs: dict[str, Any]) -> str:
+    """How the micro-batch slices' values of one ``self.log`` make the step's value: by its
+    ``reduce_fx`` where that is max, min or sum (the batch's max is the slices' max, a count
+    over the batch their sum), else the row-weighted mean."""
+    fx = kwargs.get("reduce_fx", "mean")
+    name = fx if isinstance(fx, str) else getattr(fx, "__name__", "mean")
+    return name if name in ("max", "min", "sum") else "mean"
+
+
+def combine_logged(
+    a: tuple["torch.Tensor | float", float], b: tuple["torch.Tensor | float", float], kwargs: dict[str, Any]
+) -> tuple["torch.Tensor | float", float]:
+    """Two (weighted sum, weight) parts of one logged value, combined (``combination``)."""
+    how = combination(kwargs)
+    if how in ("mean", "sum"):
+        return a[0] + b[0], (a[1] + b[1] if how == "mean" else 1.0)
+    if not isinstance(a[0], torch.Tensor) and not isinstance(b[0], torch.Tensor):
+        return (max if how == "max" else min)(a[0], b[0]), 1.0
+    home = a[0].device if isinstance(a[0], torch.Tensor) else b[0].device  # type: ignore[union-attr]
+    left, right = torch.as_tensor(a[0], dtype=torch.float64, device=home), torch.as_tensor(b[0], dtype=torch.float64, device=home)
+    return (torch.maximum if how == "max" else torch.minimum)(left, right), 1.0
+
+
 @dataclass
 class LogRecorder:
     """Collects ``self.log`` calls made on the last stage during one step.
@@ -331,11 +354,12 @@ class LogRecorder:
             return
         number = value.detach().to(torch.float64).mean() if isinstance(value, torch.Tensor) else float(value)
         entry = self.values.get(name)
+        mean = combination(kwargs) == "mean"
+        part = (number * self.weight, self.weight) if mean else (number, 1.0)
         if entry is None:
-            self.values[name] = LoggedValue(number * self.weight, self.weight, kwargs)
+            self.values[name] = LoggedValue(part[0], part[1], kwargs)
         else:
-            entry.weighted_sum = entry.weighted_sum + number * self.weight
-            entry.weight += self.weight
+            entry.weighted_sum, entry.weight = combine_logged((entry.weighted_sum, entry.weight), part, kwargs)
 
     def _metric_path(self, name: str, metric: Metric) -> str:
         """Where ``metric`` lives in the module: every rank logs its own copy from there.
