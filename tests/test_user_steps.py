@@ -454,13 +454,12 @@ class Scored(Classifier):
         self.log_dict(self.val_set)
 
 
-@pytest.mark.timeout(300)
-def test_torchmetrics_objects_log_what_they_log_under_plain_lightning(tmp_path: Path) -> None:
-    """Two stages, M = 2: the last stage's ranks update the metrics with the rows they hold
-    and every rank logs its own copy; the epoch values are one device's compute()."""
-    g = torch.Generator().manual_seed(12)
-    train = [(torch.randn(8, 5, generator=g, dtype=torch.float64), torch.randint(0, 3, (8,), generator=g)) for _ in range(3)]
-    val = [(torch.randn(8, 5, generator=g, dtype=torch.float64), torch.randint(0, 3, (8,), generator=g)) for _ in range(3)]
+def _metrics_of_one_epoch(tmp_path: Path, model_class: type, plan: dict, seed: int, batches: int) -> tuple[dict[str, float], dict[str, float]]:
+    """``callback_metrics`` after one epoch with validation (8-row batches of 5 features, 3
+    classes) on ``plan`` over 2 processes, and under plain Lightning."""
+    g = torch.Generator().manual_seed(seed)
+    train = [(torch.randn(8, 5, generator=g, dtype=torch.float64), torch.randint(0, 3, (8,), generator=g)) for _ in range(batches)]
+    val = [(torch.randn(8, 5, generator=g, dtype=torch.float64), torch.randint(0, 3, (8,), generator=g)) for _ in range(batches)]
 
     def fit(strategy, devices: int) -> dict[str, float]:
         trainer = Trainer(
@@ -468,11 +467,18 @@ def test_torchmetrics_objects_log_what_they_log_under_plain_lightning(tmp_path: 
             num_sanity_val_steps=0, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
             default_root_dir=str(tmp_path),
         )
-        trainer.fit(Scored(), DataLoader(train, batch_size=None), DataLoader(val, batch_size=None))
+        trainer.fit(model_class(), DataLoader(train, batch_size=None), DataLoader(val, batch_size=None))
         return {name: float(value) for name, value in trainer.callback_metrics.items()}
 
+    return fit(DappleStrategy(plan=plan, timeout_s=60, start_method="spawn"), 2), fit("auto", 1)
+
+
+@pytest.mark.timeout(300)
+def test_torchmetrics_objects_log_what_they_log_under_plain_lightning(tmp_path: Path) -> None:
+    """Two stages, M = 2: the last stage's ranks update the metrics with the rows they hold
+    and every rank logs its own copy; the epoch values are one device's compute()."""
     plan = {"global_batch_size": 8, "micro_batches": 2, "stages": [{"layers": [0, 2], "devices": [0]}, {"layers": [2, 3], "devices": [1]}]}
-    ours, plain = fit(DappleStrategy(plan=plan, timeout_s=60, start_method="spawn"), 2), fit("auto", 1)
+    ours, plain = _metrics_of_one_epoch(tmp_path, Scored, plan, seed=12, batches=3)
     assert set(plain) == {"train_f1", "val_f1", "val_acc", "val_precision"} and set(ours) == set(plain)
     for name, value in plain.items():
         assert ours[name] == pytest.approx(value, abs=1e-12), name
@@ -500,21 +506,8 @@ class Extremes(Classifier):
 def test_values_logged_with_reduce_fx_max_min_or_sum_combine_their_slices_that_way(tmp_path: Path) -> None:
     """One stage on two replicas, M = 2: each step's value is the max, min or sum over its
     four slices, so the epoch values are plain Lightning's."""
-    g = torch.Generator().manual_seed(16)
-    train = [(torch.randn(8, 5, generator=g, dtype=torch.float64), torch.randint(0, 3, (8,), generator=g)) for _ in range(2)]
-    val = [(torch.randn(8, 5, generator=g, dtype=torch.float64), torch.randint(0, 3, (8,), generator=g)) for _ in range(2)]
-
-    def fit(strategy, devices: int) -> dict[str, float]:
-        trainer = Trainer(
-            strategy=strategy, accelerator="cpu", devices=devices, precision="64-true", max_epochs=1, logger=False,
-            num_sanity_val_steps=0, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            default_root_dir=str(tmp_path),
-        )
-        trainer.fit(Extremes(), DataLoader(train, batch_size=None), DataLoader(val, batch_size=None))
-        return {name: float(value) for name, value in trainer.callback_metrics.items()}
-
     plan = {"global_batch_size": 8, "micro_batches": 2, "stages": [{"layers": [0, 3], "devices": [0, 1]}]}
-    ours, plain = fit(DappleStrategy(plan=plan, timeout_s=60, start_method="spawn"), 2), fit("auto", 1)
+    ours, plain = _metrics_of_one_epoch(tmp_path, Extremes, plan, seed=16, batches=2)
     assert set(plain) == {f"{stage}_{what}" for stage in ("train", "val") for what in ("max", "min", "right")} == set(ours)
     for name, value in plain.items():
         assert ours[name] == pytest.approx(value, abs=1e-12), name
