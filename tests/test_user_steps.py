@@ -424,6 +424,33 @@ def test_a_validation_set_whose_last_batch_is_short_validates_like_plain_lightni
 # --------------------------------------------------------------------------- torchmetrics objects
 
 
+class Tested(Classifier):
+    def test_step(self, batch, batch_idx):
+        self.log("test_loss", F.cross_entropy(self(batch[0]), batch[1]))
+
+
+@pytest.mark.timeout(300)
+def test_a_test_loader_with_another_batch_size_than_training_tests_like_plain_lightning(tmp_path: Path) -> None:
+    """trainer.test after fit on two stages: the test batches (6 rows, training's are 4) are
+    cut into the plan's micro-batches; no optimizer step asks them to be the global batch."""
+    g = torch.Generator().manual_seed(17)
+    train = [(torch.randn(4, 5, generator=g, dtype=torch.float64), torch.randint(0, 3, (4,), generator=g)) for _ in range(2)]
+    test = [(torch.randn(6, 5, generator=g, dtype=torch.float64), torch.randint(0, 3, (6,), generator=g)) for _ in range(2)]
+
+    def fit_and_test(strategy, devices: int) -> float:
+        trainer = Trainer(
+            strategy=strategy, accelerator="cpu", devices=devices, precision="64-true", max_steps=2, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
+        )
+        model = Tested().double()
+        trainer.fit(model, DataLoader(train, batch_size=None))
+        return trainer.test(model, DataLoader(test, batch_size=None), verbose=False)[0]["test_loss"]
+
+    plan = {"global_batch_size": 4, "micro_batches": 2, "stages": [{"layers": [0, 2], "devices": [0]}, {"layers": [2, 3], "devices": [1]}]}
+    ours = fit_and_test(DappleStrategy(plan=plan, timeout_s=60, start_method="spawn"), 2)
+    assert ours == pytest.approx(fit_and_test("auto", 1), abs=1e-12)
+
+
 class Scored(Classifier):
     """Metrics as Lightning's docs log them: a Metric called in the step, one only updated,
     and a MetricCollection through log_dict; macro F1 is not a mean of batch values."""

@@ -843,8 +843,10 @@ class DappleStrategy(DDPStrategy):
             plan, self._planning_inputs = planned.plan, planned.inputs
         plan = resolve_plan(plan, self.plan_arguments)
         batch_rows = batch_size_of(sample)
+        # evaluation cuts any batch into the plan's micro-batches (fewer where it is short);
+        # only the training batch is the plan's global batch of one optimizer step
         require(
-            plan.global_batch_size == batch_rows,
+            trainer.state.fn != TrainerFn.FITTING or plan.global_batch_size == batch_rows,
             "plan.global_batch_size",
             f"is {plan.global_batch_size} but the DataLoader yields batches of {batch_rows}",
             "make the DataLoader's batch size the global batch of one optimizer step, or fix the plan",
