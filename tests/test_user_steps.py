@@ -540,6 +540,30 @@ def test_values_logged_with_reduce_fx_max_min_or_sum_combine_their_slices_that_w
         assert ours[name] == pytest.approx(value, abs=1e-12), name
 
 
+class Gathered(Classifier):
+    """Per-sample losses kept by the validation steps and gathered at the epoch's end, the
+    Lightning 2.x idiom; only the last stage ran the steps past self(x)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.outputs: list[torch.Tensor] = []
+
+    def validation_step(self, batch, batch_idx):
+        self.outputs.append(F.cross_entropy(self(batch[0]), batch[1], reduction="none"))
+
+    def on_validation_epoch_end(self):
+        mine = torch.cat(self.outputs).mean() if self.outputs else torch.zeros((), dtype=torch.float64)
+        self.log("val_mean", self.all_gather(mine).mean())
+        self.outputs.clear()
+
+
+@pytest.mark.timeout(300)
+def test_all_gather_at_the_epochs_end_gathers_what_the_last_stage_holds(tmp_path: Path) -> None:
+    plan = {"global_batch_size": 8, "micro_batches": 2, "stages": [{"layers": [0, 2], "devices": [0]}, {"layers": [2, 3], "devices": [1]}]}
+    ours, plain = _metrics_of_one_epoch(tmp_path, Gathered, plan, seed=18, batches=2)
+    assert ours["val_mean"] == pytest.approx(plain["val_mean"], abs=1e-12)
+
+
 # --------------------------------------------------------------------------- parts of the model outside the pipeline
 
 

@@ -1065,6 +1065,22 @@ class DappleStrategy(DDPStrategy):
         sync = self._live_sync()
         return super().broadcast(obj, src) if sync is None else sync.broadcast(obj, "Lightning's broadcast", src)
 
+    @override
+    def all_gather(self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False) -> torch.Tensor:
+        """``self.all_gather(x)`` stacks the values of the ranks that hold the data, the last
+        stage's replicas, as DDP stacks its ranks' (DAPPLE 5.2.2: they see the global batch's
+        rows between them); the other stages' ranks ran no step past ``self(...)``, so what
+        they pass, of whatever shape, is left out, and they get the stacked values too."""
+        plan = self.plan
+        holders = list(plan.stages[-1].devices) if plan is not None else []
+        world = group is None or group is dist.group.WORLD  # LightningModule.all_gather names WORLD for the default
+        if not world or sync_grads or len(holders) in (0, self.world_size):
+            return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+        sync = self._live_sync()
+        assert sync is not None, "the failure channel starts before the plan"
+        values = sync.gather(tensor.detach().cpu() if self.global_rank in holders else None, "self.all_gather")
+        return torch.stack([values[rank] for rank in holders]).to(tensor.device)
+
     def _share_from_rank_zero(self, data: Any) -> Any:
         """Rank 0's planning result on every rank (``auto_plan``)."""
         sync = self._live_sync()
