@@ -167,3 +167,20 @@ def test_one_device_plan_trains_like_plain_lightning(tmp_path: Path) -> None:
     reference, _ = single_device_run(2, clip=0.5)
     state = model.state_dict()
     assert max(float((state[k] - reference[k]).abs().max()) for k in reference) < 1e-12
+
+
+def test_stochastic_weight_averaging_is_refused_on_a_pipeline_and_kept_on_one_stage() -> None:
+    """SWA averages a copy of the whole module against self.parameters(), one stage's on a
+    pipeline; on a single-stage plan every rank holds the whole model, as under DDP."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    from lightning_dapple.plan.plan import plan_from_dict
+    from lightning_dapple.strategy.dapple_strategy import _check_callbacks
+
+    trainer = SimpleNamespace(callbacks=[StochasticWeightAveraging(swa_lrs=0.05)])
+    two = plan_from_dict({"global_batch_size": 4, "micro_batches": 2, "stages": [{"layers": [0, 2], "devices": [0]}, {"layers": [2, 5], "devices": [1]}]})
+    with pytest.raises(DappleConfigError, match=r"StochasticWeightAveraging: averages a copy of the whole model.*2-stage plan.*Fix: train on a single-stage plan"):
+        _check_callbacks(trainer, two)
+    _check_callbacks(trainer, plan_from_dict({"global_batch_size": 4, "micro_batches": 2, "stages": [{"layers": [0, 5], "devices": [0, 1]}]}))

@@ -244,6 +244,22 @@ def _output_leaves(value: Any) -> list[Any]:
     return [value]
 
 
+def _check_callbacks(trainer: Trainer, plan: Plan) -> None:
+    """Callbacks that need the whole model on every rank: ``StochasticWeightAveraging`` copies
+    the module when it is set up, before the stages are freed, and then pairs the copy's
+    parameters with ``self.parameters()``, which on a pipeline are one stage's."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    if plan.num_stages > 1 and any(isinstance(callback, StochasticWeightAveraging) for callback in trainer.callbacks):
+        raise DappleConfigError(
+            "StochasticWeightAveraging",
+            f"averages a copy of the whole model, but on this {plan.num_stages}-stage plan each rank's module holds one "
+            "stage's parameters",
+            "train on a single-stage plan (data parallelism) with it, or average the weights after training "
+            "(torch.optim.swa_utils.AveragedModel over the checkpoints rank 0 writes)",
+        )
+
+
 def _value_dtype(module: LightningModule) -> torch.dtype:
     """The dtype the step's loss and logged values reach Lightning in: the module's
     parameters' (frozen ones count: a stage may train none), as one device's would be."""
@@ -631,6 +647,7 @@ class DappleStrategy(DDPStrategy):
         plan = self._resolve_plan(trainer, module, container, sample)
         plan = plan.validate(num_layers=len(container), world_size=self.world_size).with_warmups()
         check_regrouped_cuts(plan, self._rows_elsewhere)
+        _check_callbacks(trainer, plan)
         self.plan = plan
         self._save_plan(trainer)
         report_placement(self.cluster_environment, self.num_nodes, self.num_processes, plan)  # every rank: the launch's nodes agree with the plan; rank 0 prints them
