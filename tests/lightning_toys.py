@@ -246,3 +246,24 @@ def quiet_trainer(root: str, **kwargs) -> "Trainer":
 
     flags = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(root))
     return Trainer(**{**flags, **kwargs})
+
+
+def states_under_plan_and_plain(tmp_path, make_model, data, plan: dict, **trainer_kwargs) -> tuple[dict, dict]:
+    """The state dicts after fitting ``make_model()`` (made float64) on ``data`` (a list of
+    batches) under ``plan`` on its processes (spawned) and under plain Lightning."""
+    from lightning.pytorch import Trainer
+
+    from lightning_dapple.strategy import DappleStrategy
+
+    options = {"max_steps": 3, "enable_model_summary": False, **trainer_kwargs}
+
+    def fit(strategy, devices: int) -> dict:
+        model = make_model().double()
+        Trainer(
+            strategy=strategy, accelerator="cpu", devices=devices, precision="64-true", logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, default_root_dir=str(tmp_path), **options,
+        ).fit(model, DataLoader(data, batch_size=None))
+        return model.state_dict()
+
+    devices = len({rank for stage in plan["stages"] for rank in stage["devices"]})
+    return fit(DappleStrategy(plan=plan, timeout_s=60, start_method="spawn"), devices), fit("auto", 1)

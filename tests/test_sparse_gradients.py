@@ -7,12 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import LightningModule
 from torch import nn
-from torch.utils.data import DataLoader
 
-import lightning_dapple  # noqa: F401
-from lightning_dapple.strategy import DappleStrategy
+from lightning_toys import states_under_plan_and_plain
 
 VOCAB = 12
 
@@ -38,15 +36,7 @@ def test_a_sparse_embedding_on_two_replicas_trains_like_plain_lightning(tmp_path
     g = torch.Generator().manual_seed(14)
     data = [(torch.randint(0, VOCAB, (4, 3), generator=g), torch.randint(0, 4, (4,), generator=g)) for _ in range(3)]
 
-    def fit(strategy, devices: int) -> dict[str, torch.Tensor]:
-        model = BagOfWords().double()
-        Trainer(
-            strategy=strategy, accelerator="cpu", devices=devices, precision="64-true", max_steps=3, logger=False,
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
-        ).fit(model, DataLoader(data, batch_size=None))
-        return model.state_dict()
-
     plan = {"global_batch_size": 4, "micro_batches": 2, "stages": [{"layers": [0, 3], "devices": [0, 1]}]}
-    ours, plain = fit(DappleStrategy(plan=plan, timeout_s=60, start_method="spawn"), 2), fit("auto", 1)
+    ours, plain = states_under_plan_and_plain(tmp_path, BagOfWords, data, plan)
     for name, value in plain.items():
         assert torch.allclose(ours[name], value, rtol=0, atol=1e-12), name

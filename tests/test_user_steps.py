@@ -29,6 +29,7 @@ import lightning_dapple  # noqa: F401
 from lightning_dapple.errors import DappleConfigError
 from lightning_dapple.strategy import DappleStrategy
 from lightning_dapple.strategy.loss_check import LossWatch, uneven_mean
+from lightning_toys import states_under_plan_and_plain
 
 VOCAB, LENGTH, ROWS = 11, 6, 4
 ONE_STAGE = {"global_batch_size": ROWS, "micro_batches": 2, "stages": [{"layers": [0, 2], "devices": [0]}]}
@@ -424,6 +425,24 @@ def test_a_validation_set_whose_last_batch_is_short_validates_like_plain_lightni
 # --------------------------------------------------------------------------- torchmetrics objects
 
 
+class Summarized(Classifier):
+    def __init__(self) -> None:
+        super().__init__()
+        self.example_input_array = torch.zeros(2, 5, dtype=torch.float64)
+
+
+@pytest.mark.timeout(300)
+def test_a_model_with_an_example_input_trains_under_the_default_model_summary(tmp_path: Path) -> None:
+    """ModelSummary runs forward on example_input_array on every rank, where a pipeline rank
+    holds one stage: the strategy puts the example aside while the Trainer runs."""
+    g = torch.Generator().manual_seed(19)
+    data = [(torch.randn(4, 5, generator=g, dtype=torch.float64), torch.randint(0, 3, (4,), generator=g)) for _ in range(2)]
+
+    plan = {"global_batch_size": 4, "micro_batches": 2, "stages": [{"layers": [0, 2], "devices": [0]}, {"layers": [2, 3], "devices": [1]}]}
+    ours, plain = states_under_plan_and_plain(tmp_path, Summarized, data, plan, max_steps=2, enable_model_summary=True)
+    assert max(float((ours[k] - v).abs().max()) for k, v in plain.items()) < 1e-12
+
+
 class Tested(Classifier):
     def test_step(self, batch, batch_idx):
         self.log("test_loss", F.cross_entropy(self(batch[0]), batch[1]))
@@ -750,18 +769,11 @@ def test_layers_unfrozen_and_frozen_by_callbacks_train_like_plain_lightning(tmp_
     g = torch.Generator().manual_seed(13)
     data = [(torch.randn(8, 5, generator=g, dtype=torch.float64), torch.randint(0, 3, (8,), generator=g)) for _ in range(2)]
 
-    def fit(strategy, devices: int) -> dict[str, torch.Tensor]:
-        model = FineTuned().double()
-        Trainer(
-            strategy=strategy, accelerator="cpu", devices=devices, precision="64-true", max_epochs=4, logger=False,
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
-            callbacks=[BackboneFinetuning(unfreeze_backbone_at_epoch=1), FreezeMiddle()],
-        ).fit(model, DataLoader(data, batch_size=None))
-        return model.state_dict()
-
     plan = {"global_batch_size": 8, "micro_batches": 2, "ooo": True,
             "stages": [{"layers": [0, 3], "devices": [0, 1]}, {"layers": [3, 5], "devices": [2]}]}
-    ours, plain = fit(DappleStrategy(plan=plan, timeout_s=60, start_method="spawn"), 3), fit("auto", 1)
+    ours, plain = states_under_plan_and_plain(
+        tmp_path, FineTuned, data, plan, max_steps=-1, max_epochs=4, callbacks=[BackboneFinetuning(unfreeze_backbone_at_epoch=1), FreezeMiddle()]
+    )
     start = FineTuned().double().state_dict()
     assert not torch.equal(plain["layers.0.weight"], start["layers.0.weight"])  # the backbone trained after epoch 1
     for name, value in plain.items():

@@ -381,6 +381,7 @@ class DappleStrategy(DDPStrategy):
         self.timeout_s = timeout_s
         self.profile_cache = profile_cache
         self.plan: Plan | None = None
+        self._hidden_example: Any = None  # the module's example_input_array while the Trainer runs (_hide_example_input)
         self.runner: StageRunner | ChunkedRunner | None = None
         self.failure: FailureChannel | None = None
         self._sync: StoreSync | None = None  # Lightning's barriers and broadcasts, once the channel exists
@@ -540,6 +541,7 @@ class DappleStrategy(DDPStrategy):
         if self.plan is None:
             with random_streams_kept():  # the first epoch's shuffle and draws are plain Lightning's
                 self._prepare_pipeline(trainer, module)
+        self._hide_example_input(module)
         # only now, with the other stages' layers freed, does anything move to the device
         self.model_to_device()
         mixed = self._mixed()
@@ -1063,7 +1065,24 @@ class DappleStrategy(DDPStrategy):
     @override
     def teardown(self) -> None:
         self._close_runner()
+        module = self.lightning_module
+        if self._hidden_example is not None and module is not None:
+            module.example_input_array = self._hidden_example
+            self._hidden_example = None
         super().teardown()
+
+    def _hide_example_input(self, module: LightningModule) -> None:
+        """Lightning runs ``forward`` on ``example_input_array`` outside the steps, on every
+        rank (``ModelSummary``'s input and output sizes, a logger's ``log_graph``); on a
+        pipeline a rank holds one stage's layers, so it is put aside while the Trainer runs
+        and put back at teardown."""
+        assert self.plan is not None
+        if self.plan.num_stages == 1 or module.example_input_array is None:
+            return
+        self._hidden_example = module.example_input_array
+        module.example_input_array = None
+        rank_zero_info("dapple: example_input_array is put aside while the Trainer runs: each rank holds one stage, so "
+                       "ModelSummary shows this rank's layers without sizes, and loggers draw no graph")
 
     @override
     def barrier(self, name: str | None = None) -> None:
