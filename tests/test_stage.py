@@ -190,6 +190,28 @@ def test_a_step_differentiating_through_a_routed_linear_gets_its_whole_backward_
         torch.testing.assert_close(got, want, rtol=0, atol=1e-14)
 
 
+class _InputGradientPenalty(_Callbacks):
+    """A physics-informed step: the gradient of the output with respect to the input x."""
+
+    def compute_loss(self, batch: Any, forward: Callable[..., Any]) -> torch.Tensor:
+        x = batch[0].clone().requires_grad_(True)
+        out = forward(x)
+        (grad,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+        return nn.functional.mse_loss(out, batch[1]) + grad.pow(2).mean()
+
+
+def test_a_last_stage_step_differentiating_by_its_input_is_told_why_it_cannot() -> None:
+    """On the last of two stages the output comes from the received activation, so autograd
+    finds no path to the step's x; the error says so and how to train such a model."""
+    from lightning_dapple.errors import DappleConfigError
+
+    stage = Stage(_layers()[2:], torch.device("cpu"), 1, 0, 2, split=False)
+    stage.begin_step(_batch(), ROWS, _rows(), _InputGradientPenalty(), 1.0, (1234, 0))
+    stage.receive(0, torch.randn(3, 5, dtype=torch.float64, requires_grad=True))
+    with pytest.raises(DappleConfigError, match=r"differentiates the model's output with respect to its input.*Fix: train such a model on a single-stage plan"):
+        stage.forward(0)
+
+
 def test_recomputation_replays_dropout_exactly() -> None:
     """A recomputed micro-batch's B (replayed forward, same seed) gives what a stashed one gives."""
     kept_layers, replayed_layers = _layers(dropout=0.5), _layers(dropout=0.5)

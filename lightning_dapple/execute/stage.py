@@ -44,7 +44,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from lightning_dapple.errors import require
+from lightning_dapple.errors import DappleConfigError, require
 from lightning_dapple.execute.replay import buffer_slots, detached, discard_saved, reseed, same_rng, save_rng, scratch_buffers, tensor_leaves, weight_groups
 from lightning_dapple.execute.slicing import flatten, take_rows
 from lightning_dapple.execute.weight_grad import WeightGradStore, deferrable_modules, install_deferred_weights
@@ -314,7 +314,18 @@ class Stage:
         reseed(self._step_seed(item.rows), self.device)
         # the whole model in one process, stash kept: another call runs the layers on its own input
         guarded = guard_calls(forward, keep_input, self.upstream_draws)
-        loss = callbacks.compute_loss(batch_slice, forward if self.is_first and not keep_input else guarded)
+        try:
+            loss = callbacks.compute_loss(batch_slice, forward if self.is_first and not keep_input else guarded)
+        except RuntimeError as exc:
+            if self.is_first or "appears to not have been used in the graph" not in str(exc):
+                raise
+            raise DappleConfigError(
+                "training_step",
+                "differentiates the model's output with respect to its input (torch.autograd.grad(out, x): a "
+                "physics-informed loss, an input-gradient penalty), but on a pipeline the last stage computes the output "
+                "from the activation the previous stage sent, not from the step's x",
+                "train such a model on a single-stage plan (data parallelism), where the whole model runs in each process",
+            ) from exc
         weight = (item.rows[1] - item.rows[0]) / self._batch_rows if self.loss_reduction == "mean" else 1.0
         loss = loss * weight
         self._losses.append(loss.detach())
@@ -468,10 +479,11 @@ def guard_calls(forward: Callable[..., Any], recomputed: bool, upstream_draws: b
         require(
             _same_input(first[0], args),
             "training_step / validation_step",
-            "calls self(...) again with another input (a second view of the batch, a consistency or contrastive term); "
-            "a pipeline runs the layers once per micro-batch, on the input of the step's first self(...) call",
-            "put the views in one batch (torch.cat), call self(...) once and split the output, or train on a "
-            "single-stage plan (data parallelism) without recomputation",
+            "calls self(...) again with another input (a second view of the batch, a consistency or contrastive term, "
+            "a decoding loop feeding outputs back); a pipeline runs the layers once per micro-batch, on the input of the "
+            "step's first self(...) call",
+            "put the views in one batch (torch.cat), call self(...) once and split the output; decode after fit, on the "
+            "whole model rank 0 gets back; or train on a single-stage plan (data parallelism) without recomputation",
         )
         return forward(*args, **kwargs)
 
