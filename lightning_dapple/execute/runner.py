@@ -144,6 +144,8 @@ class StageRunner:
         self._local_up = chunk is not None and not self.is_first and plan.stages[self.stage - 1].devices == self.stage_plan.devices
         self._local_down = chunk is not None and not self.is_last and plan.stages[self.stage + 1].devices == self.stage_plan.devices
         self.stats = StageStats()
+        # each once: layers of one stage may share a parameter (tied weights)
+        self._all_parameters = list({id(p): p for layer in self.layers for p in layer.parameters()}.values())
         self.parameters = self._trainable()
         self.tied = tied
         self.steps_done = 0  # training steps run so far (part of every dropout seed; a resume sets it)
@@ -273,8 +275,7 @@ class StageRunner:
         )
 
     def _trainable(self) -> list[nn.Parameter]:
-        # each once: layers of one stage may share a parameter (tied weights)
-        return list({id(p): p for layer in self.layers for p in layer.parameters() if p.requires_grad}.values())
+        return [p for p in self._all_parameters if p.requires_grad]
 
     def refresh_trainable(self) -> bool:
         """Follow parameters frozen or unfrozen since set-up (Lightning's ``BackboneFinetuning``
