@@ -573,8 +573,9 @@ class DappleStrategy(DDPStrategy):
                 "configure_optimizers",
                 f"failed on rank {self.global_rank} ({exc}): its {', '.join(held)} holds no trained parameter (every layer there is "
                 "frozen), so an optimizer over the trained parameters it sees gets none",
-                "give every stage a trained layer (a plan whose first stage also holds the first trained layers), or build the "
-                "optimizer from self.parameters() (frozen ones get no gradient, so they stay as they are)",
+                "give every stage a trained layer (a plan whose first stage also holds the first trained layers); where nothing "
+                "unfreezes them later (BackboneFinetuning adds them as a group of their own), the optimizer may also be built "
+                "from self.parameters() (frozen ones get no gradient, so they stay as they are)",
             ) from None
 
     def _check_precision(self) -> None:
