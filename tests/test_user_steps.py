@@ -443,6 +443,26 @@ def test_a_model_with_an_example_input_trains_under_the_default_model_summary(tm
     assert max(float((ours[k] - v).abs().max()) for k, v in plain.items()) < 1e-12
 
 
+@pytest.mark.timeout(300)
+def test_save_checkpoint_after_a_spawned_fit_writes_the_whole_trained_model(tmp_path: Path) -> None:
+    """Under the spawn launcher the calling process set no pipeline up; it holds the whole
+    trained model after fit, and trainer.save_checkpoint writes it, as under ddp_spawn."""
+    data = [(torch.randn(4, 5, dtype=torch.float64), torch.zeros(4, dtype=torch.long)) for _ in range(2)]
+    plan = {"global_batch_size": 4, "micro_batches": 2, "stages": [{"layers": [0, 2], "devices": [0]}, {"layers": [2, 3], "devices": [1]}]}
+    trainer = Trainer(
+        strategy=DappleStrategy(plan=plan, timeout_s=60, start_method="spawn"), accelerator="cpu", devices=2, precision="64-true",
+        max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+    )
+    model = Classifier().double()
+    trainer.fit(model, DataLoader(data, batch_size=None))
+    trainer.save_checkpoint(tmp_path / "after.ckpt")
+    saved = torch.load(tmp_path / "after.ckpt", weights_only=False)["state_dict"]
+    assert set(saved) == set(model.state_dict())
+    assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
+    assert not torch.equal(saved["layers.0.weight"], Classifier().double().state_dict()["layers.0.weight"])  # trained
+
+
 class Tested(Classifier):
     def test_step(self, batch, batch_idx):
         self.log("test_loss", F.cross_entropy(self(batch[0]), batch[1]))

@@ -1019,12 +1019,17 @@ class DappleStrategy(DDPStrategy):
     # -- checkpoints ---------------------------------------------------------------
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        assert self.plan is not None and self.checkpoint_layout is not None
+        """The whole model's state, gathered from the stages on rank 0. In a process that
+        set no pipeline up (the one that spawned the ranks, which holds the whole trained
+        model after fit), the module's own, as under ``ddp_spawn``."""
+        if self.checkpoint_layout is None:
+            return super().lightning_module_state_dict()
         return ckpt.consolidated_state_dict(self.lightning_module, self.checkpoint_layout, self._checkpoint_lane())
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        assert self.checkpoint_layout is not None
+        if self.checkpoint_layout is None:  # as lightning_module_state_dict
+            return super().optimizer_state(optimizer)
         return ckpt.consolidated_optimizer_state(self.lightning_module, self.checkpoint_layout, optimizer, self._checkpoint_lane())
 
     def _checkpoint_lane(self) -> PartLane:
