@@ -45,6 +45,11 @@ class ExtraForward(MLPModule):
         return super().forward(x) * 2.0  # more than the layer sequence
 
 
+class OwnBackward(MLPModule):
+    def backward(self, loss, *args, **kwargs):
+        (3.0 * loss).backward(*args, **kwargs)
+
+
 def _fit(tmp_path: Path, model, plan=ONE_STAGE, precision="64-true", loader=None, **trainer_kwargs):
     trainer = Trainer(
         strategy=DappleStrategy(plan=plan, timeout_s=20),
@@ -76,10 +81,13 @@ def _fit(tmp_path: Path, model, plan=ONE_STAGE, precision="64-true", loader=None
         ("two_arguments", "2 positional arguments.*one tuple.*Fix: call self\\(x\\)"),
         ("fused", "16-mixed.*fused optimizer.*cannot agree"),
         ("compiled_whole", "compiled whole.*Fix: compile the blocks instead"),
+        ("backward", r"OwnBackward.backward: is overridden.*Fix: put what it does into the loss"),
     ],
 )
 def test_bad_input_fails_before_training(tmp_path: Path, case: str, match: str) -> None:
-    model = {"no_layers": NoLayers, "forward": ExtraForward, "two_arguments": TwoArgumentForward, "fused": FusedAdam}.get(case, MLPModule)().double()
+    model = {"no_layers": NoLayers, "forward": ExtraForward, "two_arguments": TwoArgumentForward, "fused": FusedAdam, "backward": OwnBackward}.get(
+        case, MLPModule
+    )().double()
     plan, kwargs = ONE_STAGE, {}
     if case == "coverage":
         plan = {**ONE_STAGE, "stages": [{"layers": [0, 3], "devices": [0]}]}

@@ -529,6 +529,12 @@ class DappleStrategy(DDPStrategy):
             "use automatic optimization (the default)",
         )
         require(
+            not is_overridden("backward", module),
+            f"{type(module).__name__}.backward",
+            "is overridden, but the pipeline runs every micro-batch's backward itself, inside the step, so it would never run",
+            "put what it does into the loss training_step returns (a scale, an extra term), or into on_after_backward",
+        )
+        require(
             getattr(module, "_compiler_ctx", None) is None,
             "the model",
             "was compiled whole (trainer.fit(torch.compile(model))): Lightning then runs forward and every step as compiled "
