@@ -281,6 +281,27 @@ def test_a_second_call_sharing_the_first_stages_dropout_is_refused(tmp_path: Pat
         _fit_two_stages(tmp_path, RDrop().double(), cut=3)
 
 
+class SchedulerInStep(TinyLM):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.lr_schedulers().step()
+        return loss
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)}
+
+
+def test_a_scheduler_stepped_inside_the_step_is_refused_before_the_optimizer_steps(tmp_path: Path) -> None:
+    """The step runs once per micro-batch (and past self(...) on the last stage only): a
+    scheduler stepped there would move the rate M times, on some ranks."""
+    model = SchedulerInStep().double()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(DappleConfigError, match=r"training_step: changes a learning rate.*Fix: step the scheduler from configure_optimizers"):
+        _fit(tmp_path, model, padded=False, strategy=_dapple())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
 def test_two_calls_on_one_stage_draw_two_dropout_samples() -> None:
     """R-Drop, SimCSE: two self(x) calls on the whole model must not share a dropout mask."""
     from lightning_dapple.execute.stage import Stage

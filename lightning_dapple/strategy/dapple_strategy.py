@@ -260,6 +260,15 @@ def _check_callbacks(trainer: Trainer, plan: Plan) -> None:
         )
 
 
+def _learning_rates(optimizers: Sequence[Any]) -> list[Any]:
+    """Every group's learning rate; a tensor one by its in-place version (no device read)."""
+    return [
+        (id(lr), lr._version) if isinstance(lr, torch.Tensor) else lr
+        for optimizer in optimizers
+        for lr in (group.get("lr") for group in optimizer.param_groups)
+    ]
+
+
 def _value_dtype(module: LightningModule) -> torch.dtype:
     """The dtype the step's loss and logged values reach Lightning in: the module's
     parameters' (frozen ones count: a stage may train none), as one device's would be."""
@@ -956,11 +965,20 @@ class DappleStrategy(DDPStrategy):
         # Under Trainer(accumulate_grad_batches) the gradients of earlier batches are still
         # in .grad; the runner starts from none, so they are put back after the step.
         previous = [p.grad for p in params]
+        rates = _learning_rates(self.optimizers)
         try:
             check_training_batch(self, batch, batch_idx)  # a bad batch is named before any rank runs it
             with nullcontext() if mixed is not None else self.precision_plugin.train_step_context():
                 loss, logs = self.runner.train_step(batch, callbacks, extras=lambda: recorder.summary(on_host=self._logs_travel))
             check_training_loss(self, loss, batch_idx)  # before the optimizer takes it in
+            require(
+                _learning_rates(self.optimizers) == rates,
+                "training_step",
+                "changes a learning rate (a scheduler's step(), or param_groups[...]['lr'] set in the step), but the step runs "
+                "once per micro-batch, and past self(...) only on the last stage's ranks: the stages would train at other rates",
+                "step the scheduler from configure_optimizers (interval='step'), or in on_train_batch_start / on_train_batch_end, "
+                "which run once per batch on every rank",
+            )
         except BaseException as exc:
             self.failure.report(exc)
             raise
