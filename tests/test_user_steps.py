@@ -302,6 +302,15 @@ def test_a_scheduler_stepped_inside_the_step_is_refused_before_the_optimizer_ste
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
+def test_a_step_returning_none_to_skip_its_batch_is_told_how_to_skip_it() -> None:
+    from lightning_dapple.strategy.module_adapter import loss_of
+
+    with pytest.raises(DappleConfigError, match=r"training_step: returned None, which asks Lightning to skip the batch.*Fix: leave such batches out"):
+        loss_of(None)
+    with pytest.raises(DappleConfigError, match=r"training_step: returned str.*Fix: return the loss tensor"):
+        loss_of("loss")
+
+
 def test_two_calls_on_one_stage_draw_two_dropout_samples() -> None:
     """R-Drop, SimCSE: two self(x) calls on the whole model must not share a dropout mask."""
     from lightning_dapple.execute.stage import Stage

@@ -261,6 +261,13 @@ def loss_of(output: Any) -> torch.Tensor:
         return output
     if isinstance(output, dict) and isinstance(output.get("loss"), torch.Tensor):
         return output["loss"]
+    if output is None:
+        raise DappleConfigError(
+            "training_step",
+            "returned None, which asks Lightning to skip the batch; on a pipeline the step's loss is made on the last stage, "
+            "after the other stages already ran the batch, so it cannot be skipped there",
+            "leave such batches out of the DataLoader (a sampler or collate_fn that drops them), or return a loss for every batch",
+        )
     raise DappleConfigError(
         "training_step", f"returned {type(output).__name__}", "return the loss tensor or a dict with a 'loss' tensor"
     )
