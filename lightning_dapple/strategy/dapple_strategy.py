@@ -260,6 +260,43 @@ def _check_callbacks(trainer: Trainer, plan: Plan) -> None:
         )
 
 
+def _check_module(module: LightningModule) -> None:
+    """What the pipeline cannot run as the module asks, refused before anything is set up."""
+    require(
+        module.automatic_optimization,
+        "automatic_optimization",
+        "is off; manual optimization is not supported by the pipeline",
+        "use automatic optimization (the default)",
+    )
+    require(
+        not is_overridden("backward", module),
+        f"{type(module).__name__}.backward",
+        "is overridden, but the pipeline runs every micro-batch's backward itself, inside the step, so it would never run",
+        "put what it does into the loss training_step returns (a scale, an extra term), or into on_after_backward",
+    )
+    require(
+        getattr(module, "_compiler_ctx", None) is None,
+        "the model",
+        "was compiled whole (trainer.fit(torch.compile(model))): Lightning then runs forward and every step as compiled "
+        "programs, but the pipeline runs the step's forward as stages on several processes, which one compiled program "
+        "cannot span",
+        "compile the blocks instead, e.g. `for i, block in enumerate(self.blocks): self.blocks[i] = torch.compile(block)` "
+        "in __init__ or configure_model, and pass the LightningModule itself to fit",
+    )
+
+
+def _check_rates_kept(optimizers: Sequence[Any], before: list[Any]) -> None:
+    """The step left every learning rate as it found it (``_learning_rates`` before it)."""
+    require(
+        _learning_rates(optimizers) == before,
+        "training_step",
+        "changes a learning rate (a scheduler's step(), or param_groups[...]['lr'] set in the step), but the step runs "
+        "once per micro-batch, and past self(...) only on the last stage's ranks: the stages would train at other rates",
+        "step the scheduler from configure_optimizers (interval='step'), or in on_train_batch_start / on_train_batch_end, "
+        "which run once per batch on every rank",
+    )
+
+
 def _learning_rates(optimizers: Sequence[Any]) -> list[Any]:
     """Every group's learning rate; a tensor one by its in-place version (no device read)."""
     return [
@@ -531,27 +568,7 @@ class DappleStrategy(DDPStrategy):
         self._check_precision()
         module = self.lightning_module
         assert module is not None
-        require(
-            module.automatic_optimization,
-            "automatic_optimization",
-            "is off; manual optimization is not supported by the pipeline",
-            "use automatic optimization (the default)",
-        )
-        require(
-            not is_overridden("backward", module),
-            f"{type(module).__name__}.backward",
-            "is overridden, but the pipeline runs every micro-batch's backward itself, inside the step, so it would never run",
-            "put what it does into the loss training_step returns (a scale, an extra term), or into on_after_backward",
-        )
-        require(
-            getattr(module, "_compiler_ctx", None) is None,
-            "the model",
-            "was compiled whole (trainer.fit(torch.compile(model))): Lightning then runs forward and every step as compiled "
-            "programs, but the pipeline runs the step's forward as stages on several processes, which one compiled program "
-            "cannot span",
-            "compile the blocks instead, e.g. `for i, block in enumerate(self.blocks): self.blocks[i] = torch.compile(block)` "
-            "in __init__ or configure_model, and pass the LightningModule itself to fit",
-        )
+        _check_module(module)
         self.precision_plugin.convert_module(module)
         if self.plan is None:
             with random_streams_kept():  # the first epoch's shuffle and draws are plain Lightning's
@@ -971,14 +988,7 @@ class DappleStrategy(DDPStrategy):
             with nullcontext() if mixed is not None else self.precision_plugin.train_step_context():
                 loss, logs = self.runner.train_step(batch, callbacks, extras=lambda: recorder.summary(on_host=self._logs_travel))
             check_training_loss(self, loss, batch_idx)  # before the optimizer takes it in
-            require(
-                _learning_rates(self.optimizers) == rates,
-                "training_step",
-                "changes a learning rate (a scheduler's step(), or param_groups[...]['lr'] set in the step), but the step runs "
-                "once per micro-batch, and past self(...) only on the last stage's ranks: the stages would train at other rates",
-                "step the scheduler from configure_optimizers (interval='step'), or in on_train_batch_start / on_train_batch_end, "
-                "which run once per batch on every rank",
-            )
+            _check_rates_kept(self.optimizers, rates)
         except BaseException as exc:
             self.failure.report(exc)
             raise
