@@ -534,6 +534,11 @@ def _read_json(path: Path) -> Any:
         raise DappleConfigError(f"plan {path.name}", f"is not valid JSON ({exc.msg} at line {exc.lineno})", "fix the JSON syntax") from None
 
 
+def read_plan_data(path: str | Path) -> Any:
+    """A plan file's JSON data, unvalidated (``plan_or_shape_from_dict`` checks it)."""
+    return _read_json(Path(path))
+
+
 def load_plan(path: str | Path) -> Plan:
     path = Path(path)
     return plan_from_dict(_read_json(path), source=f"plan {path.name}")

@@ -12,15 +12,16 @@ object (:meth:`PlanArguments.planner_kwargs`) when it makes the base plan.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, Sequence
 
 from lightning_dapple.errors import require
 from lightning_dapple.plan.options import set_options
-from lightning_dapple.plan.plan import SCHEDULES, Plan, PlanShape
+from lightning_dapple.plan.plan import SCHEDULES, Plan, PlanShape, plan_or_shape_from_dict, read_plan_data
 from lightning_dapple.plan.schedule_choice import AUTO_SCHEDULE
 from lightning_dapple.strategy.ooo_choice import OooSetting, check_ooo, decide_ooo, with_ooo_choice
 
-__all__ = ["PlanArguments", "resolve_plan", "shape_with_arguments"]
+__all__ = ["PlanArguments", "given_plan", "resolve_plan", "shape_with_arguments"]
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,27 @@ class PlanArguments:
         if self.fixed_policy is not None:
             kwargs["policy"] = self.fixed_policy
         return kwargs
+
+
+def given_plan(spec: Any, arguments: PlanArguments) -> Plan | PlanShape | None:
+    """The plan or shape ``spec`` names (a ``Plan``, a ``PlanShape``, a dict or a JSON file;
+    None for ``"auto"``), with the user's M, schedule and policy applied to a dict or a
+    file's data before it is checked: a plan whose stages repeat their devices is valid only
+    under a chunked schedule, which the argument may be what names. A K_i written for
+    other values is dropped with them (``resolve_plan`` refills it)."""
+    if isinstance(spec, (Plan, PlanShape)) or spec is None or (isinstance(spec, str) and spec == "auto"):
+        return spec if isinstance(spec, (Plan, PlanShape)) else None
+    data = dict(spec) if isinstance(spec, dict) else read_plan_data(Path(spec))
+    source = "plan" if isinstance(spec, dict) else f"plan {Path(spec).name}"
+    if not isinstance(data, dict):
+        return plan_or_shape_from_dict(data, source)
+    fixed = {"micro_batches": arguments.micro_batches, "schedule": arguments.fixed_schedule, "policy": arguments.fixed_policy}
+    changed = {name: value for name, value in fixed.items() if value is not None and data.get(name) != value}
+    if changed:
+        data.update(changed)
+        if isinstance(data.get("stages"), list):
+            data["stages"] = [{k: v for k, v in stage.items() if k != "warmup"} if isinstance(stage, dict) else stage for stage in data["stages"]]
+    return plan_or_shape_from_dict(data, source)
 
 
 def resolve_plan(base: Plan, arguments: PlanArguments) -> Plan:
