@@ -160,6 +160,8 @@ class FailureChannel:
         """Publish this rank's error so that peers stop with the same message."""
         if self._reported or isinstance(exc, PeerFailedError):
             return
+        if self._peer_message is not None and _lost_connection(exc):
+            return  # the peer that failed first has left: this is its consequence, and its store may be gone
         self._reported = True
         if _lost_connection(exc):  # a send or receive posted to a peer that is gone: name it, not us
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -188,6 +190,21 @@ class FailureChannel:
                 self._store_gone = True
                 return None
         return self._peer_message
+
+    def _peer_failed_first(self) -> bool:
+        """Raise ``PeerFailedError`` if a peer's failure is already known here and this rank
+        reported none of its own (no store call); else False."""
+        if self._peer_message is not None and not self._reported:
+            self.check()
+        return False
+
+    def note_peer_report(self, message: str) -> None:
+        """Take a peer's published failure seen elsewhere in this process (the peer watch,
+        ``strategy/reporting.py``), so that the waits it wakes ask the store no more: the
+        failing rank may serve the store and leave at once."""
+        if self._peer_message is None and not message.startswith(f"rank {self.rank} raised"):
+            self._peer_message = message
+            self._peer_seen_at = time.monotonic()
 
     @property
     def failed(self) -> bool:
@@ -248,7 +265,9 @@ class FailureChannel:
         deadline = time.monotonic() + limit_s
         try:
             with self._blocked(what, bounded_here=False):
-                while not ready():
+                # a peer's report known here ends the wait before the next query: once it is
+                # known the failing rank may leave, and with it the store's host
+                while not (self._peer_failed_first() or ready()):
                     self.check()
                     if time.monotonic() > deadline:
                         raise CommTimeoutError(
@@ -364,6 +383,8 @@ class FailureChannel:
 
     def _beat(self) -> None:
         now = time.monotonic()
+        if self._peer_message is not None:
+            return  # the job is failing: its store's host may be gone, and a call would only log that
         if now - self._last_beat >= self.heartbeat_s:
             self._last_beat = now
             try:

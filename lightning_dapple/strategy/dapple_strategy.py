@@ -53,8 +53,7 @@ from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcess
 from lightning.pytorch.trainer.connectors.data_connector import _request_dataloader
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.utils import _pytree as pytree
 from typing_extensions import override
@@ -75,7 +74,7 @@ from lightning_dapple.execute.topology import report_placement
 from lightning_dapple.execute.wires import WIRES, choose_wire
 from lightning_dapple.plan.console import make_console, render_text
 from lightning_dapple.plan.explain import plan_summary, plan_table
-from lightning_dapple.plan.plan import Plan, PlanShape, atomic_write_text, load_plan_or_shape, plan_or_shape_from_dict
+from lightning_dapple.plan.plan import Plan, atomic_write_text
 from lightning_dapple.profile.ties import TiedParameter, tied_parameters
 from lightning_dapple.profile.traced_layers import TracedLayers
 from lightning_dapple.strategy import checkpoint as ckpt
@@ -92,6 +91,7 @@ from lightning_dapple.strategy.module_adapter import (
     capture_call,
     capture_input,
     check_parameters_in_layers,
+    combination_notice,
     combine_logged,
     find_layers,
     forward_replaced,
@@ -110,9 +110,17 @@ from lightning_dapple.strategy.precision import (
     agree_found_inf,
     as_dapple_precision,
 )
-from lightning_dapple.strategy.reporting import SILENT, OneLineLauncher, failure_known, install_excepthook, watch_for_peer_failures
-from lightning_dapple.strategy.resolve import PlanArguments, resolve_plan, shape_with_arguments
-from lightning_dapple.strategy.rng_guard import random_streams_kept
+from lightning_dapple.strategy.reporting import (
+    SILENT,
+    OneLineLauncher,
+    failure_known,
+    install_excepthook,
+    publish_failure,
+    stop_at_failure,
+    watch_for_peer_failures,
+)
+from lightning_dapple.strategy.resolve import PlanArguments, given_plan, resolve_plan, shape_with_arguments
+from lightning_dapple.strategy.rng_guard import random_states, random_streams_kept, share_rank_zero_streams
 from lightning_dapple.strategy.slice_transfer import StepTransfers
 from lightning_dapple.strategy.tied_layers import KeptTensors, free_layer, retie
 
@@ -160,7 +168,9 @@ class _TrainCallbacks:
         return self.transfers.last.run(batch, lambda on_device: self._compute_loss(on_device, forward, weight))
 
     def _compute_loss(self, batch: Any, forward: Callable[..., Any], weight: float) -> torch.Tensor:
-        watch = self.loss_watch.watching(batch_size_of(batch)) if self.loss_watch is not None else nullcontext()
+        watch = self.loss_watch.watching(batch_size_of(batch), batch) if self.loss_watch is not None else nullcontext()
+        if self.loss_watch is not None:
+            forward = self.loss_watch.marking(forward)
         with forward_replaced(self.module, forward, self.traced_inputs), self.recorder.recording(self.module, weight), self.context(), watch:
             loss = loss_of(self.step(batch, self.batch_idx))
         if self.loss_watch is not None:
@@ -234,7 +244,11 @@ def _run_or_explain(call: Callable[[], Any], what: str, args: tuple, step_name: 
 
 def _output_leaves(value: Any) -> list[Any]:
     """The values in a forward output, in order, through tuples, lists, mappings (a Hugging
-    Face ``ModelOutput`` is an OrderedDict) and dataclasses, which pytree leaves whole."""
+    Face ``ModelOutput`` is an OrderedDict) and dataclasses, which pytree leaves whole. A
+    Hugging Face key/value cache (``past_key_values`` when ``config.use_cache``) is state for
+    generation, not a value the step trains on; the pipeline's layers keep none."""
+    if type(value).__module__.startswith("transformers.cache_utils"):
+        return []
     if isinstance(value, (tuple, list)):
         return [leaf for item in value for leaf in _output_leaves(item)]
     if isinstance(value, Mapping):
@@ -432,6 +446,7 @@ class DappleStrategy(DDPStrategy):
         self.failure: FailureChannel | None = None
         self._sync: StoreSync | None = None  # Lightning's barriers and broadcasts, once the channel exists
         self._loss_checked = False  # the first training step watches the loss (loss_check.py)
+        self._noticed_logs: set[str] = set()  # logged names already judged by combination_notice
         self._traced_inputs: tuple[str, ...] | None = None  # forward's parameters a traced layer list takes
         self._rows_elsewhere: dict[int, str] = {}  # layers whose outputs hold rows elsewhere than dim 0 (layer_rows.py)
         self.groups: PlanGroups | None = None
@@ -525,15 +540,21 @@ class DappleStrategy(DDPStrategy):
         every later ``new_group`` split from the default group, and a gloo group cannot split
         for the ranks left out of the new group (torch 2.11: no ``perform_nocolor_split``):
         ranks sharing one GPU over the staged wire would fail at their first replica group.
-        Under NCCL the binding stays (eager communicators, split from the default one)."""
+        Under NCCL the binding stays (eager communicators, split from the default one).
+
+        Every rank then takes rank 0's random streams as the script left them, instead of
+        DDP's re-seeding, so that every rank draws the shuffle plain Lightning would draw in
+        the user's process (``rng_guard.py``)."""
+        script_streams = random_states()
         if self._get_process_group_backend() != "gloo":
             super().setup_distributed()
-            return
-        reset_seed()
-        self.set_world_ranks()
-        self._process_group_backend = "gloo"
-        assert self.cluster_environment is not None
-        _init_dist_connection(self.cluster_environment, "gloo", timeout=self._timeout)
+        else:
+            self.set_world_ranks()
+            self._process_group_backend = "gloo"
+            assert self.cluster_environment is not None
+            _init_dist_connection(self.cluster_environment, "gloo", timeout=self._timeout)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            share_rank_zero_streams(dist.distributed_c10d._get_default_store(), self.global_rank, script_streams)
 
     @override
     def setup_environment(self) -> None:
@@ -544,6 +565,13 @@ class DappleStrategy(DDPStrategy):
         install_excepthook(self.global_rank if self._start_method == "popen" else SILENT)
         watch_for_peer_failures(self.global_rank)  # a peer's failure in Lightning's own hooks, before setup: it speaks
         choose_wire(self.wire, self.root_device)  # a forced wire this backend cannot run fails before training
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """A failure anywhere in the Trainer's run (a callback, a hook between steps) is
+        published before the teardown closes this rank's connections (``reporting.py``)."""
+        super().on_exception(exception)
+        publish_failure(self, exception)
 
     def exit_failed(self) -> bool:
         """Whether this rank has seen a failure (then the exit handler leaves the groups alone):
@@ -678,6 +706,7 @@ class DappleStrategy(DDPStrategy):
         self._close_runner()
         # before planning: the other ranks wait for rank 0's plan for as long as it lives
         self.failure = FailureChannel(self.global_rank, timeout_s=self.timeout_s)
+        stop_at_failure(self.failure)
         self._sync = StoreSync(self.failure)
         plan = self._resolve_plan(trainer, module, container, sample)
         plan = plan.validate(num_layers=len(container), world_size=self.world_size).with_warmups()
@@ -880,13 +909,7 @@ class DappleStrategy(DDPStrategy):
 
     def _resolve_plan(self, trainer: Trainer, module: LightningModule, container: nn.Module, sample: Any) -> Plan:
         spec = self.plan_spec
-        given: Plan | PlanShape | None = None
-        if isinstance(spec, (Plan, PlanShape)):
-            given = spec
-        elif isinstance(spec, dict):
-            given = plan_or_shape_from_dict(spec)
-        elif isinstance(spec, (str, Path)) and str(spec) != "auto":
-            given = load_plan_or_shape(spec)
+        given = given_plan(None if isinstance(spec, (str, Path)) and str(spec) == "auto" else spec, self.plan_arguments)
         if isinstance(given, Plan):
             plan = given
         else:  # "auto", or a shape whose layer cut the planner chooses
@@ -1000,9 +1023,23 @@ class DappleStrategy(DDPStrategy):
         for p, grad in zip(params, previous):
             p.grad = grad
         dtype = _value_dtype(module)
-        replay_logs(module, _merge_logs(logs), callbacks.batch_rows, dtype)
+        replay_logs(module, self._noticed(_merge_logs(logs)), callbacks.batch_rows, dtype)
         # on the device, as Lightning's loops expect (fp16: its loss scaling stays there too)
         return {"loss": loss.to(device=self.root_device, dtype=dtype, non_blocking=True)}
+
+    def _noticed(self, logs: Logs) -> Logs:
+        """``logs``, after warning once per name (rank 0, which replays them too) about a value
+        logged with reduce_fx max, min or sum on a plan that cuts the batch
+        (``module_adapter.combination_notice``)."""
+        assert self.plan is not None
+        for name, (_, _, kwargs) in logs.items():
+            if name in self._noticed_logs:
+                continue
+            self._noticed_logs.add(name)
+            notice = combination_notice(name, kwargs, self.plan.micro_batches, self.plan.stages[-1].replicas)
+            if notice is not None:
+                rank_zero_warn(notice)
+        return logs
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -1032,7 +1069,7 @@ class DappleStrategy(DDPStrategy):
             self.failure.report(exc)
             raise
         dtype = _value_dtype(module)
-        replay_logs(module, _merge_logs(logs), batch_size_of(batch), dtype)
+        replay_logs(module, self._noticed(_merge_logs(logs)), batch_size_of(batch), dtype)
         return _combine_outputs(outputs) if step_name == "predict_step" else None
 
     @override

@@ -18,7 +18,8 @@ computation (a ``TorchFunctionMode``, observing only) and a loss of that kind st
 before any parameter changes, with the ways out. Not refused: ignored targets in equal
 numbers in every row (then each micro-batch's count is proportional to its rows), a call the
 returned loss does not depend on (a logged perplexity), and an uncut batch (M = 1 on one
-last-stage replica: the strategy does not watch).
+last-stage replica: the strategy does not watch). The same watch refuses a loss that is a
+sum over the rows (``loss_sum.py``).
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from lightning_dapple.errors import DappleConfigError
+from lightning_dapple.strategy.loss_sum import RowSums
 
 __all__ = ["LossWatch", "uneven_mean"]
 
@@ -86,11 +88,24 @@ class LossWatch(TorchFunctionMode):
         self._counts: dict[int, tuple[torch.Tensor, list[float]]] = {}
         self._selected: dict[int, tuple[torch.Tensor, list[float]]] = {}
         self._mask_rows: set[float] = set()  # the masks' per-row counts, over the step's calls
+        self.row_sums = RowSums()  # sums over the rows (loss_sum.py)
 
-    def watching(self, rows: int) -> "LossWatch":
-        """This watch, for one slice of ``rows`` rows (``with watch.watching(rows):``)."""
-        self.rows = rows
+    def watching(self, rows: int, batch: Any = None) -> "LossWatch":
+        """This watch, for one slice of ``rows`` rows and its ``batch``
+        (``with watch.watching(rows, batch):``)."""
+        self.rows = self.row_sums.rows = rows
+        self.row_sums.mark(batch)
         return self
+
+    def marking(self, forward: Callable[..., Any]) -> Callable[..., Any]:
+        """``forward``, whose outputs count as the slice's rows (``loss_sum.py``)."""
+
+        def marked(*args: Any) -> Any:
+            out = forward(*args)
+            self.row_sums.mark(out)
+            return out
+
+        return marked
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -103,6 +118,7 @@ class LossWatch(TorchFunctionMode):
                 self.found.append((why, out.grad_fn if isinstance(out, torch.Tensor) else None))
         elif isinstance(out, torch.Tensor) and self.rows:
             self._follow_masks(func, args, kwargs, out)
+        self.row_sums.follow(func, args, kwargs, out)
         return out
 
     def _follow_masks(self, func: Any, args: tuple, kwargs: dict, out: torch.Tensor) -> None:
@@ -154,6 +170,7 @@ class LossWatch(TorchFunctionMode):
         """Raise the reason a loss ``loss`` depends on was found, with the fixes."""
         feeding = [why for why, grad_fn in self.found if grad_fn is not None and _reaches(loss.grad_fn, grad_fn)]
         self.found = []
+        self.row_sums.check(loss)
         if not feeding:
             return
         raise DappleConfigError(

@@ -299,6 +299,25 @@ def combination(kwargs: dict[str, Any]) -> str:
     return name if name in ("max", "min", "sum") else "mean"
 
 
+def combination_notice(name: str, kwargs: dict[str, Any], micro_batches: int, replicas: int) -> str | None:
+    """What a value logged with ``reduce_fx`` max, min or sum computes on a plan that cuts
+    each batch into ``micro_batches`` x ``replicas`` slices, or None for the row-weighted
+    mean (exact for a per-row value and for a batch mean alike). The strategy cannot tell a
+    per-row value (a count, an error's max: exact) from a batch mean (a loss: the sum or
+    max of the slices' means), so it says so once per name."""
+    how = combination(kwargs)
+    if how == "mean" or micro_batches * replicas == 1:
+        return None
+    slices = f"{micro_batches} micro-batch slices" + (f" on each of {replicas} replicas" if replicas > 1 else "")
+    return (
+        f"self.log('{name}', ..., reduce_fx='{how}'): each batch runs as {slices}, and the step's value is the {how} of "
+        f"the slices' values. That is the batch's {how} for a value over rows (a count, an error's max), but for a batch "
+        f"mean (a loss, an accuracy) it is the {how} of the slices' means, not plain Lightning's value. Log batch means "
+        "with reduce_fx='mean' (the default: the slices' row-weighted mean, exactly the batch's mean), and aggregate them "
+        "over the epoch yourself where you need their sum or max"
+    )
+
+
 def combine_logged(
     a: tuple["torch.Tensor | float", float], b: tuple["torch.Tensor | float", float], kwargs: dict[str, Any]
 ) -> tuple["torch.Tensor | float", float]:

@@ -6,7 +6,12 @@ ranks, four tracebacks, three of them only saying that a peer failed. Here:
 
 * in a rank process, an uncaught exception prints one line: the rank's own error, or
   nothing when it only stopped because a peer failed (``PeerFailedError``; the failing
-  rank prints) or when it is bad configuration that every rank found (rank 0 prints);
+  rank prints). Which rank speaks is decided by the job's store, for every error type
+  alike: the rank whose error was published first (``execute/failure.py``) prints it, the
+  others stay quiet. A refusal raised on one rank only (the last stage's loss check, a
+  second ``self(...)`` call) is thus printed by that rank, and bad configuration that every
+  rank found is printed once, by whichever rank published it first. Without a store
+  (before the default process group exists) only rank 0 prints a configuration error;
 * the same holds before the strategy's failure channel exists, when one of Lightning's
   own hooks (``prepare_data``, ``setup``, ``configure_model``) fails on one rank: the
   failing rank publishes its error in the job's store before it prints (the first one
@@ -47,7 +52,10 @@ HINT = f"(set {DEBUG_ENV}=1 for tracebacks)"
 SEEN_KEY = "lightning_dapple/failure_seen"  # how many peers have seen the published failure
 LINGER_S = 3.0  # longest a failing rank waits for its peers to see its report
 
-__all__ = ["DEBUG_ENV", "DappleRunError", "OneLineLauncher", "failure_known", "install_excepthook", "one_line", "watch_for_peer_failures"]
+__all__ = [
+    "DEBUG_ENV", "DappleRunError", "OneLineLauncher", "failure_known", "install_excepthook", "one_line", "publish_failure",
+    "stop_at_failure", "watch_for_peer_failures",
+]
 
 
 class DappleRunError(RuntimeError):
@@ -77,8 +85,8 @@ SILENT = -1  # a rank started by the multiprocessing launcher: the launching pro
 def _should_print(value: BaseException, rank: int | None) -> bool:
     if rank == SILENT or isinstance(value, PeerFailedError):
         return False  # the failing rank reports its own error
-    if isinstance(value, DappleConfigError) and rank not in (None, 0):
-        return False  # every rank checks the same configuration: rank 0 says it
+    if isinstance(value, DappleConfigError) and rank not in (None, 0) and _job_store() is None:
+        return False  # no store to agree on a speaker: every rank checks the same configuration, rank 0 says it
     return True
 
 
@@ -104,16 +112,16 @@ def install_excepthook(rank: int | None) -> None:
             return
         if not _should_print(value, current):
             if isinstance(value, PeerFailedError):
-                _acknowledge()  # the failing rank may be waiting for that
+                _leave_the_store()  # the failing rank may be waiting for that
             return
-        first = current is None or isinstance(value, (DappleConfigError, DappleRunError)) or _peer_failure(value, current) is None
+        first = current is None or isinstance(value, DappleRunError) or _peer_failure(value, current) is None
         if not first:
-            _acknowledge()
+            _leave_the_store()
             return  # a peer failed first and says so; this error is its consequence
         where = f" rank {current}:" if current is not None and not isinstance(value, (DappleConfigError, DappleRunError)) else ""
         sys.stderr.write(f"{PREFIX}{where} {one_line(value) if not isinstance(value, DappleRunError) else value} {HINT}\n")
         sys.stderr.flush()
-        if current is not None and not isinstance(value, DappleConfigError):
+        if current is not None:
             _linger_until_seen()
 
     excepthook.dapple_rank = rank  # type: ignore[attr-defined]
@@ -167,6 +175,29 @@ def _acknowledge() -> None:
         pass
 
 
+_CHANNELS: list[Any] = []  # this rank's failure channels (execute/failure.py), told of a peer's failure
+
+
+def stop_at_failure(channel: Any) -> None:
+    """Tell ``channel`` (a ``FailureChannel``) of a peer's failure as soon as the peer watch
+    sees it, before this rank lets the failing rank leave, and close it when this rank stops
+    for that failure: the failing rank serves the job's store under Lightning's launchers,
+    and a store call after it left prints c10d's connection warnings."""
+    _CHANNELS.append(channel)
+
+
+def _leave_the_store() -> None:
+    """Stop this rank's store users, then count it among those that saw the failure."""
+    while _CHANNELS:
+        try:
+            _CHANNELS.pop().close()
+        except Exception:  # stopping is best effort: the rank is ending
+            pass
+    if _WATCH is not None:
+        _WATCH.close()
+    _acknowledge()
+
+
 def _linger_until_seen() -> None:
     """Keep this failed rank (and the store it may serve) up until every peer has seen its
     report, or ``LINGER_S`` has passed."""
@@ -184,8 +215,9 @@ def _linger_until_seen() -> None:
 
 class _PeerWatch:
     """Watches the job's store for a failure another rank published, from the rank's start:
-    the rank then knows its own later error is that failure's consequence, and counts itself
-    in ``SEEN_KEY`` so that the failing rank can leave."""
+    the rank then knows its own later error is that failure's consequence, hands the message
+    to its failure channels (their waits, woken by the failing rank's exit, then need no
+    store call) and counts itself in ``SEEN_KEY`` so that the failing rank can leave."""
 
     def __init__(self, store: Any, rank: int, poll_s: float = 0.25) -> None:
         self.store = store
@@ -206,6 +238,8 @@ class _PeerWatch:
                 message = self.store.get(FAILURE_KEY).decode()
                 if not message.startswith(f"rank {self.rank} raised"):
                     self.peer_report = message
+                    for channel in _CHANNELS:  # its waits then need no store call once woken
+                        channel.note_peer_report(message)
                     _acknowledge()
             except Exception:  # the store's host is gone
                 pass
@@ -238,6 +272,20 @@ def watch_for_peer_failures(rank: int) -> None:
         _WATCH.close()
     store = _job_store()
     _WATCH = _PeerWatch(store, rank) if store is not None else None
+
+
+def publish_failure(strategy: Any, exc: BaseException) -> None:
+    """Publish this rank's error as the job's failure (unless a peer's came first) as soon
+    as Lightning reports it (``Strategy.on_exception``), before the Trainer's teardown closes
+    this rank's connections: a peer blocked in a transfer from this rank would otherwise see
+    a closed connection first and take this rank for one that died without a word."""
+    if isinstance(exc, PeerFailedError) or not isinstance(exc, Exception):
+        return
+    failure = getattr(strategy, "failure", None)
+    if failure is not None and not failure.closed:
+        failure.report(exc)
+    elif _job_store() is not None:
+        _peer_failure(exc, strategy.global_rank)
 
 
 def _root_cause(strategy: Any, exc: Exception) -> Exception:
