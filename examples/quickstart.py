@@ -1,7 +1,8 @@
 """Train a small model with Trainer(strategy="dapple") on 4 CPU processes, in plain Python.
 
-The README's quick start runs the Hydra app instead (``dapple-train recipe=bert_tiny``);
-this script shows the same strategy in your own Lightning code: generated data, an
+The README's quick start runs the Hydra app instead (``bash scripts/quickstart.sh``, which
+trains ``recipe=bert_pipeline_tiny``); this script shows the same strategy in your own
+Lightning code: generated data, an
 automatic plan (plan="auto"), the plan JSON in the log dir.
 
     python examples/quickstart.py                                   # 4 CPU processes

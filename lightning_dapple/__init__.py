@@ -1,6 +1,6 @@
 """lightning_dapple: DAPPLE hybrid pipeline/data-parallel training for PyTorch Lightning.
 
-The package follows the pipeline of the DAPPLE paper (shared/papers/dapple-ppopp21.txt):
+The package follows the pipeline of the DAPPLE paper (PPoPP '21):
 ``profile`` (per-layer costs) -> ``plan`` (section 4: partition, replication, placement)
 -> ``schedule`` (sections 3 and 5.3: action lists) -> ``simulate`` (ground-truth timing of a
 schedule) -> ``execute`` (multi-process interpreter of a schedule) -> ``strategy``
@@ -8,6 +8,10 @@ schedule) -> ``execute`` (multi-process interpreter of a schedule) -> ``strategy
 launcher) and ``strategy="dapple_spawn"`` (spawn launcher) with Lightning: at once when
 Lightning is already loaded, else as soon as it is (``strategy/registry.py``), so that the
 planner's command-line tools start without loading Lightning.
+
+The main roads are exported here: ``DappleStrategy``; ``make_plan`` (profile and cluster ->
+the planner's plan) and ``schedule_for_plan`` (plan -> the action lists the simulator times
+and the executor runs). They load on first use.
 """
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ from typing import Any
 
 from lightning_dapple.errors import DappleConfigError
 
-__all__ = ["DappleConfigError", "DappleStrategy"]
+__all__ = ["DappleConfigError", "DappleStrategy", "make_plan", "schedule_for_plan"]
 __version__ = "0.1.0"
 
 
@@ -30,6 +34,10 @@ def __getattr__(name: str) -> Any:
         from lightning_dapple.strategy.dapple_strategy import DappleStrategy
 
         return DappleStrategy
+    if name in ("make_plan", "schedule_for_plan"):
+        from lightning_dapple.simulate import plans
+
+        return getattr(plans, name)
     raise AttributeError(name)
 
 
