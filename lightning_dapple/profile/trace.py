@@ -51,7 +51,7 @@ __all__ = ["LAYER_LIST_FIX", "TracedProgram", "ValueKind", "forward_signature", 
 LAYER_LIST_FIX = (
     "give the layer list by hand: keep the layers in an nn.Sequential that forward applies in order "
     "(self.layers = nn.Sequential(...); forward(x): return self.layers(x)) and pass DappleStrategy(layers='layers') "
-    "(README: 'Layer lists found from forward')"
+    "(docs/models.md: 'Layer lists found from forward')"
 )
 _TORCH_DIR = os.path.dirname(torch.__file__)
 # factories whose sizes come as plain arguments, which fx's proxies cannot stand in for

@@ -34,6 +34,7 @@ from typing import Any, Sequence
 import torch.fx as fx
 from torch import nn
 
+from lightning_dapple.profile.hf_layers import hf_layers
 from lightning_dapple.profile.trace import TracedProgram, trace_forward
 
 __all__ = ["AUTO_LAYERS", "DEFAULT_LAYERS", "TracedLayers", "cut_program", "finds_layers_from_forward", "traced_layers"]
@@ -51,13 +52,14 @@ def finds_layers_from_forward(module: nn.Module, path: str) -> bool:
 class TracedLayers(nn.ModuleList):
     """The layers cut from a traced ``forward``, in order, with the children each calls."""
 
-    def __init__(self, layers: Sequence[nn.Module], calls: Sequence[Sequence[str]], source: str, inputs: Sequence[str] = ()) -> None:
+    def __init__(self, layers: Sequence[nn.Module], calls: Sequence[Sequence[str]], source: str, inputs: Sequence[str] = (), notes: Sequence[str] = ()) -> None:
         super().__init__(layers)
         self.calls = [list(names) for names in calls]
         self.source = source
         # the forward parameters the program was traced with, in order: every self(...) call
         # must pass these (the program is specialised to the others' defaults)
         self.inputs = tuple(inputs)
+        self.notes = list(notes)  # printed after the layers (what setup changed to find them)
 
     def describe(self) -> list[str]:
         """One line per layer: index, the children it calls, its parameter count."""
@@ -65,7 +67,7 @@ class TracedLayers(nn.ModuleList):
         for index, (layer, names) in enumerate(zip(self, self.calls)):
             count = sum(p.numel() for p in layer.parameters())
             lines.append(f"  {index:>3}  {', '.join(names) or '(glue only)':<40} {count:>12,} parameters")
-        return lines
+        return lines + [f"  note: {note}" for note in self.notes]
 
 
 _RANDOM = ("rand", "dropout", "bernoulli", "normal", "uniform", "multinomial", "poisson", "exponential", "cauchy", "geometric")
@@ -244,5 +246,9 @@ def cut_program(program: TracedProgram) -> TracedLayers:
 
 def traced_layers(module: nn.Module, samples: Sequence[tuple]) -> TracedLayers:
     """Trace ``module.forward`` on ``samples`` (positional arguments of ``self(...)`` at two
-    batch sizes) and cut it into layers."""
+    batch sizes) and cut it into layers. A ``forward`` that calls one Hugging Face model
+    with its own arguments gets that model's blocks as layers (``profile/hf_layers.py``)."""
+    found = hf_layers(module, samples, TracedLayers)
+    if found is not None:
+        return found  # type: ignore[return-value]
     return cut_program(trace_forward(module, samples))
