@@ -11,7 +11,9 @@ the file, as in a plain module's own state dict. The parts reach rank 0 on the C
 stage leader after another (``part_stream.py``), so a save needs no GPU memory on rank 0,
 and no host memory there beyond the checkpoint and one part's header. Files are written
 to a temporary name in the target directory, flushed, and renamed, so a crash leaves the
-previous checkpoint intact.
+previous checkpoint intact. ``checkpoint="sharded"`` (``sharded_checkpoint.py``) writes
+the same entries, keyed the same way, from each stage leader into a directory instead, and
+reads them back through ``load_local_optimizer_states`` too.
 """
 from __future__ import annotations
 
@@ -107,13 +109,16 @@ def consolidated_state_dict(module: nn.Module, layout: CheckpointLayout, lane: P
     return {key: merged[key] for key in layout.key_owner}
 
 
-def _names_by_param(module: nn.Module, layout: CheckpointLayout) -> dict[int, str]:
+def names_by_param(module: nn.Module, layout: CheckpointLayout | None) -> dict[int, str]:
     """Each local parameter's canonical name (a tied copy answers to its first name)."""
-    return {id(p): layout.canonical(name) for name, p in module.named_parameters()}
+    return {id(p): layout.canonical(name) if layout is not None else name for name, p in module.named_parameters()}
 
 
-def _named_optimizer_state(module: nn.Module, layout: CheckpointLayout, optimizer: Any) -> dict[str, Any]:
-    names = _names_by_param(module, layout)
+def named_optimizer_state(module: nn.Module, layout: CheckpointLayout, optimizer: Any) -> dict[str, Any]:
+    """This rank's stage's part of ``optimizer``'s state, keyed by parameter name: the
+    entries of the parameters it owns (``CheckpointLayout.owns_parameter``) and its
+    parameter groups with the names of those parameters."""
+    names = names_by_param(module, layout)
     state_dict = optimizer.state_dict()
     params = [p for group in optimizer.param_groups for p in group["params"]]
     index_to_name = {index: names[id(p)] for index, p in enumerate(params)}
@@ -134,20 +139,20 @@ def consolidated_optimizer_state(
     elsewhere. Each stage leader contributes its stage's, rank 0 first, then the others
     streamed in rank order (``part_stream.py``)."""
     lane = lane if lane is not None else PartLane()
-    named = _named_optimizer_state(module, layout, optimizer) if layout.stage_leader else None
+    named = named_optimizer_state(module, layout, optimizer) if layout.stage_leader else None
     if layout.global_rank != 0:
         if named is not None:
             send_part(named, lane)
         return {}
     merged: dict[str, Any] = {"state": {}, "param_groups": [], NAMED_MARKER: True}
     if named is not None:
-        _merge_optimizer_part(merged, to_host(named))
+        merge_optimizer_part(merged, to_host(named))
     for source in layout.senders:
-        _merge_optimizer_part(merged, receive_part(source, lane))
+        merge_optimizer_part(merged, receive_part(source, lane))
     return merged
 
 
-def _merge_optimizer_part(merged: dict[str, Any], part: dict[str, Any]) -> None:
+def merge_optimizer_part(merged: dict[str, Any], part: dict[str, Any]) -> None:
     """Add one stage's named optimizer state: its entries, and its parameters' names to the
     parameter groups of the same position."""
     merged["state"].update(part["state"])
@@ -172,7 +177,7 @@ def load_local_state_dict(module: nn.Module, state_dict: dict[str, Any], strict:
 
 def load_local_optimizer_states(module: nn.Module, layout: CheckpointLayout, optimizers: list[Any], states: list[dict[str, Any]]) -> None:
     """Give each local optimizer the saved state of the parameters it now holds."""
-    names = _names_by_param(module, layout)
+    names = names_by_param(module, layout)
     for optimizer, saved in zip(optimizers, states):
         if not saved.get(NAMED_MARKER):
             saved = _index_keyed_to_named(layout, saved)
