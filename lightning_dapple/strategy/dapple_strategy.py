@@ -30,7 +30,11 @@ group set-up, cluster environments) and replaces what differs:
 * options of ``DDPStrategy`` that only DDP's wrapper would use are refused
   (``ddp_options.py``);
 * checkpoints are consolidated: one file, the module's original state-dict keys,
-  optimizer state keyed by parameter name, written atomically (see ``checkpoint.py``).
+  optimizer state keyed by parameter name, written atomically (see ``checkpoint.py``);
+  or, with ``checkpoint="sharded"``, a directory each stage leader writes its own part of
+  through ``torch.distributed.checkpoint`` (``sharded_checkpoint.py``);
+* a model made in ``configure_model`` is built on the meta device and each rank makes only
+  its stage (``meta_build.py``).
 """
 from __future__ import annotations
 
@@ -45,7 +49,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _init_dist_connection
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
@@ -78,12 +82,14 @@ from lightning_dapple.plan.plan import Plan, atomic_write_text
 from lightning_dapple.profile.ties import TiedParameter, tied_parameters
 from lightning_dapple.profile.traced_layers import TracedLayers
 from lightning_dapple.strategy import checkpoint as ckpt
+from lightning_dapple.strategy import sharded_checkpoint as sharded
 from lightning_dapple.strategy.auto_plan import PlanningContext, PlanningInputs, auto_plan
 from lightning_dapple.strategy.batch_guard import check_training_batch, check_training_loss
 from lightning_dapple.strategy.ddp_options import refuse_ddp_options
 from lightning_dapple.strategy.handles import Detached, LayerTensors
 from lightning_dapple.strategy.layer_rows import check_regrouped_cuts, rows_elsewhere
 from lightning_dapple.strategy.loss_check import LossWatch
+from lightning_dapple.strategy.meta_build import MetaBuild, built_on_meta
 from lightning_dapple.strategy.module_adapter import (
     FreedLayer,
     LogRecorder,
@@ -320,6 +326,22 @@ def _learning_rates(optimizers: Sequence[Any]) -> list[Any]:
     ]
 
 
+def _grads_zeroed_after_step(trainer: Trainer, batch_idx: int, params: Sequence[torch.Tensor], optimizers: Sequence[Any]) -> bool:
+    """Whether Lightning's automatic optimization sets every one of ``params``' gradients to
+    None right after this training step, before anything can read them: the first batch of
+    an accumulation window, the default ``optimizer_zero_grad``, no ``on_before_zero_grad``
+    hook (which would read the previous step's gradients), every parameter in an optimizer."""
+    module = trainer.lightning_module
+    if batch_idx % trainer.accumulate_grad_batches or is_overridden("optimizer_zero_grad", module):
+        return False
+    if is_overridden("on_before_zero_grad", module) or any(
+        is_overridden("on_before_zero_grad", callback, parent=Callback) for callback in trainer.callbacks
+    ):
+        return False
+    stepped = {id(p) for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]}
+    return all(id(p) in stepped for p in params)
+
+
 def _value_dtype(module: LightningModule) -> torch.dtype:
     """The dtype the step's loss and logged values reach Lightning in: the module's
     parameters' (frozen ones count: a stage may train none), as one device's would be."""
@@ -399,6 +421,17 @@ class DappleStrategy(DDPStrategy):
             (torchgpipe's DeferredBatchNorm, GPipe 2.2; ``execute/batchnorm.py``). Off, they
             move once per micro-batch slice. ``Trainer(sync_batchnorm=True)`` normalises each
             micro-batch over all replicas of its stage.
+        meta_init: build a model made in ``configure_model`` on the meta device and make only
+            this rank's stage, with the values of the whole model built on the CPU
+            (``meta_build.py``); off, every rank builds the whole model on the CPU first.
+        checkpoint: "consolidated" (one file, gathered on rank 0 from the stage leaders,
+            ``checkpoint.py``) or "sharded" (a directory: each stage leader writes its own
+            stage through ``torch.distributed.checkpoint``, rank 0 the rest in ``meta.pt``;
+            no rank gathers the model, ``sharded_checkpoint.py``). Either resumes under
+            any plan; ``Trainer.fit(ckpt_path=...)`` reads both.
+        gather_after_fit: whether rank 0 gets the whole trained model back after ``fit``
+            (gathered from the stages, as plain training leaves it); default: yes under
+            "consolidated", no under "sharded" (rank 0 then keeps its own stage only).
     """
 
     strategy_name = "dapple"
@@ -419,10 +452,22 @@ class DappleStrategy(DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         wire: str = "auto",
         deferred_batchnorm: bool = False,
+        meta_init: bool = True,
+        checkpoint: Literal["consolidated", "sharded"] = "consolidated",
+        gather_after_fit: bool | None = None,
+        accelerator: Any = None,
+        parallel_devices: Any = None,
+        cluster_environment: Any = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
         **kwargs: Any,
     ) -> None:
-        refuse_ddp_options(kwargs)
-        super().__init__(start_method=start_method, timeout=timedelta(seconds=timeout_s), **kwargs)
+        refuse_ddp_options(kwargs)  # raises for a DDP option set to anything but its default; drops the rest
+        super().__init__(
+            accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin, process_group_backend=process_group_backend, start_method=start_method, timeout=timedelta(seconds=timeout_s),
+        )
         require(loss_reduction in LOSS_REDUCTIONS, "loss_reduction", f"is {loss_reduction!r}", "use 'mean', 'sum' or 'micro_batch_mean'")
         self.plan_arguments = PlanArguments(micro_batches, schedule, policy, recompute, ooo)
         require(
@@ -434,6 +479,11 @@ class DappleStrategy(DDPStrategy):
         require(wire in WIRES, "wire", f"is {wire!r}", f"use one of {', '.join(WIRES)}")
         self.wire = wire
         self.deferred_batchnorm = deferred_batchnorm
+        self.meta_init = meta_init
+        self._meta_build: MetaBuild | None = None  # configure_model's record, until this rank's stage is made
+        require(checkpoint in sharded.MODES, "checkpoint", f"is {checkpoint!r}", "use 'consolidated' or 'sharded'")
+        self.checkpoint_mode = checkpoint
+        self.gather_after_fit = checkpoint == "consolidated" if gather_after_fit is None else bool(gather_after_fit)
         self.plan_spec = plan
         self.cluster_spec = cluster
         self.layers_path = layers
@@ -476,11 +526,20 @@ class DappleStrategy(DDPStrategy):
     @override
     @contextmanager
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        """Modules made in ``configure_model`` (or ``Trainer.init_module``) are made on the CPU:
-        the plan is not known yet, and the whole model may not fit one device. Each rank
-        moves only its own stage's layers to its device in ``setup``."""
-        with self.precision_plugin.tensor_init_context():
+        """Modules made in ``configure_model`` are made on the meta device and recorded
+        (``meta_build.py``): the plan is not known yet, and the whole model may not fit one
+        process. Each rank materializes only its stage's layers in ``setup``, with the values
+        the whole model built on the CPU would have. With ``meta_init=False``, and under
+        ``Trainer.init_module`` (before the run starts), they are made on the CPU as before."""
+        if not self.meta_init or self.lightning_module is None:
+            with self.precision_plugin.tensor_init_context():
+                yield
+            return
+        build = MetaBuild()
+        with self.precision_plugin.tensor_init_context(), build.recording():
             yield
+        build.finish(self.lightning_module)
+        self._meta_build = build
 
     @override
     @property
@@ -698,6 +757,8 @@ class DappleStrategy(DDPStrategy):
         so the whole model never has to fit on one device (DAPPLE 4: stages exist because
         it need not).
         """
+        if self._meta_build is not None:  # a build on the meta device that cannot be replayed stops here
+            self._meta_build.check(type(module).__name__)
         sample = self._sample_batch(trainer, module)
         container = self._find_layers(trainer, module, sample)
         self._traced_inputs = container.inputs if isinstance(container, TracedLayers) else None
@@ -716,6 +777,7 @@ class DappleStrategy(DDPStrategy):
         self._save_plan(trainer)
         report_placement(self.cluster_environment, self.num_nodes, self.num_processes, plan)  # every rank: the launch's nodes agree with the plan; rank 0 prints them
         held = self.held_layers
+        self._make_stage(module, container, held)
         self._ties = tied_parameters(container)
         aliases = state_aliases(module, container)
         self.checkpoint_layout = ckpt.CheckpointLayout(
@@ -772,6 +834,20 @@ class DappleStrategy(DDPStrategy):
         replica = stage.devices.index(self.global_rank)
         sync = layer_sync is not None
         convert_batchnorm(module, scope, self.groups.replicas.get(index), replica, stage.replicas, sync, self.deferred_batchnorm)
+
+    def _make_stage(self, module: LightningModule, container: nn.Module, held: Sequence[int]) -> None:
+        """A model built on the meta device (``configure_model``) gets real tensors for this
+        rank's layers and for what lies outside the layer list, replayed from the build's
+        record (``meta_build.py``); the other stages' layers stay on the meta device."""
+        build, self._meta_build = self._meta_build, None
+        if build is None or not built_on_meta(module):
+            return
+        holders: dict[int, set[int]] = {}
+        for index, layer in enumerate(container):
+            for tensor in (*layer.parameters(), *layer.buffers()):
+                holders.setdefault(id(tensor), set()).add(index)
+        mine = set(held)
+        build.materialize(module, lambda tensor: id(tensor) not in holders or bool(holders[id(tensor)] & mine))
 
     def _free_other_stages(self, container: nn.Module, held: Sequence[int]) -> None:
         """Free every layer but ``held`` (this rank's) to the meta device (structure kept,
@@ -853,7 +929,7 @@ class DappleStrategy(DDPStrategy):
             torch.random.set_rng_state(state)
         left, right = _output_leaves(expected), _output_leaves(actual)
         same = len(left) == len(right) and all(
-            (a.shape == b.shape and torch.allclose(a, b, atol=1e-5, rtol=1e-4))
+            (a.shape == b.shape and (a.is_meta or b.is_meta or torch.allclose(a, b, atol=1e-5, rtol=1e-4)))
             if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
             else (not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor) and a == b)
             for a, b in zip(left, right)
@@ -913,6 +989,14 @@ class DappleStrategy(DDPStrategy):
         if isinstance(given, Plan):
             plan = given
         else:  # "auto", or a shape whose layer cut the planner chooses
+            require(
+                not built_on_meta(module),
+                "plan",
+                "is 'auto' or a shape, whose cut the planner chooses from the layers' profiled compute, but the model was "
+                "built on the meta device in configure_model (no layer holds values to run yet)",
+                "give a plan with each stage's layers ([start, end) ranges; dapple-plan writes one), or build without the "
+                "meta device: DappleStrategy(meta_init=False)",
+            )
             shape = shape_with_arguments(given, self.plan_arguments) if given is not None else None
             planned = auto_plan(self.planning_context(trainer), module, container, sample, shape, share=self._share_from_rank_zero)
             plan, self._planning_inputs = planned.plan, planned.inputs
@@ -1003,7 +1087,12 @@ class DappleStrategy(DDPStrategy):
         self.runner.refresh_trainable()  # a callback may have frozen or unfrozen layers since the last step
         params = self.runner.parameters
         # Under Trainer(accumulate_grad_batches) the gradients of earlier batches are still
-        # in .grad; the runner starts from none, so they are put back after the step.
+        # in .grad; the runner starts from none, so they are put back after the step. Where
+        # Lightning zeroes them right after this step anyway, they go now: the stage would
+        # otherwise hold two sets of gradients while the step runs.
+        if _grads_zeroed_after_step(self.lightning_module.trainer, batch_idx, params, self.optimizers):
+            for param in params:
+                param.grad = None
         previous = [p.grad for p in params]
         rates = _learning_rates(self.optimizers)
         try:
@@ -1090,41 +1179,86 @@ class DappleStrategy(DDPStrategy):
     # -- checkpoints ---------------------------------------------------------------
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The whole model's state, gathered from the stages on rank 0. In a process that
-        set no pipeline up (the one that spawned the ranks, which holds the whole trained
-        model after fit), the module's own, as under ``ddp_spawn``."""
+        """The whole model's state, gathered from the stages on rank 0 (under "sharded":
+        this rank's own entries, nothing gathered). In a process that set no pipeline up
+        (the one that spawned the ranks, which holds the trained model after fit), the
+        module's own, as under ``ddp_spawn``."""
         if self.checkpoint_layout is None:
             return super().lightning_module_state_dict()
+        if self._sharded:
+            return sharded.local_state_dict(self.lightning_module, self.checkpoint_layout)
         return ckpt.consolidated_state_dict(self.lightning_module, self.checkpoint_layout, self._checkpoint_lane())
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         if self.checkpoint_layout is None:  # as lightning_module_state_dict
             return super().optimizer_state(optimizer)
+        if self._sharded:
+            return sharded.local_optimizer_state(self.lightning_module, self.checkpoint_layout, optimizer)
         return ckpt.consolidated_optimizer_state(self.lightning_module, self.checkpoint_layout, optimizer, self._checkpoint_lane())
 
+    @property
+    def _sharded(self) -> bool:
+        """Whether saves write sharded directories (a pipeline is set up and asked for them)."""
+        return self.checkpoint_mode == "sharded" and self.checkpoint_layout is not None
+
     def _checkpoint_lane(self) -> PartLane:
-        """The gloo path checkpoint parts take to rank 0 (``part_stream.py``), opened at the
+        """The gloo path checkpoint parts take to rank 0 (``part_stream.py``), with, under
+        "sharded", the writers' group (``sharded_checkpoint.WriterLane``); opened at the
         first save: every rank saves at the same point, as opening a group requires."""
         if self._part_lane is None:
             assert self.failure is not None
-            self._part_lane = open_part_lane(self.failure.wait, timedelta(seconds=self.timeout_s))
+            lane = open_part_lane(self.failure.wait, timedelta(seconds=self.timeout_s))
+            if self._sharded:
+                assert self.checkpoint_layout is not None
+                lane = sharded.open_writer_lane(lane, self.checkpoint_layout, self.timeout_s)
+            self._part_lane = lane
         return self._part_lane
 
     @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """A sharded checkpoint directory gives Lightning its ``meta.pt``, the model and
+        optimizer entries staying in the files until ``load_model_state_dict`` and
+        ``load_optimizer_state_dict`` read this rank's; a file loads as under DDP."""
+        if sharded.is_sharded(checkpoint_path):
+            return sharded.load_meta(checkpoint_path, weights_only)
+        return super().load_checkpoint(checkpoint_path, weights_only)
+
+    @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        if isinstance(checkpoint["state_dict"], sharded.ShardedSource):
+            sharded.load_local_model(self.lightning_module, self.checkpoint_layout, checkpoint["state_dict"], strict=strict)
+            return
         ckpt.load_local_state_dict(self.lightning_module, checkpoint["state_dict"], strict=strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         assert self.checkpoint_layout is not None
-        ckpt.load_local_optimizer_states(self.lightning_module, self.checkpoint_layout, self.optimizers, checkpoint["optimizer_states"])
+        states = checkpoint["optimizer_states"]
+        if states and isinstance(states[0], sharded.ShardedSource):
+            sharded.load_local_optimizers(self.lightning_module, self.checkpoint_layout, self.optimizers, states)
+            return
+        ckpt.load_local_optimizer_states(self.lightning_module, self.checkpoint_layout, self.optimizers, states)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """Rank 0 writes the file, every tensor in it on the CPU: the model and optimizer
         parts arrive there, and what Lightning adds (a callback's best score, a metric) is
-        moved here, so the file loads on a machine without the devices that wrote it."""
+        moved here, so the file loads on a machine without the devices that wrote it.
+
+        Under "sharded", ``filepath`` becomes a directory: rank 0 makes a temporary one
+        beside it, each writer (stage leader, rank 0) stores its part there, and rank 0
+        swaps it in (``sharded_checkpoint.py``)."""
+        if self._sharded:
+            assert self.checkpoint_layout is not None
+            require(storage_options is None, "save_checkpoint(storage_options)", "is given under checkpoint='sharded'",
+                    "leave it out: the writers store through torch.distributed.checkpoint, not the CheckpointIO")
+            staged = sharded.prepare_target(filepath) if self.is_global_zero else None
+            target, staging = self.broadcast(staged)
+            sharded.save_part(checkpoint, staging, self.checkpoint_layout, self._checkpoint_lane())
+            if self.is_global_zero:
+                sharded.publish(staging, target)
+            return
         if self.is_global_zero:
             self.checkpoint_io.save_checkpoint(to_host(checkpoint), filepath, storage_options=storage_options)
 
@@ -1146,7 +1280,16 @@ class DappleStrategy(DDPStrategy):
         if self._hidden_example is not None and module is not None:
             module.example_input_array = self._hidden_example
             self._hidden_example = None
-        super().teardown()
+        if module is None or not built_on_meta(module):
+            super().teardown()
+            return
+        # a model built on the meta device whose stage was never made (set-up refused it):
+        # nothing of it can move to the CPU
+        self._lightning_module = None
+        try:
+            super().teardown()
+        finally:
+            self._lightning_module = module
 
     def _hide_example_input(self, module: LightningModule) -> None:
         """Lightning runs ``forward`` on ``example_input_array`` outside the steps, on every
@@ -1223,8 +1366,13 @@ class DappleStrategy(DDPStrategy):
         layers it freed from their meta-device skeletons on the CPU (the whole model need
         not fit its device; ``teardown`` moves the module to the CPU anyway) and loads them,
         then points handles and the tensors forward reads back at them (``handles.py``).
+        Only with ``gather_after_fit`` (the default under "consolidated"): under "sharded"
+        the model need not fit one process, and rank 0 keeps its own stage.
         """
         if self.plan is None or self.plan.num_stages == 1:
+            return
+        if not self.gather_after_fit:
+            rank_zero_info("dapple: rank 0 keeps its own stage after fit (gather_after_fit=False); the trained model is in the checkpoints")
             return
         assert self.checkpoint_layout is not None
         state = ckpt.consolidated_state_dict(self.lightning_module, self.checkpoint_layout, self._checkpoint_lane())

@@ -96,6 +96,14 @@ class EpochScheduled(Classifier):
         return [optimizer], [torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.7)]
 
 
+class ZeroGradHook(Classifier):
+    """Reads the previous step's gradients where Lightning is about to zero them."""
+
+    def on_before_zero_grad(self, optimizer) -> None:
+        present = sum(p.grad is not None for p in self.parameters())
+        self.log("grads_before_zero", float(present > 0), on_step=True, on_epoch=False)
+
+
 class ClampWeights(Callback):
     """A user callback touching parameters: weight clipping after every batch."""
 
@@ -147,6 +155,8 @@ BEHAVIOURS: dict[str, Behaviour] = {
     "callback_touching_parameters": Behaviour(callbacks=lambda root: [ClampWeights()], trainer={"max_epochs": 2}),
     "predict_after_fit": Behaviour(after_fit=("predict",)),
     "resume_mid_epoch": Behaviour(resume_at=2, trainer={"max_epochs": 2}),
+    "accumulate_grad_batches": Behaviour(trainer={"max_epochs": 2, "accumulate_grad_batches": 2}),
+    "zero_grad_hook": Behaviour(make_model=lambda: ZeroGradHook(), trainer={"max_epochs": 2}),
 }
 
 

@@ -1,0 +1,131 @@
+"""Peak memory per rank when a model larger than one process is made in ``configure_model``.
+
+Four CPU processes, eight ``nn.Linear(4096, 4096)`` layers (64 MiB of float32 weights each,
+512 MiB in all), a 4-stage plan of two layers per stage, SGD. Each rank records its peak
+resident memory (``VmHWM``) after the last training step, before anything is gathered back
+after ``fit``. Three runs: a tiny model of the same shape of plan (the baseline: the
+process, torch and Lightning), the large model with ``meta_init=True`` (built on the meta
+device, each rank makes its stage: ``strategy/meta_build.py``) and with ``meta_init=False``
+(every rank builds the whole model on the CPU, then frees the other stages).
+
+    python benchmarks/bench_meta_build.py            # all three runs, writes benchmarks/results/meta_build.json
+
+The target: every rank's peak above the baseline is at most 1.3x its stage's weights plus
+gradients (2 x 128 MiB).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+LAYERS, WORLD = 8, 4
+MIB = 2**20
+
+
+def _peak_mib() -> float:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def _train(width: int, meta_init: bool, out: Path) -> None:
+    import torch
+    import torch.nn.functional as F
+    from lightning.pytorch import Callback, LightningModule, Trainer
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import lightning_dapple  # noqa: F401
+    from lightning_dapple.strategy import DappleStrategy
+
+    torch.set_num_threads(1)
+
+    class Wide(LightningModule):
+        def configure_model(self) -> None:
+            if not hasattr(self, "layers"):
+                self.layers = nn.Sequential(*[nn.Linear(width, width) for _ in range(LAYERS)])
+
+        def forward(self, x):
+            return self.layers(x)
+
+        def training_step(self, batch, batch_idx):
+            return F.mse_loss(self(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+    class Peak(Callback):
+        def on_train_start(self, trainer, pl_module) -> None:
+            self.setup_mib = _peak_mib()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            if trainer.global_step == trainer.max_steps:
+                peaks = {"peak_mib": _peak_mib(), "setup_peak_mib": self.setup_mib}
+                (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(peaks))
+
+    per_stage = LAYERS // WORLD
+    plan = {
+        "global_batch_size": 4, "micro_batches": int(os.environ.get("BENCH_M", "2")),
+        "stages": [{"layers": [s * per_stage, (s + 1) * per_stage], "devices": [s]} for s in range(WORLD)],
+    }
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(12, width, generator=g), torch.randn(12, width, generator=g))
+    Trainer(
+        strategy=DappleStrategy(plan=plan, timeout_s=300, meta_init=meta_init, ooo=os.environ.get("BENCH_OOO", "auto")), accelerator="cpu", devices=WORLD, max_steps=3,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=str(out), callbacks=[Peak()],
+    ).fit(Wide(), DataLoader(data, batch_size=4))
+
+
+def _run(width: int, meta_init: bool) -> list[float]:
+    """The per-rank peaks of one launch (Lightning's subprocess launcher re-runs this file)."""
+    with tempfile.TemporaryDirectory() as directory:
+        env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR")}
+        env["PYTHONWARNINGS"] = "ignore"
+        subprocess.run(
+            [sys.executable, __file__, "--rank-run", str(width), str(int(meta_init)), directory], check=True, env=env,
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=900,
+        )
+        peaks = [json.loads((Path(directory) / f"rank{r}.json").read_text()) for r in range(WORLD)]
+        print(f"width {width} meta_init={meta_init}: peak at the end of set-up " + ", ".join(f"{p['setup_peak_mib']:.0f}" for p in peaks) + " MiB")
+        return [p["peak_mib"] for p in peaks]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--width", type=int, default=4096)
+    parser.add_argument("--rank-run", nargs=3, metavar=("WIDTH", "META", "DIR"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.rank_run:
+        width, meta, directory = args.rank_run
+        _train(int(width), bool(int(meta)), Path(directory))
+        return
+    stage_mib = 2 * (LAYERS // WORLD) * (args.width * args.width + args.width) * 4 / MIB  # weights + gradients
+    baseline = _run(64, True)
+    rows = {"baseline": baseline, "meta_init=True": _run(args.width, True), "meta_init=False": _run(args.width, False)}
+    result = {
+        "width": args.width, "layers": LAYERS, "world": WORLD, "stage_weights_and_grads_mib": stage_mib,
+        "peak_mib": rows,
+        "above_baseline_over_stage": {
+            name: [round((peak - base) / stage_mib, 3) for peak, base in zip(peaks, baseline)] for name, peaks in rows.items() if name != "baseline"
+        },
+    }
+    (HERE / "results").mkdir(exist_ok=True)
+    (HERE / "results" / "meta_build.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(f"stage weights + gradients: {stage_mib:.0f} MiB")
+    for name, peaks in rows.items():
+        print(f"{name:>16}: " + "  ".join(f"rank {r} {p:6.0f} MiB" for r, p in enumerate(peaks)))
+    for name, ratios in result["above_baseline_over_stage"].items():
+        print(f"{name:>16}: peak above baseline / stage = " + ", ".join(f"{r:.2f}" for r in ratios))
+
+
+if __name__ == "__main__":
+    main()
