@@ -16,7 +16,7 @@ from lightning_dapple.app.table4 import TABLE4_MODELS, category, full_table_mark
 
 pytestmark = pytest.mark.skipif(shared_profiles_dir() is None, reason="needs ../shared/profiles")
 
-# Cells in the paper's category today (README, planner fidelity): ResNet-50 and VGG-19 on
+# Cells in the paper's category today (docs/planning.md, planner fidelity): ResNet-50 and VGG-19 on
 # A, B, C, GNMT-16 on A, BERT-48 on A, B, C, XLNet-36 on A, AmoebaNet-36 on A. A change that
 # loses one fails here.
 MATCHING_CELLS = 12

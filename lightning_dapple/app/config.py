@@ -37,6 +37,7 @@ __all__ = [
     "TrainerConfig",
     "compose_recipe",
     "enum_value",
+    "group_options",
     "recipe_names",
     "register_configs",
 ]
@@ -113,7 +114,7 @@ class TrainerConfig:
 
 @dataclass
 class StrategyConfig:
-    """Options of ``DappleStrategy`` (README, docs/formats.md).
+    """Options of ``DappleStrategy`` (docs/user-guide.md, docs/formats.md).
 
     ``plan``: ``auto`` (profile + DAPPLE planner at the first fit), a plan JSON path, or
     an inline plan mapping. ``micro_batches``/``schedule``/``policy`` override the plan's
@@ -178,6 +179,7 @@ class OutputsConfig:
 class AppConfig:
     name: str = MISSING
     seed: int = 0
+    ckpt_path: Optional[str] = None  # resume: the checkpoint file trainer.fit starts from
     threads: int = 1
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
@@ -222,7 +224,12 @@ def compose_recipe(name: str, overrides: list[str] | tuple[str, ...] = ()) -> An
             GlobalHydra.instance().initialize(saved)
 
 
+def group_options(group: str) -> list[str]:
+    """The options of a config group shipped in ``lightning_dapple/conf/<group>``."""
+    folder = files(CONFIG_MODULE).joinpath(group)
+    return sorted(entry.name[: -len(".yaml")] for entry in folder.iterdir() if entry.name.endswith(".yaml"))
+
+
 def recipe_names() -> list[str]:
     """The recipes shipped in ``lightning_dapple/conf/recipe``."""
-    folder = files(CONFIG_MODULE).joinpath("recipe")
-    return sorted(entry.name[: -len(".yaml")] for entry in folder.iterdir() if entry.name.endswith(".yaml"))
+    return group_options("recipe")

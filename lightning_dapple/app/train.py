@@ -28,6 +28,10 @@ second; Linux CPU only, never after CUDA was initialised). ``auto`` (default) pi
 for CPU runs on Linux and spawn otherwise. ``external`` is for torchrun/SLURM, which start
 one ``dapple-train`` per rank themselves (give every rank the same ``hydra.run.dir``).
 
+``ckpt_path=FILE`` resumes from a checkpoint (``trainer.enable_checkpointing=true`` writes one
+per epoch and ``checkpoints/last.ckpt``); ``cluster=/path/to/file.yaml`` plans for a cluster
+file (``app/command_line.py``).
+
 Bad configuration (unknown recipe or option, a wrongly typed value, micro-batches that do
 not divide the global batch, more devices than the machine or cluster has, a plan that does
 not fit the model) ends with one ``dapple-train: error: ...`` line on stderr and exit code
@@ -35,7 +39,6 @@ not fit the model) ends with one ``dapple-train: error: ...`` line on stderr and
 """
 from __future__ import annotations
 
-import csv
 import inspect
 import json
 import logging
@@ -58,23 +61,23 @@ from hydra.errors import HydraException
 from hydra.types import RunMode
 from hydra.utils import to_absolute_path
 from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import RichProgressBar
+from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
 from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
-from rich.table import Table
 
-from lightning_dapple.app.callbacks import MEASURED_TIMELINE, SIMULATED_TIMELINE, PipelineReport, StepTimer, WorkerSetup, quiet_warnings
+from lightning_dapple.app.callbacks import PipelineReport, StepTimer, WorkerSetup, quiet_warnings
+from lightning_dapple.app.command_line import check_known_keys, cluster_file_overrides, hydra_error_line
 from lightning_dapple.app.config import enum_value, register_configs
-from lightning_dapple.app.report import format_bytes, write_text
+from lightning_dapple.app.report import write_text
+from lightning_dapple.app.run_results import loss_curve, plan_record, print_run_summary, run_outputs
 from lightning_dapple.app.summary import RESULTS
 from lightning_dapple.cluster import detect_cluster, usable_cores
 from lightning_dapple.data import DATAMODULES
 from lightning_dapple.errors import DappleConfigError, require
 from lightning_dapple.execute.slicing import take_rows
 from lightning_dapple.models import MODELS
-from lightning_dapple.plan.console import make_console
-from lightning_dapple.plan.plan import Plan, PlanShape, plan_from_dict, plan_or_shape_from_dict
+from lightning_dapple.plan.plan import Plan, PlanShape, plan_or_shape_from_dict
 from lightning_dapple.profile.profiler import profile_layers
 from lightning_dapple.strategy import DappleStrategy
 from lightning_dapple.strategy.module_adapter import LogRecorder, capture_input, find_layers
@@ -102,6 +105,11 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 def main() -> None:
     """Console script ``dapple-train``: Hydra's command line (overrides, ``-m``, ``--cfg job``)."""
+    try:
+        sys.argv[1:] = cluster_file_overrides(sys.argv[1:])  # cluster=/path/to/file.yaml
+    except DappleConfigError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        sys.exit(2)
     user_full_error = os.environ.get("HYDRA_FULL_ERROR") == "1"
     # Let Hydra's own errors (composition, override parsing, schema validation) reach us
     # so that they are reported on one line.
@@ -125,29 +133,6 @@ def _is_hydra_config_error(exc: BaseException) -> bool:
     return isinstance(exc, (HydraException, OmegaConfBaseException))
 
 
-def hydra_error_line(exc: BaseException) -> str:
-    """Hydra's (multi-line) message and its cause on one line."""
-    lines = [line.strip() for line in str(exc).splitlines()]
-    lines = [line for line in lines if line]
-    first = lines[0] if lines else type(exc).__name__
-    options = []
-    if any(line.startswith("Available options") for line in lines):
-        start = next(i for i, line in enumerate(lines) if line.startswith("Available options"))
-        for line in lines[start + 1 :]:
-            if line.startswith("Config search path") or " " in line:
-                break
-            options.append(line)
-    text = first
-    if options:
-        text += f" (available: {', '.join(options)})"
-    cause = exc.__cause__
-    if cause is not None:
-        cause_lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
-        if cause_lines and cause_lines[0] not in text:
-            text = text.rstrip(".") + f": {cause_lines[0]}"
-    return text
-
-
 # --------------------------------------------------------------------------- one job
 
 
@@ -164,6 +149,7 @@ class Job:
     world_size: int
     launcher: str
     notes: list[str] = field(default_factory=list)
+    ckpt_path: str | None = None  # resume from this checkpoint file (cfg.ckpt_path)
 
 
 def run_job(cfg: DictConfig) -> dict[str, Any] | None:
@@ -312,6 +298,7 @@ def prepare(cfg: DictConfig, run_dir: Path) -> Job:
 
     Raises DappleConfigError (one line: what, problem, fix) on bad configuration.
     """
+    check_known_keys(cfg)
     threads = int(cfg.threads)
     require(threads >= 0, "threads", f"is {threads}", "use 1 (one torch thread per process) or more; 0 keeps torch's default")
     if threads > 0:
@@ -334,6 +321,8 @@ def prepare(cfg: DictConfig, run_dir: Path) -> Job:
 
     tcfg = _trainer_options(cfg, where, data_kwargs, batch)
     callbacks: list[Any] = [WorkerSetup(threads), StepTimer(str(run_dir), int(cfg.outputs.warmup_steps))]
+    if tcfg.get("enable_checkpointing"):  # one per epoch (Lightning's default) and checkpoints/last.ckpt to resume from
+        callbacks.append(ModelCheckpoint(dirpath=str(run_dir / "checkpoints"), save_last=True))
     if tcfg.get("enable_progress_bar", True):
         callbacks.append(RichProgressBar(leave=True))
     strategy: Any = "auto"
@@ -372,7 +361,16 @@ def prepare(cfg: DictConfig, run_dir: Path) -> Job:
         if isinstance(exc, DappleConfigError):
             raise
         raise DappleConfigError("trainer", str(exc).splitlines()[0], "fix the trainer.* option it names") from None
-    return Job(cfg, run_dir, strategy_name, model, datamodule, trainer, where.world, launcher, notes)
+    return Job(cfg, run_dir, strategy_name, model, datamodule, trainer, where.world, launcher, notes, _checkpoint(cfg.ckpt_path))
+
+
+def _checkpoint(spec: str | None) -> str | None:
+    """``ckpt_path``: the checkpoint file a run resumes from (relative to where dapple-train started)."""
+    if spec is None:
+        return None
+    path = Path(to_absolute_path(str(spec)))
+    require(path.is_file(), "ckpt_path", f"{spec!r} is not a file", "give a checkpoint of an earlier run (its checkpoints/last.ckpt; trainer.enable_checkpointing=true writes it)")
+    return str(path)
 
 
 @dataclass(frozen=True)
@@ -412,6 +410,12 @@ def _devices(cfg: DictConfig, dapple: bool) -> _Devices:
             "trainer.devices",
             f"asks for {world} devices ({num_nodes} node(s) x {devices}) but cluster {cluster.get('name')!r} has {capacity}",
             f"use at most {capacity} devices or a larger cluster (cluster=...)",
+        )
+    if accelerator == "cpu" and devices > 2 * usable_cores():  # a warning: sharing cores is allowed, and slow
+        print(
+            f"{PROG}: warning: trainer.devices={devices} starts {devices} processes on {usable_cores()} CPU cores: they take turns on the cores, "
+            f"so each step takes longer than on fewer processes (trainer.devices={usable_cores()} or fewer run side by side)",
+            file=sys.stderr, flush=True,
         )
     return _Devices(accelerator, devices, num_nodes, world, cluster, cfg.cluster.get("name") == "auto")
 
@@ -542,90 +546,18 @@ def execute(job: Job, record: dict[str, Any]) -> dict[str, Any]:
     started = time.perf_counter()
     with warnings.catch_warnings():
         quiet_warnings()
-        job.trainer.fit(job.model, datamodule=job.datamodule)
+        job.trainer.fit(job.model, datamodule=job.datamodule, ckpt_path=job.ckpt_path)
     wall_s = time.perf_counter() - started
     result = dict(record)
     result.update(status="ok", error=None, strategy=job.strategy_name, devices=job.world_size, launcher=job.launcher, wall_s=round(wall_s, 3))
     result.update(run_outputs(run_dir))
-    result["plan"] = _plan_summary(run_dir / "dapple_plan.json") if job.strategy_name == "dapple" else {"kind": "single", "micro_batches": 1, "schedule": None}
+    result["plan"] = plan_record(run_dir / "dapple_plan.json") if job.strategy_name == "dapple" else {"kind": "single", "micro_batches": 1, "schedule": None}
     result["metrics"] = {key: float(value) for key, value in job.trainer.callback_metrics.items() if getattr(value, "numel", lambda: 1)() == 1}
-    result["train_loss_curve"] = _loss_curve(run_dir / "metrics.csv")
+    result["train_loss_curve"] = loss_curve(run_dir / "metrics.csv")
     result["notes"] = job.notes
     write_text(run_dir / "result.json", json.dumps(result, indent=2) + "\n")
     print_run_summary(result)
     return result
-
-
-def run_outputs(run_dir: Path) -> dict[str, Any]:
-    """What the run's callbacks left in ``run_dir``: the measured step times, the step the
-    simulator predicts for the plan on its measured profile, and the timeline pictures."""
-    steps = _read_json(run_dir / "step_times.json") or {}
-    simulated = _read_json(run_dir / "timeline_simulated.json") or {}
-    return {
-        "steps": steps.get("steps"),
-        "median_step_ms": steps.get("median_step_ms"),
-        "peak_stash_bytes": steps.get("peak_stash_bytes"),
-        "simulated_step_ms": simulated.get("latency_ms"),
-        "timelines": [str(run_dir / name) for name in (SIMULATED_TIMELINE, MEASURED_TIMELINE) if (run_dir / name).is_file()],
-    }
-
-
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-
-
-def _plan_summary(path: Path) -> dict[str, Any] | None:
-    data = _read_json(path)
-    if data is None:
-        return None
-    plan = plan_from_dict(data)
-    return {
-        "kind": plan.kind(),
-        "micro_batches": plan.micro_batches,
-        "schedule": plan.schedule,
-        "policy": plan.policy,
-        "stages": [{"layers": list(s.layers), "devices": list(s.devices), "warmup": s.warmup} for s in plan.stages],
-        "reason": plan.reason,
-    }
-
-
-def _loss_curve(path: Path) -> list[float]:
-    """``train_loss`` per logged step from Lightning's metrics.csv."""
-    if not path.is_file():
-        return []
-    out: list[tuple[int, float]] = []
-    with open(path, newline="") as handle:
-        for row in csv.DictReader(handle):
-            if row.get("train_loss"):
-                out.append((int(row["step"]), float(row["train_loss"])))
-    return [loss for _, loss in sorted(out)]
-
-
-def print_run_summary(result: dict[str, Any]) -> None:
-    """The run's plan, its measured and simulated step side by side, metrics, and where the
-    timeline pictures are."""
-    plan = result.get("plan") or {}
-    table = Table(title=f"{result.get('name')}: {result.get('run_dir')}", show_header=False)
-    table.add_column("what")
-    table.add_column("value")
-    split = ":".join(str(stage["layers"][1] - stage["layers"][0]) for stage in plan.get("stages") or [])
-    layers = f" (layers {split})" if split else ""
-    table.add_row("plan", f"{plan.get('kind')}{layers}, M={plan.get('micro_batches')}, schedule {plan.get('schedule')}")
-    table.add_row("steps", str(result.get("steps")))
-    if result.get("median_step_ms") is not None:
-        table.add_row("step time, measured (median after warm-up)", f"{result['median_step_ms']:.2f} ms")
-    if result.get("simulated_step_ms") is not None:
-        table.add_row("step time, simulated (the plan on its profile)", f"{result['simulated_step_ms']:.2f} ms")
-    table.add_row("peak stash (max over ranks)", format_bytes(result.get("peak_stash_bytes")))
-    for key in sorted(result.get("metrics") or {}):
-        table.add_row(key, f"{result['metrics'][key]:.4f}")
-    table.add_row("wall time", f"{result.get('wall_s')} s")
-    for path in result.get("timelines") or []:
-        table.add_row("timeline picture", path)
-    make_console().print(table)
 
 
 if __name__ == "__main__":

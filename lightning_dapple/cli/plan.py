@@ -1,17 +1,23 @@
-"""``dapple-plan``: plan a model for a cluster and say why (DAPPLE section 4).
+"""dapple-plan: plan a model for a cluster and say why (DAPPLE section 4).
 
-    dapple-plan --profile FILE --cluster NAME|FILE --global-batch-size N [--micro-batches M]
-                [--planner dapple|pipedream] [--schedule auto|dapple|gpipe|interleaved|zbv] [--policy auto|PA|PB]
-                [--profile-batch-size N] [--memory-gib X] [--activation-bytes-per-sample B]
-                [--json] [--out plan.json]
-    dapple-plan --recipe bert --cluster paper-a
-    dapple-plan --model my_pkg.models:make_model --cluster 1x2 --global-batch-size 8
+The model comes from a profile file (--profile), a recipe's full-size model (--recipe) or
+a model factory profiled on this machine's CPU first (--model). The planner chooses the
+stages, their devices and the number of micro-batches M; with --schedule auto (the default
+for the DAPPLE planner) it also runs the planned devices and M under the fastest simulated
+schedule that fits, and says which won, what it beat and by how much. The PipeDream
+baseline keeps DAPPLE's schedule unless asked. --ooo decides out-of-order backprop the way
+DappleStrategy(ooo=...) does and records the choice in the plan.
 
-Prints a rich table of stages and the reason (with ``--schedule auto``, the default for the
-DAPPLE planner, also which schedule won by simulation, what it beat and by how much; the
-PipeDream baseline keeps DAPPLE's schedule unless asked); ``--json`` prints only the plan
-JSON (docs/formats.md), the file ``DappleStrategy(plan=...)`` executes. Bad input prints one
-line ``error: <field>: <problem>. Fix: <fix>`` and exits 2.
+Prints a table of stages and the reason; --json prints only the plan JSON
+(docs/formats.md), the file DappleStrategy(plan=...) runs. Bad input prints one line
+"error: <field>: <problem>. Fix: <fix>" and exits with status 2.
+
+Examples:
+  dapple-plan --recipe bert --cluster paper-a
+  dapple-plan --recipe gnmt --cluster paper-b --schedule gpipe --micro-batches 16
+  dapple-plan --profile bert-48-pbs-2.txt --cluster 2x8 --global-batch-size 64 --json --out plan.json
+  dapple-plan --model my_pkg.models:make_model --cluster 1x2 --global-batch-size 8
+  dapple-plan --recipe vgg --cluster paper-a --planner pipedream
 """
 from __future__ import annotations
 
@@ -19,8 +25,8 @@ import argparse
 import sys
 from typing import Any, Sequence
 
-
 from lightning_dapple.app.recipe_profile import recipe_global_batch, recipe_profile
+from lightning_dapple.cli.common import CLUSTER_HELP, ArgumentError, add_ooo, ooo_finisher, ooo_setting, parser_from_doc
 from lightning_dapple.cluster import load_cluster
 from lightning_dapple.errors import DappleConfigError
 from lightning_dapple.plan.console import make_console
@@ -30,69 +36,56 @@ from lightning_dapple.plan.schedule_choice import AUTO_SCHEDULE
 from lightning_dapple.profile.loader import load_profile
 from lightning_dapple.simulate.plans import make_plan
 
+__all__ = ["build_parser", "main"]
+
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dapple-plan", description=__doc__.split("\n\n")[0])
+    parser = parser_from_doc("dapple-plan", __doc__)
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--profile", help="profile JSON or PipeDream graph text file")
-    source.add_argument("--recipe", help="plan a recipe's full-size model (bert, gnmt, vgg)")
+    source.add_argument("--profile", metavar="FILE", help="a profile JSON (dapple-profile --out) or a PipeDream graph text file")
+    source.add_argument("--recipe", metavar="NAME", help="a recipe's full-size model, its profile estimated for --device: bert, gnmt or vgg")
     source.add_argument(
-        "--model",
-        help="profile 'pkg.module:factory' on this machine's CPU first (as dapple-profile does; a model without a layer sequence "
-        "gets the layer list traced from forward)",
+        "--model", metavar="PKG.MODULE:FACTORY",
+        help="profile this model on this machine's CPU first, as dapple-profile does (a model without a layer sequence gets the layer list "
+        "traced from forward)",
     )
     parser.add_argument("--layers", default="layers", help="with --model: attribute holding the layer sequence, or 'auto' (default: layers)")
-    parser.add_argument("--cluster", required=True, help="paper-a, paper-b, paper-c, MxD (e.g. 2x8) or a JSON/YAML file")
-    parser.add_argument("--global-batch-size", type=int, help="samples per optimizer step (default for --recipe: the paper's)")
-    parser.add_argument("--micro-batches", type=int, help="M; chosen by the planner when left out")
-    parser.add_argument("--planner", choices=("dapple", "pipedream"), default="dapple")
+    parser.add_argument("--cluster", required=True, help=CLUSTER_HELP)
+    parser.add_argument("--global-batch-size", type=int, metavar="N", help="samples per optimizer step (default with --recipe: the paper's)")
+    parser.add_argument("--micro-batches", type=int, metavar="M", help="number of micro-batches per step; chosen by the planner when left out")
+    parser.add_argument("--planner", choices=("dapple", "pipedream"), default="dapple", help="DAPPLE's planner, or PipeDream's partitioner as the baseline (default: dapple)")
     parser.add_argument(
         "--schedule", choices=(AUTO_SCHEDULE, *SCHEDULES),
-        help="auto (default with --planner dapple): the fastest simulated schedule that fits for the planned devices and M "
-        "(plan/schedule_choice.py); default with --planner pipedream: dapple, so the baseline stays the baseline",
+        help="auto: the fastest simulated schedule that fits the planned devices and M (plan/schedule_choice.py); default: auto with "
+        "--planner dapple, dapple with --planner pipedream (the baseline stays the baseline)",
     )
     parser.add_argument(
         "--policy", choices=("auto", "PA", "PB"), default="auto",
-        help="K_i warm-up policy (DAPPLE 5.3); auto: the one each plan simulates faster with",
+        help="K_i warm-up policy (DAPPLE 5.3); auto: the one each plan simulates faster with (default: auto)",
     )
+    add_ooo(parser, "default: auto with --planner dapple, false with --planner pipedream")
     parser.add_argument(
-        "--profile-batch-size", type=int,
+        "--profile-batch-size", type=int, metavar="N",
         help="batch size of a graph-text profile without pbs-N in its name; with --model, the samples it is profiled on",
     )
-    parser.add_argument("--memory-gib", type=float, help="override the cluster's device memory")
+    parser.add_argument("--memory-gib", type=float, metavar="GIB", help="device memory in GiB, instead of the cluster's")
     parser.add_argument(
-        "--activation-bytes-per-sample", type=float,
+        "--activation-bytes-per-sample", type=float, metavar="BYTES",
         help="measured peak activation memory of one sample through the whole model; the layers' stash is scaled to it "
         "(default for the shared graph profiles: the value their authors planned with; 0: the layer outputs the file lists)",
     )
-    parser.add_argument("--device", default="V100", help="device preset for estimated recipe profiles (V100, A100, H100)")
+    parser.add_argument("--device", default="V100", help="with --recipe: the device the profile is estimated for: V100, A100 or H100 (default: V100)")
     parser.add_argument("--json", action="store_true", help="print only the plan JSON")
-    parser.add_argument("--out", help="also write the plan JSON to this file")
+    parser.add_argument("--out", metavar="FILE", help="also write the plan JSON to this file")
     return parser
-
-
-class _ArgumentError(Exception):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2, as for every other bad input
-        raise _ArgumentError(message)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    parser.__class__ = _Parser
     try:
         args = parser.parse_args(argv)
         return _run(args)
-    except _ArgumentError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except DappleConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:
+    except (ArgumentError, DappleConfigError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
@@ -113,10 +106,11 @@ def _run(args: argparse.Namespace) -> int:
         raise DappleConfigError("--global-batch-size", f"is {global_batch}", "pass a positive number of samples")
     cluster = load_cluster(args.cluster, device_memory_gib=args.memory_gib)
     schedule = args.schedule or (AUTO_SCHEDULE if args.planner == "dapple" else "dapple")
+    ooo = ooo_setting(args.ooo or ("auto" if args.planner == "dapple" else "false"))
     kwargs = {"schedule": schedule, "policy": args.policy}
     if args.micro_batches is not None:
         kwargs["micro_batches"] = args.micro_batches
-    plan = make_plan(profile, cluster, global_batch, planner=args.planner, **kwargs)
+    plan = make_plan(profile, cluster, global_batch, planner=args.planner, finish=ooo_finisher(ooo, profile, cluster), **kwargs)
     if args.out:
         plan.save(args.out)
     if args.json:
@@ -125,6 +119,8 @@ def _run(args: argparse.Namespace) -> int:
     console = make_console()
     console.print(plan_table(plan, profile, cluster))
     console.print(plan_summary(plan))
+    if "ooo_choice" in plan.extra:
+        console.print(f"out-of-order backprop: {plan.extra['ooo_choice']}")
     memory = profile.meta.get("activation_memory")
     if memory:
         console.print(f"activation memory: {memory['bytes_per_sample'] / 1e9:.2f} GB per sample ({memory['source']})")

@@ -1,22 +1,28 @@
-"""``dapple-simulate``: run a plan's schedule through the discrete-event simulator.
+"""dapple-simulate: run a plan's schedule through the discrete-event simulator.
 
 The planner's latency formula (DAPPLE 4.1, formulas 1-2) is an approximation that ignores
 bubbles inside the pivot stage; this command shows what the schedule actually does with the
 same costs: per-stage times, the micro-batches each stage holds at once (K_i under DAPPLE's
-early backward, 5.3; M under GPipe) and the resulting step latency and bubble fraction.
+early backward, 5.3; M under GPipe), the step latency and the bubble fraction.
 
-    dapple-simulate --profile bert-48-pbs-2.txt --plan plan.json --cluster paper-a \\
-        [--schedule dapple|gpipe] [--profile-batch-size N] [--json] [--png timeline.png] \\
-        [--ooo] [--recompute never|always|except_last|auto] [--memory-gib G]
+--schedule names the schedule to run the plan under, or auto: the plan's devices and M
+under the fastest simulated schedule that fits, chosen as dapple-plan and
+DappleStrategy(schedule="auto") choose it. --ooo true runs the plan with out-of-order
+backprop (ooo-backprop 3, 5.1-5.2: B before W, deferred W filling bubbles, per-layer ending
+with bucketed AllReduce) and prints the difference to the plan without it; --ooo auto
+turns it on where the simulator says it is faster, as DappleStrategy(ooo="auto") does.
+--recompute sets every stage's recomputation (auto: the cheapest setting per stage that
+fits device memory, --memory-gib or the cluster's); the table then shows each stage's
+choice and its peak stash.
 
-``--ooo`` runs the plan with out-of-order backprop (ooo-backprop 3, 5.1-5.2: B before W,
-deferred W filling bubbles, per-layer ending with bucketed AllReduce) and prints the
-difference to the same plan without it. ``--recompute`` sets every stage's recomputation
-(``auto``: the cheapest setting per stage that fits device memory, ``--memory-gib`` or the
-cluster's); the table then shows each stage's choice and its peak stash.
+--json prints only the result's JSON. Bad input prints one "error: ..." line on stderr and
+exits with status 2.
 
-``--json`` prints only the result's JSON. Bad input prints one ``error: ...`` line on
-stderr and exits with status 2.
+Examples:
+  dapple-simulate --profile bert-48-pbs-2.txt --plan plan.json --cluster paper-a
+  dapple-simulate --recipe bert --plan plan.json --cluster paper-a --schedule auto --ooo auto
+  dapple-simulate --recipe gnmt --plan plan.json --cluster paper-b --schedule gpipe --png timeline.png
+  dapple-simulate --profile profile.json --plan plan.json --cluster 1x4 --ooo --recompute auto --memory-gib 8 --json
 """
 from __future__ import annotations
 
@@ -24,20 +30,24 @@ import argparse
 import json
 import sys
 from dataclasses import replace as _replace
-from typing import Sequence
+from typing import Any, Sequence
 
 from rich.table import Table
 
+from lightning_dapple.app.recipe_profile import recipe_profile
+from lightning_dapple.cli.common import CLUSTER_HELP, ArgumentError, add_ooo, ooo_finisher, ooo_setting, parser_from_doc
 from lightning_dapple.cluster import load_cluster
 from lightning_dapple.errors import DappleConfigError
 from lightning_dapple.plan.console import make_console
 from lightning_dapple.plan.costs import dapple_latency
 from lightning_dapple.plan.plan import SCHEDULES, Plan, load_plan
+from lightning_dapple.plan.schedule_choice import AUTO_SCHEDULE, RUNNABLE_SCHEDULES, choose_schedule
 from lightning_dapple.profile.loader import load_profile
 from lightning_dapple.simulate.engine import ScheduleDeadlock, SimulationResult
 from lightning_dapple.simulate.memory_fit import apply_ooo_recompute
-from lightning_dapple.simulate.plans import check_plan_fits, simulate_plan
+from lightning_dapple.simulate.plans import check_plan_fits, price_plan, simulate_plan
 from lightning_dapple.simulate.timeline_png import draw_timeline
+from lightning_dapple.strategy.ooo_choice import decide_ooo, with_ooo_choice
 
 __all__ = ["build_parser", "main", "print_result"]
 
@@ -45,29 +55,33 @@ MB = 1024**2
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="dapple-simulate",
-        description="Simulate one training step of a DAPPLE/GPipe plan (latency, bubbles, peak stash per stage).",
-    )
-    parser.add_argument("--profile", required=True, help="profile JSON or PipeDream graph text file")
-    parser.add_argument("--plan", required=True, help="plan JSON (written by dapple-plan or by hand)")
-    parser.add_argument("--cluster", required=True, help="preset (paper-a/b/c), 'MACHINESxDEVICES', or a cluster JSON/YAML file")
-    parser.add_argument("--schedule", choices=SCHEDULES, default=None, help="override the plan's schedule")
-    parser.add_argument("--profile-batch-size", type=int, default=None, help="batch size the profile was measured at (graph text files)")
+    parser = parser_from_doc("dapple-simulate", __doc__)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--profile", metavar="FILE", help="a profile JSON (dapple-profile --out) or a PipeDream graph text file")
+    source.add_argument("--recipe", metavar="NAME", help="a recipe's full-size model, its profile estimated for --device: bert, gnmt or vgg")
+    parser.add_argument("--plan", required=True, metavar="FILE", help="plan JSON (written by dapple-plan --out, or by hand: docs/formats.md)")
+    parser.add_argument("--cluster", required=True, help=CLUSTER_HELP)
     parser.add_argument(
-        "--activation-bytes-per-sample", type=float, default=None,
-        help="measured peak activation memory of one sample (as for dapple-plan; 0: the layer outputs the file lists)",
+        "--schedule", choices=(AUTO_SCHEDULE, *SCHEDULES), default=None,
+        help="run the plan under this schedule; auto: the fastest simulated schedule that fits the plan's devices and M "
+        "(plan/schedule_choice.py, as dapple-plan chooses); default: the plan's",
     )
-    parser.add_argument("--json", action="store_true", help="print only the result as JSON")
-    parser.add_argument("--png", default=None, help="also draw the device timelines to this PNG file")
-    parser.add_argument("--ooo", action="store_true", help="out-of-order backprop; also prints the difference to the plan without it")
+    add_ooo(parser, "default: the plan's")
     parser.add_argument(
         "--recompute",
         choices=("never", "always", "except_last", "auto"),
         default=None,
-        help="recomputation of every stage ('auto': cheapest per stage that fits device memory)",
+        help="recomputation of every stage (auto: the cheapest per stage that fits device memory); default: the plan's",
     )
-    parser.add_argument("--memory-gib", type=float, default=None, help="device memory budget for --recompute auto (default: the cluster's)")
+    parser.add_argument("--memory-gib", type=float, default=None, metavar="GIB", help="device memory budget for --recompute auto (default: the cluster's)")
+    parser.add_argument("--profile-batch-size", type=int, default=None, metavar="N", help="batch size the profile was measured at (graph text files)")
+    parser.add_argument(
+        "--activation-bytes-per-sample", type=float, default=None, metavar="BYTES",
+        help="measured peak activation memory of one sample (as for dapple-plan; 0: the layer outputs the file lists)",
+    )
+    parser.add_argument("--device", default="V100", help="with --recipe: the device the profile is estimated for: V100, A100 or H100 (default: V100)")
+    parser.add_argument("--json", action="store_true", help="print only the result as JSON")
+    parser.add_argument("--png", default=None, metavar="FILE", help="also draw the device timelines to this PNG file")
     return parser
 
 
@@ -77,53 +91,83 @@ def _error(message: str) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(None if argv is None else list(argv))
     try:
+        args = build_parser().parse_args(None if argv is None else list(argv))
         if args.profile_batch_size is not None and args.profile_batch_size <= 0:
             raise DappleConfigError("--profile-batch-size", f"is {args.profile_batch_size}", "give a positive number of samples")
-        profile = load_profile(args.profile, args.profile_batch_size, args.activation_bytes_per_sample)
-        plan = load_plan(args.plan)
-        cluster = load_cluster(args.cluster)
         if args.memory_gib is not None and args.memory_gib <= 0:
             raise DappleConfigError("--memory-gib", f"is {args.memory_gib}", "give a positive number of GiB")
-        baseline = None
-        if args.ooo or args.recompute is not None:
-            check_plan_fits(plan, profile, cluster)
-            if args.schedule is not None and args.schedule != plan.schedule:
-                plan = _replace(plan, schedule=args.schedule, stages=tuple(_replace(s, warmup=None) for s in plan.stages)).validate()
-            modes = args.recompute or [stage.recompute for stage in plan.stages]
-            budget = args.memory_gib * 1024**3 if args.memory_gib is not None else None
-            ooo = bool(args.ooo or plan.ooo)
-            if args.ooo:
-                plain = apply_ooo_recompute(plan, profile, cluster, ooo=False, recompute=modes, memory_budget_bytes=budget)
-                baseline = simulate_plan(plain, profile, cluster)
-            plan = apply_ooo_recompute(plan, profile, cluster, ooo=ooo, recompute=modes, memory_budget_bytes=budget)
-            result = simulate_plan(plan, profile, cluster)
-        else:
-            result = simulate_plan(plan, profile, cluster, schedule=args.schedule)
+        profile = recipe_profile(args.recipe, device=args.device) if args.recipe else load_profile(args.profile, args.profile_batch_size, args.activation_bytes_per_sample)
+        plan = load_plan(args.plan)
+        cluster = load_cluster(args.cluster)
+        plan, result, baseline = _simulate(args, plan, profile, cluster)
         if args.png:
-            draw_timeline(result, args.png, title=f"{profile.name}: {args.schedule or plan.schedule}, M={plan.micro_batches}")
-    except (DappleConfigError, ScheduleDeadlock) as exc:
+            draw_timeline(result, args.png, title=f"{profile.name}: {result.schedule}, M={plan.micro_batches}")
+    except (ArgumentError, DappleConfigError, ScheduleDeadlock) as exc:
         return _error(str(exc))
     except OSError as exc:
         name = getattr(exc, "filename", None)
         return _error(f"cannot access {name!r}: {exc.strerror or exc}" if name else str(exc))
+    _report(args, plan, result, baseline)
+    return 0
+
+
+def _simulate(args: argparse.Namespace, plan: Plan, profile: Any, cluster: Any) -> tuple[Plan, SimulationResult, SimulationResult | None]:
+    """(the plan as simulated, its result, the same plan without ooo when --ooo asked for it)."""
+    setting = ooo_setting(args.ooo)
+    schedule = args.schedule
+    if schedule == AUTO_SCHEDULE:  # the planner's choice, each candidate finished with the --ooo setting
+        if plan.chunks > 1:
+            raise DappleConfigError(
+                "--schedule", f"is auto but the plan runs {plan.chunks} stages per device group (its schedule {plan.schedule!r} was chosen already)",
+                "give a plan with one stage per device group (dapple-plan --schedule dapple --out FILE), or name the schedule",
+            )
+        plan = choose_schedule(plan, profile, cluster, price_plan, RUNNABLE_SCHEDULES, ooo_finisher(setting, profile, cluster))
+        schedule = None
+    if setting is None and args.recompute is None:
+        return plan, simulate_plan(plan, profile, cluster, schedule=schedule), None
+    check_plan_fits(plan, profile, cluster)
+    if schedule is not None and schedule != plan.schedule:
+        plan = _replace(plan, schedule=schedule, stages=tuple(_replace(s, warmup=None) for s in plan.stages)).validate()
+    modes = args.recompute or [stage.recompute for stage in plan.stages]
+    budget = args.memory_gib * 1024**3 if args.memory_gib is not None else None
+    if setting is None:
+        ooo = bool(plan.ooo)
+    else:
+        ooo, why = decide_ooo(setting, plan, profile, cluster, recompute=modes)
+        plan = with_ooo_choice(plan, ooo, why)
+    baseline = None
+    if ooo and setting is not None:
+        plain = apply_ooo_recompute(plan, profile, cluster, ooo=False, recompute=modes, memory_budget_bytes=budget)
+        baseline = simulate_plan(plain, profile, cluster)
+    plan = apply_ooo_recompute(plan, profile, cluster, ooo=ooo, recompute=modes, memory_budget_bytes=budget)
+    return plan, simulate_plan(plan, profile, cluster), baseline
+
+
+def _report(args: argparse.Namespace, plan: Plan, result: SimulationResult, baseline: SimulationResult | None) -> None:
     if args.json:
         out = result.to_dict()
         out["recompute"] = [stage.recompute for stage in plan.stages]
         out["ooo"] = plan.ooo
+        for key in ("ooo_choice", "schedule_choice"):
+            if key in plan.extra:
+                out[key] = plan.extra[key]
         if plan.first_k is not None:
             out["first_k"] = plan.first_k
         if baseline is not None:
             out["without_ooo"] = baseline.to_dict(spans=False)
         print(json.dumps(out))
-    else:
-        print_result(result, plan)
-        if baseline is not None:
-            print_ooo_difference(result, baseline)
-        if args.png:
-            print(f"wrote {args.png}")
-    return 0
+        return
+    print_result(result, plan)
+    console = make_console()
+    if args.schedule == AUTO_SCHEDULE and "Schedule " in plan.reason:  # the sentence choose_schedule added
+        console.print(plan.reason[plan.reason.rfind("Schedule ") :])
+    if "ooo_choice" in plan.extra and args.ooo == "auto":
+        console.print(f"out-of-order backprop: {plan.extra['ooo_choice']}")
+    if baseline is not None:
+        print_ooo_difference(result, baseline)
+    if args.png:
+        print(f"wrote {args.png}")
 
 
 def print_result(result: SimulationResult, plan: Plan) -> None:

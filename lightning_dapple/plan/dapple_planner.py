@@ -119,7 +119,7 @@ def search_effort(num_layers: int, num_devices: int, keep_per_state: int | None 
     planned layers j, only 16 sub-problems (8 beyond 4096 layers x devices), half with the
     lowest bound and half with the lowest T_PL, admitting 4x as many; the best results are
     then polished by local edits (``polish``). This keeps BERT-48 on 16 devices near half a
-    second and 128 layers on 64 devices near two (README, "Planning speed"), at a cost of a
+    second and 128 layers on 64 devices near two (docs/planning.md, "Planning speed"), at a cost of a
     few percent of formula latency on the hardest Table 4 cases (benchmarks/bench_planner.py
     measures it).
     """

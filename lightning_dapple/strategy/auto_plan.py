@@ -79,7 +79,7 @@ def schedules_for_cores(device_type: str, local_processes: int, cores: int) -> t
     only add CPU work there. The simulator bounds such steps by the machine's compute
     (``simulate.cores``) but not by the cost of switching; measured on 4 processes sharing 2
     cores, the interleaved plan it preferred for the quick start before that bound ran
-    slower than its 1F1B plan (README, "Schedules beyond 1F1B"). They stay candidates on GPUs
+    slower than its 1F1B plan (docs/schedules.md, "Schedules beyond 1F1B"). They stay candidates on GPUs
     and on CPUs with a core per rank.
     """
     if device_type != "cpu" or local_processes <= cores:

@@ -7,14 +7,25 @@ replicated stage sums its gradients in its own bucketed AllReduce (DAPPLE 5.2.3,
 ``execute/grad_sync.py``). Keywords that ``DDPStrategy`` would hand to DDP (or to its
 communication hooks and model averaging) would be accepted and silently ignored, so they
 are refused before anything starts, like every other piece of bad input.
+
+A DDP option at its default (``DDPStrategy.__init__``'s, or ``DistributedDataParallel``'s
+for the ones ``DDPStrategy`` hands on) asks for nothing and is accepted and dropped: config
+systems that fill in every inherited argument (LightningCLI's jsonargparse, a Hydra
+``_target_`` with a full argument list) write them all out. Only a value the user changed
+is refused.
 """
 from __future__ import annotations
 
+import inspect
+from functools import lru_cache
 from typing import Any
+
+from lightning.pytorch.strategies import DDPStrategy
+from torch.nn.parallel import DistributedDataParallel
 
 from lightning_dapple.errors import DappleConfigError
 
-__all__ = ["PASSED_TO_LIGHTNING", "refuse_ddp_options"]
+__all__ = ["PASSED_TO_LIGHTNING", "ddp_defaults", "refuse_ddp_options"]
 
 #: ``DDPStrategy``/``ParallelStrategy`` arguments that keep their meaning under dapple
 PASSED_TO_LIGHTNING = ("accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin", "process_group_backend")
@@ -45,8 +56,39 @@ _DDP_ONLY = (
 )
 
 
+@lru_cache(maxsize=1)
+def ddp_defaults() -> dict[str, Any]:
+    """Each DDP option's default: ``DDPStrategy.__init__``'s, then ``DistributedDataParallel``'s
+    for the keywords ``DDPStrategy`` hands on to the wrapper."""
+    from lightning.pytorch.strategies import DDPStrategy
+    from torch.nn.parallel import DistributedDataParallel
+
+    defaults: dict[str, Any] = {}
+    for function in (DistributedDataParallel.__init__, DDPStrategy.__init__):
+        for name, parameter in inspect.signature(function).parameters.items():
+            if parameter.default is not inspect.Parameter.empty:
+                defaults[name] = parameter.default
+    return defaults
+
+
+def _at_default(name: str, value: Any) -> bool:
+    defaults = ddp_defaults()
+    if name not in defaults:
+        return False
+    default = defaults[name]
+    try:
+        return value is default or (type(value) is type(default) and bool(value == default))
+    except Exception:  # a value whose == raises or is not a bool is not the default
+        return False
+
+
 def refuse_ddp_options(kwargs: dict[str, Any]) -> None:
-    """Raise ``DappleConfigError`` for the first keyword the dapple strategy would ignore."""
+    """Raise ``DappleConfigError`` for the first keyword the dapple strategy would ignore.
+
+    DDP options equal to their defaults are removed from ``kwargs`` (they ask for nothing);
+    Lightning's pass-through arguments stay."""
+    for name in [name for name in kwargs if name not in PASSED_TO_LIGHTNING and _at_default(name, kwargs[name])]:
+        del kwargs[name]
     for name in kwargs:
         if name in PASSED_TO_LIGHTNING:
             continue
