@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_dapple.cluster import Cluster
+from lightning_dapple.execute.process_groups import subgroup
 from lightning_dapple.profile.profiler import timed_ms
 
 __all__ = ["LinkFit", "fit_ring", "measure_links", "with_measured_links"]
@@ -111,7 +112,7 @@ def measure_links(device: torch.device, repeats: int = 7, warmup: int = 2) -> Li
     """The fitted AllReduce and the one-way transfer latency of this process group (module
     docstring); a collective: every rank calls it and gets the same answer."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    pair = dist.new_group([0, 1]) if world > 2 else None
+    pair = subgroup([0, 1]) if world > 2 else None
     pair_buffer = torch.zeros(SMALL_BYTES // 4, dtype=torch.float32, device=device)
 
     def pair_allreduce() -> None:

@@ -12,6 +12,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_dapple.execute.process_groups import subgroup
+from lightning_dapple.execute.wires import waits_on_device
 from lightning_dapple.plan.plan import Plan
 
 
@@ -31,20 +33,22 @@ def build_groups(plan: Plan, backend: str | None = None) -> PlanGroups:
     for index, stage in enumerate(plan.stages):
         if stage.replicas > 1:
             if stage.devices not in by_devices:
-                by_devices[stage.devices] = dist.new_group(sorted(stage.devices), backend=backend)
+                by_devices[stage.devices] = subgroup(sorted(stage.devices), backend=backend)
             replicas[index] = by_devices[stage.devices]
     world = dist.get_world_size()
     plan_group = None
     if plan.world_size != world:
-        plan_group = dist.new_group(sorted({d for s in plan.stages for d in s.devices}), backend=backend)
+        plan_group = subgroup(sorted({d for s in plan.stages for d in s.devices}), backend=backend)
     return PlanGroups(replicas=replicas, plan=plan_group)
 
 
 def collective_device(group: Any, compute: torch.device) -> torch.device:
     """Where a small collective over ``group`` (a norm, a flag) takes its tensor: NCCL
-    reduces only CUDA tensors, gloo takes them on the CPU."""
+    reduces only CUDA tensors, gloo takes them on the CPU. Decided as ``waits_on_device``
+    decides how to wait for it (``wires.backend_for``: the backend a mixed group such as
+    "cpu:gloo,cuda:nccl" uses for this device), so the two never disagree."""
     try:
-        backend = dist.get_backend(group)
+        on_device = waits_on_device(compute, group)
     except (RuntimeError, ValueError):
         return torch.device("cpu")
-    return compute if str(backend).lower() == "nccl" else torch.device("cpu")
+    return compute if on_device else torch.device("cpu")

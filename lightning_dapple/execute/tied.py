@@ -39,6 +39,7 @@ from torch import nn
 from lightning_dapple.errors import require
 from lightning_dapple.execute.failure import FailureChannel
 from lightning_dapple.execute.grad_sync import FlatBucket
+from lightning_dapple.execute.process_groups import subgroup
 from lightning_dapple.plan.costs import stages_holding
 from lightning_dapple.plan.plan import Plan
 from lightning_dapple.profile.ties import TiedParameter
@@ -69,7 +70,7 @@ def tied_groups(plan: Plan, ties: Sequence[TiedParameter], backend: str | None =
     for _, holders in split_ties(plan, ties):
         ranks = _ranks(plan, holders)
         if ranks not in groups:
-            groups[ranks] = dist.new_group(list(ranks), backend=backend)
+            groups[ranks] = subgroup(list(ranks), backend=backend)
     return groups
 
 

@@ -52,6 +52,7 @@ import torch.distributed as dist
 from lightning_dapple.errors import require
 from lightning_dapple.execute.failure import FailureChannel
 from lightning_dapple.execute.keys import Direction, stream_tag
+from lightning_dapple.execute.process_groups import subgroup
 from lightning_dapple.execute.staging import Stager
 
 WIRES = ("auto", "gloo", "staged", "nccl")
@@ -69,6 +70,10 @@ class Incoming(NamedTuple):
     flagged: bool  # an activation receive: its last byte is the layout flag
     extra: Any = None  # staged: the pool key
     control: bool = False  # a header or structure: read on the host
+
+
+#: the dtypes NCCL reduces and sends as themselves (ncclDataType_t); int16 and bool are not among them
+NCCL_DTYPES = frozenset({torch.int8, torch.uint8, torch.int32, torch.int64, torch.float16, torch.bfloat16, torch.float32, torch.float64})
 
 
 def backend_for(device: torch.device, group: Any = None) -> str | None:
@@ -306,7 +311,7 @@ def link_groups(
         low, high, boundary = key
         upstream, downstream = oriented[key]
         for direction in DIRECTIONS:
-            group = dist.new_group([low, high])
+            group = subgroup([low, high])
             if rank in (low, high):
                 peer = downstream if rank == upstream else upstream
                 tag = 0 if boundary is None else stream_tag(boundary, Direction(direction))
@@ -354,7 +359,8 @@ class NcclWire(Wire):
 
     @staticmethod
     def typed(dtype: torch.dtype) -> bool:
-        return not dtype.is_complex and dtype is not torch.bool
+        """NCCL's own dtypes travel as themselves; the rest (bool, int16, complex) as bytes."""
+        return dtype in NCCL_DTYPES
 
     def _group(self, direction: str, peer: int, tag: int) -> Any:
         group = self.groups.get((direction, peer, tag))
