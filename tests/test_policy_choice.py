@@ -131,3 +131,19 @@ def test_strategy_keeps_the_planners_warmups_for_the_arguments_it_planned_with()
     assert [stage.warmup for stage in same.stages] == [3, 2, 1]
     other = resolve_plan(plan, PlanArguments(micro_batches=16, ooo=False))
     assert [stage.warmup for stage in other.with_warmups().stages] == [5, 3, 1]
+
+
+def test_the_plan_as_run_carries_its_own_simulated_step() -> None:
+    """A recomputation mode given by the user changes the step the planner simulated: the
+    plan the run saves and prints simulates the plan that runs, as its report does."""
+    from lightning_dapple.strategy.auto_plan import PlanningInputs, simulated_as_run
+    from lightning_dapple.strategy.resolve import PlanArguments, resolve_plan
+
+    profile = load_profile(PROFILES / "dapple" / "bert-48-pbs-2.txt")
+    cluster = load_cluster("paper-a")
+    planned = make_plan(profile, cluster, 64)
+    run = resolve_plan(planned, PlanArguments(recompute="always"))
+    as_run = simulated_as_run(run, PlanningInputs(profile, cluster))
+    expected = simulate_plan(run, profile, cluster)
+    assert as_run.predicted.simulated_latency_ms == pytest.approx(expected.latency_ms)
+    assert as_run.predicted.simulated_latency_ms > planned.predicted.simulated_latency_ms  # the recomputed forwards

@@ -46,7 +46,7 @@ from lightning_dapple.strategy.ooo_choice import decide_ooo, with_ooo_choice
 from lightning_dapple.strategy.optimizer_probe import with_run_optimizer
 from lightning_dapple.strategy.resolve import PlanArguments
 
-__all__ = ["AutoPlan", "PlanningContext", "PlanningInputs", "auto_plan", "run_finisher"]
+__all__ = ["AutoPlan", "PlanningContext", "PlanningInputs", "auto_plan", "run_finisher", "simulated_as_run"]
 
 
 @dataclass(frozen=True)
@@ -97,6 +97,20 @@ class PlanningInputs:
 
     profile: ModelProfile
     cluster: Cluster
+
+
+def simulated_as_run(plan: Plan, inputs: PlanningInputs) -> Plan:
+    """``plan`` whose predicted simulated step and bubble are those of the plan as it runs:
+    after the user's arguments (a recomputation mode, M, the schedule) and the out-of-order
+    choice, on the cluster the run's report simulates it on (shared cores included). The
+    planner simulated the plan it chose before those were applied, so its table and
+    ``dapple_plan.json`` would otherwise name another step than ``result.json`` and the
+    simulated timeline."""
+    if plan.predicted is None:
+        return plan
+    result = simulate_plan(plan, inputs.profile, inputs.cluster)
+    predicted = replace(plan.predicted, simulated_latency_ms=result.latency_ms, bubble_fraction=result.bubble_fraction)
+    return replace(plan, predicted=predicted)
 
 
 @dataclass(frozen=True)

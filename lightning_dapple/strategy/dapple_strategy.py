@@ -83,7 +83,7 @@ from lightning_dapple.profile.ties import TiedParameter, tied_parameters
 from lightning_dapple.profile.traced_layers import TracedLayers
 from lightning_dapple.strategy import checkpoint as ckpt
 from lightning_dapple.strategy import sharded_checkpoint as sharded
-from lightning_dapple.strategy.auto_plan import PlanningContext, PlanningInputs, auto_plan
+from lightning_dapple.strategy.auto_plan import PlanningContext, PlanningInputs, auto_plan, simulated_as_run
 from lightning_dapple.strategy.batch_guard import check_training_batch, check_training_loss
 from lightning_dapple.strategy.ddp_options import refuse_ddp_options
 from lightning_dapple.strategy.handles import Detached, LayerTensors
@@ -1001,6 +1001,8 @@ class DappleStrategy(DDPStrategy):
             planned = auto_plan(self.planning_context(trainer), module, container, sample, shape, share=self._share_from_rank_zero)
             plan, self._planning_inputs = planned.plan, planned.inputs
         plan = resolve_plan(plan, self.plan_arguments)
+        if self._planning_inputs is not None:  # one simulated step per plan: the one that runs
+            plan = simulated_as_run(plan, self._planning_inputs)
         batch_rows = batch_size_of(sample)
         # evaluation cuts any batch into the plan's micro-batches (fewer where it is short);
         # only the training batch is the plan's global batch of one optimizer step
