@@ -84,8 +84,8 @@ class _Walker(ast.NodeVisitor):
     visit_AsyncFunctionDef = _function
 
     def _import(self, node: ast.AST) -> None:
-        if not self._typing_only:
-            self.imports.append((node, self._depth > 0))
+        # imports under TYPE_CHECKING count too: a cycle hidden there is still a cycle
+        self.imports.append((node, self._depth > 0 and not self._typing_only))
 
     visit_Import = _import
     visit_ImportFrom = _import

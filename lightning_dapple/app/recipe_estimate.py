@@ -8,23 +8,21 @@ one (DAPPLE 4.1 needs per-layer times, activation and parameter sizes).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from lightning_dapple.app.devices import DevicePeak
 from lightning_dapple.models import MODELS
 from lightning_dapple.profile.model_profile import LayerProfile, ModelProfile
 from lightning_dapple.profile.profiler import iter_tensors, map_tensors, tensor_bytes
 from lightning_dapple.profile.ties import first_use_param_bytes, tied_params_records, tied_parameters
 
-if TYPE_CHECKING:
-    from lightning_dapple.app.recipe_profile import DevicePeak
-
 __all__ = ["estimate_profile"]
 
 
-def estimate_profile(model_name: str, model_kwargs: dict[str, Any], rows: int, device: "DevicePeak", precision: str = "fp32", name: str = "estimate") -> ModelProfile:
+def estimate_profile(model_name: str, model_kwargs: dict[str, Any], rows: int, device: DevicePeak, precision: str = "fp32", name: str = "estimate") -> ModelProfile:
     """FLOP/byte estimate of every layer of ``MODELS[model_name](**model_kwargs)`` on ``device``."""
     dtype = torch.float16 if precision == "fp16" else torch.float32
     peak = 1e12 * (device.fp16_tflops if precision == "fp16" else device.fp32_tflops)  # FLOP/s

@@ -20,7 +20,6 @@ model on the cluster's devices. Two sources, in this order:
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ from hydra.errors import MissingConfigException
 from omegaconf import OmegaConf
 
 from lightning_dapple.app.config import compose_recipe, recipe_names
+from lightning_dapple.app.devices import DEVICES, DevicePeak
 from lightning_dapple.errors import DappleConfigError, require
 from lightning_dapple.profile.loader import load_profile
 from lightning_dapple.profile.model_profile import ModelProfile
@@ -43,23 +43,6 @@ __all__ = [
     "shared_profiles_dir",
 ]
 
-
-@dataclass(frozen=True)
-class DevicePeak:
-    """Vendor peak rates of one accelerator (dense; fp16 with tensor cores)."""
-
-    name: str
-    fp32_tflops: float
-    fp16_tflops: float
-    memory_bandwidth_gbs: float  # GB/s
-    memory_gib: float
-
-
-DEVICES: dict[str, DevicePeak] = {
-    "V100": DevicePeak("V100-SXM2-16GB", 15.7, 125.0, 900.0, 16.0),
-    "A100": DevicePeak("A100-SXM4-40GB", 19.5, 312.0, 1555.0, 40.0),
-    "H100": DevicePeak("H100-SXM5-80GB", 67.0, 989.0, 3350.0, 80.0),
-}
 
 # The published profile of each full-size recipe (DAPPLE's benchmark models).
 SHARED_PROFILES: dict[str, str] = {
