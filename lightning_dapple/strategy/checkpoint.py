@@ -47,7 +47,9 @@ class CheckpointLayout:
     ``aliases``: each key whose tensor another key (its canonical key) also names -> that
     key (tied weights, handles); ``layers``: the layer ranges of this rank's stages (one,
     or a device group's chunks; a tied parameter's optimizer state comes from the stage of
-    its first layer only).
+    its first layer only); ``optimizer_ranks``: the ranks holding optimizer state to save,
+    where not only the stage leaders (under ZeRO-1 every replica keeps its own share,
+    ``zero.py``).
     """
 
     key_owner: dict[str, int | None]
@@ -56,6 +58,7 @@ class CheckpointLayout:
     global_rank: int
     aliases: dict[str, str] = field(default_factory=dict)
     layers: tuple[tuple[int, int], ...] | None = None
+    optimizer_ranks: tuple[int, ...] = ()
 
     def canonical(self, key: str) -> str:
         """The key a tensor is held under (``key`` itself unless it is an alias)."""
@@ -80,6 +83,16 @@ class CheckpointLayout:
         if self.key_owner.get(key) is None:
             return self.global_rank == 0
         return self.stage_leader
+
+    @property
+    def optimizer_contributor(self) -> bool:
+        """Whether this rank holds optimizer state that a checkpoint saves."""
+        return self.global_rank in (self.optimizer_ranks or self.stage_leaders)
+
+    @property
+    def optimizer_senders(self) -> list[int]:
+        """The ranks whose optimizer parts rank 0 receives, in the order it takes them."""
+        return sorted(set(self.optimizer_ranks or self.stage_leaders) - {0})
 
     @property
     def senders(self) -> list[int]:
@@ -139,7 +152,7 @@ def consolidated_optimizer_state(
     elsewhere. Each stage leader contributes its stage's, rank 0 first, then the others
     streamed in rank order (``part_stream.py``)."""
     lane = lane if lane is not None else PartLane()
-    named = named_optimizer_state(module, layout, optimizer) if layout.stage_leader else None
+    named = named_optimizer_state(module, layout, optimizer) if layout.optimizer_contributor else None
     if layout.global_rank != 0:
         if named is not None:
             send_part(named, lane)
@@ -147,7 +160,7 @@ def consolidated_optimizer_state(
     merged: dict[str, Any] = {"state": {}, "param_groups": [], NAMED_MARKER: True}
     if named is not None:
         merge_optimizer_part(merged, to_host(named))
-    for source in layout.senders:
+    for source in layout.optimizer_senders:
         merge_optimizer_part(merged, receive_part(source, lane))
     return merged
 

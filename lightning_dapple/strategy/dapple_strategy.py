@@ -129,6 +129,7 @@ from lightning_dapple.strategy.resolve import PlanArguments, given_plan, resolve
 from lightning_dapple.strategy.rng_guard import random_states, random_streams_kept, share_rank_zero_streams
 from lightning_dapple.strategy.slice_transfer import StepTransfers
 from lightning_dapple.strategy.tied_layers import KeptTensors, free_layer, retie
+from lightning_dapple.strategy.zero import ZeroShards
 
 
 
@@ -326,7 +327,7 @@ def _learning_rates(optimizers: Sequence[Any]) -> list[Any]:
     ]
 
 
-def _grads_zeroed_after_step(trainer: Trainer, batch_idx: int, params: Sequence[torch.Tensor], optimizers: Sequence[Any]) -> bool:
+def _grads_zeroed_after_step(trainer: Trainer, batch_idx: int, params: Sequence[torch.Tensor], stepped: set[int]) -> bool:
     """Whether Lightning's automatic optimization sets every one of ``params``' gradients to
     None right after this training step, before anything can read them: the first batch of
     an accumulation window, the default ``optimizer_zero_grad``, no ``on_before_zero_grad``
@@ -338,7 +339,6 @@ def _grads_zeroed_after_step(trainer: Trainer, batch_idx: int, params: Sequence[
         is_overridden("on_before_zero_grad", callback, parent=Callback) for callback in trainer.callbacks
     ):
         return False
-    stepped = {id(p) for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]}
     return all(id(p) in stepped for p in params)
 
 
@@ -421,6 +421,9 @@ class DappleStrategy(DDPStrategy):
             (torchgpipe's DeferredBatchNorm, GPipe 2.2; ``execute/batchnorm.py``). Off, they
             move once per micro-batch slice. ``Trainer(sync_batchnorm=True)`` normalises each
             micro-batch over all replicas of its stage.
+        zero: 1 shards a replicated stage's optimizer state over its replicas (ZeRO-1,
+            ``zero.py``): each keeps its share's state, steps it, and sends the parameters it
+            stepped to the others; 0 (default) keeps the whole state on every replica.
         meta_init: build a model made in ``configure_model`` on the meta device and make only
             this rank's stage, with the values of the whole model built on the CPU
             (``meta_build.py``); off, every rank builds the whole model on the CPU first.
@@ -453,6 +456,7 @@ class DappleStrategy(DDPStrategy):
         wire: str = "auto",
         deferred_batchnorm: bool = False,
         meta_init: bool = True,
+        zero: int = 0,
         checkpoint: Literal["consolidated", "sharded"] = "consolidated",
         gather_after_fit: bool | None = None,
         accelerator: Any = None,
@@ -480,6 +484,9 @@ class DappleStrategy(DDPStrategy):
         self.wire = wire
         self.deferred_batchnorm = deferred_batchnorm
         self.meta_init = meta_init
+        require(zero in (0, 1), "zero", f"is {zero!r}", "use 0 (every replica keeps the whole optimizer state) or 1 (ZeRO-1: each keeps its share)")
+        self.zero = zero
+        self._zero: ZeroShards | None = None  # this rank's share of a replicated stage's optimizer state (zero.py)
         self._meta_build: MetaBuild | None = None  # configure_model's record, until this rank's stage is made
         require(checkpoint in sharded.MODES, "checkpoint", f"is {checkpoint!r}", "use 'consolidated' or 'sharded'")
         self.checkpoint_mode = checkpoint
@@ -668,6 +675,7 @@ class DappleStrategy(DDPStrategy):
             mixed.scaler.scale(torch.ones((), device=self.root_device))  # the scale lives on this device
         if trainer.state.fn == TrainerFn.FITTING:
             self._setup_local_optimizers(trainer)
+            self._shard_optimizer_state()
             if mixed is not None:
                 mixed.check_optimizers(self.optimizers)
         self.setup_precision_plugin()
@@ -677,6 +685,31 @@ class DappleStrategy(DDPStrategy):
         # the module's own transfer hooks define what a batch on the device is: they then
         # move whole batches, as in Lightning (see batch_to_device)
         self._stages_move_slices = not any(is_overridden(hook, module) for hook in ("transfer_batch_to_device", "on_after_batch_transfer"))
+
+    def _stepped_parameters(self) -> set[int]:
+        """The parameters the optimizers step (by id), ZeRO-1's other shares included: the
+        gradients Lightning's ``zero_grad`` (or the share exchange) clears after a step."""
+        params = [p for optimizer in self.optimizers for group in optimizer.param_groups for p in group["params"]]
+        return {id(p) for p in (self._zero.complete(params) if self._zero is not None else params)}
+
+    def _shard_optimizer_state(self) -> None:
+        """Under ``zero=1`` on a replicated stage, keep only this replica's share of the
+        optimizer state (``zero.py``), before the optimizers make any."""
+        self._zero = None
+        assert self.plan is not None and self.failure is not None
+        stage = self.plan.stages[self.stages[0]]
+        if not self.zero or stage.replicas == 1 or self.groups is None:
+            return
+        self._zero = ZeroShards(stage.devices, self.global_rank, self.groups.replicas[self.stages[0]], self.failure.wait)
+        self._zero.shard(self.optimizers)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        """Lightning's step; under ZeRO-1 the replicas then exchange what each stepped."""
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._zero is not None:
+            self._zero.share(optimizer)
+        return output
 
     def _setup_local_optimizers(self, trainer: Trainer) -> None:
         """``configure_optimizers`` on this rank's parameters. A stage holding only frozen
@@ -735,6 +768,8 @@ class DappleStrategy(DDPStrategy):
 
     def _clip_by_global_norm(self, params: list[torch.Tensor], max_norm: float) -> None:
         assert self.plan is not None
+        if self._zero is not None:  # the norm is over the stage's gradients, not this replica's share
+            params = self._zero.complete(params)
         replicas = self.plan.stages[self.stages[0]].replicas  # the rank's chunks share their devices
         group = self.groups.plan if self.groups else None
         tied = self.runner.tied if self.runner is not None else None  # tied copies count once
@@ -787,6 +822,7 @@ class DappleStrategy(DDPStrategy):
             global_rank=self.global_rank,
             aliases=aliases,
             layers=tuple((plan.stages[s].start, plan.stages[s].end) for s in self.stages),
+            optimizer_ranks=tuple(sorted({rank for each in plan.stages for rank in (each.devices if self.zero and each.replicas > 1 else each.devices[:1])})),
         )
         self._layer_tensors = LayerTensors.of(module, container, keep_transient=self.global_rank == 0)
         # handles and traced layers' own paths first, while every tensor is still the original
@@ -1092,7 +1128,7 @@ class DappleStrategy(DDPStrategy):
         # in .grad; the runner starts from none, so they are put back after the step. Where
         # Lightning zeroes them right after this step anyway, they go now: the stage would
         # otherwise hold two sets of gradients while the step runs.
-        if _grads_zeroed_after_step(self.lightning_module.trainer, batch_idx, params, self.optimizers):
+        if _grads_zeroed_after_step(self.lightning_module.trainer, batch_idx, params, self._stepped_parameters()):
             for param in params:
                 param.grad = None
         previous = [p.grad for p in params]

@@ -83,8 +83,9 @@ def is_sharded(path: Any) -> bool:
 
 
 def writers(layout: ckpt.CheckpointLayout) -> list[int]:
-    """The ranks that write: rank 0 (the entries outside the layers) and every stage leader."""
-    return sorted(set(layout.stage_leaders) | {0})
+    """The ranks that write: rank 0 (the entries outside the layers), every stage leader,
+    and under ZeRO-1 every replica holding a share of the optimizer state."""
+    return sorted(set(layout.stage_leaders) | set(layout.optimizer_ranks) | {0})
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,7 @@ def local_state_dict(module: nn.Module, layout: ckpt.CheckpointLayout) -> dict[s
 
 def local_optimizer_state(module: nn.Module, layout: ckpt.CheckpointLayout, optimizer: Any) -> dict[str, Any]:
     """This stage's optimizer state keyed by parameter name (stage leaders); {} elsewhere."""
-    return ckpt.named_optimizer_state(module, layout, optimizer) if layout.stage_leader else {}
+    return ckpt.named_optimizer_state(module, layout, optimizer) if layout.optimizer_contributor else {}
 
 
 def _flat_entries(state: dict[str, Any], optimizer_states: Sequence[dict[str, Any]] | None, rank: int) -> dict[str, Any]:
