@@ -57,8 +57,7 @@ def test_a_refusal_only_the_last_stage_finds_is_printed_once_by_it(tmp_path: Pat
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("rank", [0, 1])
-@pytest.mark.parametrize("hook", ["setup", "configure_optimizers", "on_train_batch_end"])
+@pytest.mark.parametrize(("hook", "rank"), [("setup", 1), ("configure_optimizers", 1), ("on_train_batch_end", 0)])
 def test_an_error_in_a_lightning_hook_on_one_rank_is_printed_once_by_that_rank(tmp_path: Path, hook: str, rank: int) -> None:
     """Before the pipeline exists (setup), while it is set up (configure_optimizers) and
     between steps (a callback): the failing rank's line, and no other."""
