@@ -183,6 +183,7 @@ def stop_at_failure(channel: Any) -> None:
     sees it, before this rank lets the failing rank leave, and close it when this rank stops
     for that failure: the failing rank serves the job's store under Lightning's launchers,
     and a store call after it left prints c10d's connection warnings."""
+    _CHANNELS[:] = [earlier for earlier in _CHANNELS if not earlier.closed]  # a fit's channel closes at its end
     _CHANNELS.append(channel)
 
 

@@ -100,13 +100,3 @@ class ZeroShards:
                     for p in params:
                         p.copy_(flat[offset : offset + p.numel()].view_as(p))
                         offset += p.numel()
-
-    def state_bytes(self, optimizers: Sequence[Any]) -> int:
-        """Bytes of optimizer state this replica holds (tensors only)."""
-        return sum(
-            value.numel() * value.element_size()
-            for optimizer in optimizers
-            for state in optimizer.state.values()
-            for value in state.values()
-            if isinstance(value, torch.Tensor)
-        )
