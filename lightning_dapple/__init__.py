@@ -11,7 +11,8 @@ planner's command-line tools start without loading Lightning.
 
 The main roads are exported here: ``DappleStrategy``; ``make_plan`` (profile and cluster ->
 the planner's plan) and ``schedule_for_plan`` (plan -> the action lists the simulator times
-and the executor runs). They load on first use.
+and the executor runs); ``validate_schedule`` (a schedule written as text -> checked action
+lists). They load on first use.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from typing import Any
 
 from lightning_dapple.errors import DappleConfigError
 
-__all__ = ["DappleConfigError", "DappleStrategy", "make_plan", "schedule_for_plan"]
+__all__ = ["DappleConfigError", "DappleStrategy", "make_plan", "schedule_for_plan", "validate_schedule"]
 __version__ = "0.1.0"
 
 
@@ -38,6 +39,10 @@ def __getattr__(name: str) -> Any:
         from lightning_dapple.simulate import plans
 
         return getattr(plans, name)
+    if name == "validate_schedule":
+        from lightning_dapple.simulate.validate import validate_schedule
+
+        return validate_schedule
     raise AttributeError(name)
 
 
