@@ -1,8 +1,10 @@
-"""Optimizer state per replica with and without ZeRO-1 on a replicated stage.
+"""Optimizer state and gradients per replica under ZeRO 0, 1 and 2 on a replicated stage.
 
 Two CPU processes, one stage of eight ``nn.Linear(1024, 1024)`` layers replicated on both
 (a data-parallel plan), AdamW, 3 steps. Each rank records the bytes of optimizer state it
-holds (tensors in ``optimizer.state``) and its peak resident memory (``VmHWM``).
+holds (tensors in ``optimizer.state``), the bytes of gradients it holds when the optimizer
+steps (``.grad`` of its parameters, after the replicas' reduction; the largest of the 3
+steps) and its peak resident memory (``VmHWM``).
 
     python benchmarks/bench_zero.py          # writes benchmarks/results/zero.json
 """
@@ -54,9 +56,16 @@ def _train(zero: int, out: Path) -> None:
             return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
     class Record(Callback):
+        grad_bytes = 0
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+            held = sum(p.grad.numel() * p.grad.element_size() for p in pl_module.parameters() if p.grad is not None)
+            self.grad_bytes = max(self.grad_bytes, held)
+
         def on_train_end(self, trainer, pl_module) -> None:
             state = sum(v.numel() * v.element_size() for opt in trainer.optimizers for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor))
-            (out / f"rank{trainer.global_rank}.json").write_text(json.dumps({"state_bytes": state, "peak_mib": _peak_mib()}))
+            row = {"state_bytes": state, "grad_bytes": self.grad_bytes, "peak_mib": _peak_mib()}
+            (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(row))
 
     plan = {"global_batch_size": 8, "micro_batches": 2, "stages": [{"layers": [0, LAYERS], "devices": list(range(WORLD))}]}
     g = torch.Generator().manual_seed(0)
@@ -79,12 +88,14 @@ def main() -> None:
     if len(sys.argv) == 4 and sys.argv[1] == "--rank-run":
         _train(int(sys.argv[2]), Path(sys.argv[3]))
         return
-    rows = {f"zero={zero}": _run(zero) for zero in (0, 1)}
+    rows = {f"zero={zero}": _run(zero) for zero in (0, 1, 2)}
     result = {"layers": LAYERS, "width": WIDTH, "world": WORLD, "per_rank": rows}
     (HERE / "results").mkdir(exist_ok=True)
     (HERE / "results" / "zero.json").write_text(json.dumps(result, indent=2) + "\n")
     for name, ranks in rows.items():
-        print(f"{name}: " + "  ".join(f"rank {r}: state {d['state_bytes'] / 2**20:.1f} MiB, peak {d['peak_mib']:.0f} MiB" for r, d in enumerate(ranks)))
+        print(f"{name}: " + "  ".join(
+            f"rank {r}: state {d['state_bytes'] / 2**20:.1f} MiB, grads {d['grad_bytes'] / 2**20:.1f} MiB, peak {d['peak_mib']:.0f} MiB" for r, d in enumerate(ranks)
+        ))
 
 
 if __name__ == "__main__":
