@@ -3,6 +3,7 @@
     python -m lightning_dapple.app.table4               # published V100 profiles (shared/)
     python -m lightning_dapple.app.table4 --estimate    # FLOP/byte estimates of our models
     python -m lightning_dapple.app.table4 --all         # all six models, ours vs the paper per cell
+    python -m lightning_dapple.app.table4 --zero        # all six models planned without and with zero="auto"
 
 For each recipe (VGG-19 GBS 2048, GNMT-16 GBS 1024, BERT-48 GBS 64) and cluster
 (paper-a: 2x8 NVLink + 25 Gbit/s; paper-b: 16x1, 25 Gbit/s; paper-c: 16x1, 10 Gbit/s)
@@ -10,6 +11,10 @@ it runs the planner on the recipe's profile (``recipe_profile``) and prints a Ma
 table: the paper's plan and split, ours, M and the predicted step time. "Split" counts the
 model's weight layers per stage as the paper does (VGG-19: 16 conv + 3 FC; GNMT-16: LSTM
 layers; BERT-48: encoder layers), whatever else the profile's graph nodes hold.
+
+``--zero`` plans every cell of Table 4 twice, as the paper's memory model does (every
+replica keeps the whole optimizer state) and with ``zero="auto"`` (replicated stages may
+shard it, ``plan/zero_choice.py``), and lists the cells whose plan or simulated step changes.
 """
 from __future__ import annotations
 
@@ -18,10 +23,17 @@ import re
 import time
 from typing import Any
 
-from lightning_dapple.app.recipe_profile import recipe_global_batch, recipe_profile, shared_profiles_dir
+from lightning_dapple.app.recipe_profile import (
+    recipe_global_batch,
+    recipe_profile,
+    shared_profiles_dir,
+)
 from lightning_dapple.cluster import load_cluster
 from lightning_dapple.errors import require
-from lightning_dapple.plan.dapple_planner import data_parallel_candidates, straight_candidates
+from lightning_dapple.plan.dapple_planner import (
+    data_parallel_candidates,
+    straight_candidates,
+)
 from lightning_dapple.plan.evaluate import score_stages
 from lightning_dapple.plan.plan import StagePlan
 from lightning_dapple.plan.policy_choice import simulate_policies
@@ -33,7 +45,7 @@ from lightning_dapple.simulate.plans import make_plan, simulate_plan
 __all__ = [
     "PAPER_TABLE4", "SIMULATED_PER_SHAPE", "TABLE4_MODELS", "category", "fastest_of_shape", "full_table_markdown", "main", "plan_recipe",
     "published_match", "published_shapes", "published_shapes_choice", "ruled_out", "shape_candidates",
-    "table4_markdown", "table4_row", "table4_rows", "weight_layer_split",
+    "table4_markdown", "table4_row", "table4_rows", "weight_layer_split", "zero_changed", "zero_markdown", "zero_row", "zero_rows",
 ]
 
 # DAPPLE Table 4 (plan, split position) for the three recipes.
@@ -296,13 +308,87 @@ def _published_cell(row: dict[str, Any]) -> str:
     return f"{found['kind']} ({found['split']}, M={found['micro_batches']}) {found['ms']:.0f} ms"
 
 
+# --------------------------------------------------------------------------- with ZeRO
+
+#: a simulated step that moves by less than this fraction is the same step
+SAME_STEP = 1e-6
+
+
+def _planned(plan: Any) -> dict[str, Any]:
+    return {
+        "kind": plan.kind(), "split": ":".join(str(s.end - s.start) for s in plan.stages), "micro_batches": plan.micro_batches,
+        "zero": [s.zero for s in plan.stages], "ms": plan.predicted.simulated_latency_ms or plan.predicted.latency_ms,
+    }
+
+
+def zero_row(label: str, path: str, pbs: int | None, global_batch: int, config: str) -> dict[str, Any]:
+    """One cell of Table 4 planned without ZeRO (the paper's memory model) and with
+    ``zero="auto"``, each with its planning time."""
+    root = shared_profiles_dir()
+    require_profiles(root, path)
+    profile = load_profile(root / path, profile_batch_size=pbs)
+    cluster = load_cluster(config)
+    row: dict[str, Any] = {"model": label, "config": config}
+    for key, zero in (("whole", 0), ("zero", "auto")):
+        started = time.perf_counter()
+        plan = make_plan(profile, cluster, global_batch, zero=zero)
+        row[key] = _planned(plan) | {"planning_s": time.perf_counter() - started}
+    return row
+
+
+def zero_rows() -> list[dict[str, Any]]:
+    """``zero_row`` for all 18 cells of Table 4."""
+    return [zero_row(label, path, pbs, gbs, config) for label, path, pbs, gbs, _ in TABLE4_MODELS for config in CONFIGS]
+
+
+def zero_changed(row: dict[str, Any]) -> bool:
+    """Whether allowing ZeRO changes the cell's plan (shape, cut, M or a stage's level) or its simulated step."""
+    whole, zero = row["whole"], row["zero"]
+    same_plan = all(whole[key] == zero[key] for key in ("kind", "split", "micro_batches", "zero"))
+    return not same_plan or abs(zero["ms"] - whole["ms"]) > SAME_STEP * whole["ms"]
+
+
+def _zero_cell(planned: dict[str, Any]) -> str:
+    sharded = [str(index) for index, level in enumerate(planned["zero"]) if level]
+    levels = f", ZeRO-{max(planned['zero'])} on {','.join(sharded)}" if sharded else ""
+    return f"{planned['kind']} ({planned['split']}, M={planned['micro_batches']}{levels})"
+
+
+def zero_markdown(rows: list[dict[str, Any]]) -> str:
+    """Each cell's plan and simulated step without and with ZeRO, and how many change."""
+    lines = [
+        "| Model | Config | Without ZeRO (layers per stage, M) | Simulated | With zero=\"auto\" | Simulated | Change |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        whole, zero = row["whole"], row["zero"]
+        change = f"{100.0 * (zero['ms'] / whole['ms'] - 1.0):+.1f}%" if zero_changed(row) else "-"
+        lines.append(
+            f"| {row['model']} | {row['config']} | {_zero_cell(whole)} | {whole['ms']:.0f} ms | {_zero_cell(zero)} | {zero['ms']:.0f} ms | {change} |"
+        )
+    changed = [row for row in rows if zero_changed(row)]
+    sharding = [row for row in changed if any(row["zero"]["zero"])]
+    lines.append("")
+    lines.append(
+        f"{len(changed)} of {len(rows)} cells change (plan or simulated step); in {len(sharding)} of them the new plan shards "
+        "a stage's optimizer state."
+    )
+    seconds = [(row["whole"]["planning_s"], row["zero"]["planning_s"]) for row in rows]
+    lines.append(f"Planning took {sum(a for a, _ in seconds):.1f} s without ZeRO and {sum(b for _, b in seconds):.1f} s with zero=\"auto\" in all.")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--estimate", action="store_true", help="plan from FLOP/byte estimates of our models instead of the published profiles")
     parser.add_argument("--recipes", nargs="+", default=["vgg", "gnmt", "bert"])
     parser.add_argument("--clusters", nargs="+", default=["paper-a", "paper-b", "paper-c"])
     parser.add_argument("--all", action="store_true", help="all six models of Table 4 on the published profiles, with the paper's choice where ours differs")
+    parser.add_argument("--zero", action="store_true", help="all six models planned without ZeRO and with zero='auto', and the cells that change")
     args = parser.parse_args(argv)
+    if args.zero:
+        print(zero_markdown(zero_rows()))
+        return
     if args.all:
         print(full_table_markdown(table4_rows()))
         return

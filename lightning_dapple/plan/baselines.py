@@ -10,7 +10,7 @@ import numpy as np
 
 from lightning_dapple.cluster import Cluster
 from lightning_dapple.plan.costs import slice_size
-from lightning_dapple.plan.evaluate import Scored, score_stages
+from lightning_dapple.plan.evaluate import Scored
 from lightning_dapple.plan.plan import StagePlan
 from lightning_dapple.plan.request import PlanRequest
 from lightning_dapple.plan.search import SearchSettings, StageSearch
@@ -67,7 +67,7 @@ def balanced_variant(request: PlanRequest, item: Scored) -> Scored | None:
     (4.4); the simulator, which re-ranks the candidates, sometimes prefers the evenly
     balanced cut. Offering both lets the simulation decide.
     """
-    profile, cluster, global_batch_size = request.profile, request.cluster, request.global_batch_size
+    cluster, global_batch_size = request.cluster, request.global_batch_size
     stages = item.stages
     if len(stages) < 2:
         return None
@@ -75,20 +75,22 @@ def balanced_variant(request: PlanRequest, item: Scored) -> Scored | None:
     cuts = _balanced_cuts(tables, cluster, [stage.devices for stage in stages], global_batch_size // item.micro_batches)
     if cuts is None:
         return None
-    new = tuple(StagePlan(layers=(cuts[s], cuts[s + 1]), devices=stage.devices) for s, stage in enumerate(stages))
+    new = tuple(StagePlan(layers=(cuts[s], cuts[s + 1]), devices=stage.devices, zero=stage.zero) for s, stage in enumerate(stages))
     if new == stages:
         return None
-    scored = score_stages(profile, cluster, new, global_batch_size, item.micro_batches, request.policy, request.schedule)
+    scored = request.score(new, item.micro_batches)
     return scored if scored.fits(cluster) else None
 
 
 def data_parallel_candidates(request: PlanRequest) -> list[Scored]:
-    """DP (one stage on all devices) at every valid M, fitting or not, best first."""
+    """DP (one stage on all devices) at every valid M and ZeRO level of the request,
+    fitting or not, best first."""
     profile, cluster, global_batch_size, floor = request.profile, request.cluster, request.global_batch_size, request.floor
     g = cluster.num_devices
-    stage = (StagePlan(layers=(0, profile.num_layers), devices=tuple(range(g))),)
+    levels = request.zero_levels if g > 1 else (0,)
     out = [
-        score_stages(profile, cluster, stage, global_batch_size, m, request.policy, request.schedule)
+        request.score((StagePlan(layers=(0, profile.num_layers), devices=tuple(range(g)), zero=zero),), m)
+        for zero in levels
         for m in request.micro_batches
         if g <= min((global_batch_size // m) // floor, global_batch_size // m)
     ]
@@ -119,7 +121,7 @@ def straight_candidates(request: PlanRequest, keep: int = 1) -> list[Scored]:
         if cuts is None:
             continue
         stages = tuple(StagePlan(layers=(cuts[s], cuts[s + 1]), devices=devices[s]) for s in range(g))
-        item = score_stages(profile, cluster, stages, global_batch_size, m, request.policy, request.schedule)
+        item = request.score(stages, m)
         if item.fits(cluster):
             out.append(item)
     out.sort(key=lambda item: (item.latency_ms, item.micro_batches))
@@ -131,7 +133,7 @@ def shape_candidates(request: PlanRequest, devices: Sequence[tuple[int, ...]]) -
     micro-batch can be sliced over each stage's replicas, the layer cut that minimises the
     slowest stage (``_balanced_cuts``), priced by formula 2; those that fit, best first.
     ``straight_candidates`` is this for the straight shape."""
-    profile, cluster, global_batch_size = request.profile, request.cluster, request.global_batch_size
+    cluster, global_batch_size = request.cluster, request.global_batch_size
     widest = max(len(stage) for stage in devices)
     out = []
     for m in request.micro_batches:
@@ -142,7 +144,7 @@ def shape_candidates(request: PlanRequest, devices: Sequence[tuple[int, ...]]) -
         if cuts is None:
             continue
         stages = tuple(StagePlan(layers=(cuts[s], cuts[s + 1]), devices=tuple(devices[s])) for s in range(len(devices)))
-        item = score_stages(profile, cluster, stages, global_batch_size, m, request.policy, request.schedule)
+        item = request.score(stages, m)
         if item.fits(cluster):
             out.append(item)
     out.sort(key=lambda item: (item.latency_ms, item.micro_batches))
@@ -157,7 +159,7 @@ def smallest_memory(request: PlanRequest) -> tuple[float, str]:
     is smallest, found by a bottleneck DP built from the last stage backwards (K_i depends on
     how many stages follow). Spare devices would only add replicas, which never add memory.
     """
-    profile, cluster, global_batch_size, floor = request.profile, request.cluster, request.global_batch_size, request.floor
+    cluster, global_batch_size, floor = request.cluster, request.global_batch_size, request.floor
     tables = request.tables
     n, g = tables.n, cluster.num_devices
     best = (_INF, "")

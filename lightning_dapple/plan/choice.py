@@ -9,8 +9,9 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from lightning_dapple.cluster import Cluster
-from lightning_dapple.plan.evaluate import Scored, format_bytes, format_gib
+from lightning_dapple.plan.evaluate import Scored, format_gib
 from lightning_dapple.plan.plan import StagePlan
+from lightning_dapple.units import format_bytes
 
 __all__ = ["describe_choice", "pair_for", "summary"]
 
@@ -77,7 +78,7 @@ def describe_choice(
         ar = chosen.costs[0].allreduce_ms
         params = chosen.costs[0].param_bytes
         bw = cluster.ring_bandwidth_gbps(chosen.stages[0].devices)
-        text = f"DP: AllReduce of {format_bytes(params)} over {bw:g} Gbit/s costs {ar:.1f} ms"
+        text = f"DP: AllReduce of {format_bytes(params, paper=True)} over {bw:g} Gbit/s costs {ar:.1f} ms"
         if runner_up is not None:
             other, other_sim = runner_up
             label = "straight" if other.kind() == "straight" else other.kind()
@@ -96,11 +97,11 @@ def describe_choice(
         ar = dp_item.costs[0].allreduce_ms
         bw = cluster.ring_bandwidth_gbps(dp_item.stages[0].devices)
         text += (
-            f": AllReduce of {format_bytes(dp_item.costs[0].param_bytes)} over {bw:g} Gbit/s would cost {ar:.1f} ms under DP "
+            f": AllReduce of {format_bytes(dp_item.costs[0].param_bytes, paper=True)} over {bw:g} Gbit/s would cost {ar:.1f} ms under DP "
             f"({_latency(dp):.1f} ms per step), the pipeline's bubble costs {_bubble_ms(chosen, sim):.1f} ms ({latency:.1f} ms per step, {where})"
         )
     elif dp_all:
-        need = dp_all[0].peak_memory_bytes
+        need = min(item.peak_memory_bytes for item in dp_all)  # at its least hungry M (and ZeRO level, where the planner may shard)
         text += f": DP needs {format_gib(need)} per device, more than {cluster.device_memory_gib:g} GiB; this plan takes {latency:.1f} ms per step ({where})"
     else:
         text += f": DP is not valid here (slices would fall below the floor); {latency:.1f} ms per step ({where})"

@@ -18,6 +18,16 @@ each of those stages: each holds their bytes (weights, gradients, optimizer stat
 own gradient buckets leave them out, and one more AllReduce over every device of those
 stages sums their gradients (``StageCost.tied``, ``execute/tied.py``), as Megatron's
 embedding group does for GPT's tied embedding.
+
+A replicated stage with ``StagePlan.zero`` shards its optimizer over its d replicas
+(``strategy/zero.py``): each device keeps the optimizer state of about 1/d of the stage's
+parameters (whole parameters, largest first, so the shares differ by at most one
+parameter), steps only those, and then every owner broadcasts what it stepped to the other
+replicas (``zero_exchange_ms``). Under ``zero=2`` each gradient bucket is reduced onto the
+owners of its parameters (``zero_reduce_ms``) instead of summed onto every replica, and each
+device keeps only its share's gradients from then to the step. ``stage_costs`` charges those
+times in the same fields the simulator and formula 2 already run (``optimizer_ms``,
+``buckets``, ``allreduce_ms``), and ``weight_state_bytes`` the shares.
 """
 from __future__ import annotations
 
@@ -29,7 +39,11 @@ from lightning_dapple.cluster import Cluster
 from lightning_dapple.plan.buckets import bucket_layers
 from lightning_dapple.plan.plan import Prediction, StagePlan
 from lightning_dapple.profile.action_overhead import NO_OVERHEAD, ActionOverhead
-from lightning_dapple.profile.model_profile import LayerProfile, ModelProfile, stash_span_bytes
+from lightning_dapple.profile.model_profile import (
+    LayerProfile,
+    ModelProfile,
+    stash_span_bytes,
+)
 
 
 @dataclass(frozen=True)
@@ -65,7 +79,13 @@ class StageCost:
       the copy and ``allreduce_ms`` / ``buckets`` leave the tied bytes out;
     * ``optimizer_ms``: one optimizer step over the stage's parameters on each of its
       devices (the sum of its layers' ``LayerProfile.optimizer_ms``), after its gradient sync;
-      a tied copy a stage holds for a later layer is not counted again;
+      a tied copy a stage holds for a later layer is not counted again. Under ZeRO
+      (``zero`` > 0) a device steps its 1/``replicas`` share, and the parameter exchange
+      after the step (``exchange_ms``) is included, so every reader of ``optimizer_ms``
+      (the simulator's "OPT" span, formula 2's tail) charges both;
+    * ``replicas`` / ``zero``: the stage's replica count and ZeRO level (module docstring),
+      which ``weight_state_bytes`` reads; ``exchange_ms``: the ZeRO parameter exchange
+      (``zero_exchange_ms``), already part of ``optimizer_ms``;
     * ``overhead``: the executor's own time per action (``ModelProfile.action_overhead_ms``),
       the same for every stage and slice. The times above are the layers' compute only;
       the simulator adds ``overhead`` to every action it runs and DAPPLE's formula to every
@@ -91,6 +111,9 @@ class StageCost:
     tied: tuple[tuple[int, float], ...] = ()
     overhead: ActionOverhead = NO_OVERHEAD
     optimizer_ms: float = 0.0
+    replicas: int = 1
+    zero: int = 0
+    exchange_ms: float = 0.0
 
     @property
     def compute_ms(self) -> float:
@@ -211,8 +234,54 @@ def stage_buckets(
         before.append(before[-1] + layer.backward_ms)
     out = []
     for lo, hi in bucket_layers(sizes, 0, len(layers)):
-        out.append((before[lo] * per_device, cluster.allreduce_ms(sum(sizes[lo:hi]), stage.devices)))
+        out.append((before[lo] * per_device, gradient_sync_ms(cluster, sum(sizes[lo:hi]), stage)))
     return tuple(out)
+
+
+def ring_ms(cluster: Cluster, volume_bytes: float, ranks: Sequence[int]) -> float:
+    """A ring collective over ``ranks`` that moves ``volume_bytes`` over each link: the link
+    model of ``Cluster.allreduce_ms`` (the ring's slowest link and one call's fixed cost),
+    whose AllReduce of n bytes is ``ring_ms`` of 2 (r-1)/r x n."""
+    if len(ranks) <= 1 or volume_bytes <= 0:
+        return 0.0
+    return volume_bytes / cluster.bytes_per_ms(cluster.ring_bandwidth_gbps(ranks)) + cluster.ring_latency_ms(len(ranks))
+
+
+def zero_reduce_ms(cluster: Cluster, num_bytes: float, ranks: Sequence[int]) -> float:
+    """A gradient bucket of ``num_bytes`` summed onto the owners of its parameters
+    (``zero=2``) instead of onto every replica: the runtime reduces each owner's part to it
+    (``execute/grad_sync.py``), each part crossing every link of the ring once, so the
+    bucket's bytes over the ring's bandwidth plus one call per replica: about half an
+    AllReduce's volume (2 (r-1)/r of the bytes) on large rings, the same on two replicas."""
+    replicas = len(ranks)
+    if replicas <= 1 or num_bytes <= 0:
+        return 0.0
+    return replicas * ring_ms(cluster, num_bytes / replicas, ranks)
+
+
+def zero_exchange_ms(cluster: Cluster, param_bytes: float, ranks: Sequence[int]) -> float:
+    """The parameters every replica sends the others after a ZeRO step (``strategy/zero.py``):
+    one broadcast per replica of the share it stepped (about 1/r of ``param_bytes``), each
+    crossing every link of the ring once, so the stage's parameter bytes over the ring's
+    bandwidth plus r calls' fixed cost. (One all-gather would move (r-1)/r of the bytes in one
+    call; the runtime broadcasts, and this prices what it runs.)"""
+    replicas = len(ranks)
+    if replicas <= 1 or param_bytes <= 0:
+        return 0.0
+    return replicas * ring_ms(cluster, param_bytes / replicas, ranks)
+
+
+def _zero_of(stage: StagePlan) -> int:
+    """The stage's ZeRO level where it has replicas to shard over, else 0."""
+    return stage.zero if stage.replicas > 1 else 0
+
+
+def gradient_sync_ms(cluster: Cluster, num_bytes: float, stage: StagePlan) -> float:
+    """The replicas' sync of ``num_bytes`` of a stage's gradients: an AllReduce (DAPPLE
+    4.1's AR(P_s, g_s)), or under ``zero=2`` the reduce onto their owners."""
+    if _zero_of(stage) >= 2:
+        return zero_reduce_ms(cluster, num_bytes, stage.devices)
+    return cluster.allreduce_ms(num_bytes, stage.devices)
 
 
 def slice_size(micro_batch_size: int, replicas: int) -> int:
@@ -246,10 +315,11 @@ def stage_costs(
             input_bytes = profile.layers[stage.start - 1].cut_bytes(per_device)
         else:
             input_bytes = profile.input_slice_bytes(per_device)
-        layer_ar = tuple(
-            cluster.allreduce_ms(size, stage.devices) if stage.replicas > 1 and size > 0 else 0.0 for size in synced[index]
-        )
+        layer_ar = tuple(gradient_sync_ms(cluster, size, stage) if stage.replicas > 1 and size > 0 else 0.0 for size in synced[index])
         forward_ms = sum(layer.forward_ms for layer in layers) * per_device
+        zero = _zero_of(stage)
+        exchange = zero_exchange_ms(cluster, param_bytes, stage.devices) if zero else 0.0
+        step_share = 1.0 / stage.replicas if zero else 1.0
         costs.append(
             StageCost(
                 forward_ms=forward_ms,
@@ -260,7 +330,7 @@ def stage_costs(
                 stash_bytes=stash_span_bytes(layers, per_device),
                 output_bytes=output_bytes,
                 send_ms=send_ms,
-                allreduce_ms=cluster.allreduce_ms(sync_bytes, stage.devices),
+                allreduce_ms=gradient_sync_ms(cluster, sync_bytes, stage),
                 slice_size=slice_size(micro_batch_size, stage.replicas) / 1.0,
                 # the replay is a forward again, with a forward's own overhead
                 recompute_ms=forward_ms + profile.action_overhead_ms.forward if stage.recompute != "never" else 0.0,
@@ -273,7 +343,10 @@ def stage_costs(
                 buckets=stage_buckets(profile, cluster, stage, per_device, synced[index]),
                 tied=tied[index],
                 overhead=profile.action_overhead_ms,
-                optimizer_ms=sum(layer.optimizer_ms for layer in layers),
+                optimizer_ms=sum(layer.optimizer_ms for layer in layers) * step_share + exchange,
+                replicas=stage.replicas,
+                zero=zero,
+                exchange_ms=exchange,
             )
         )
     return costs
@@ -287,21 +360,38 @@ def _wgrad_bytes(weighted: Sequence[LayerProfile], per_device: float) -> float:
     return per_sample + sum(max(layer.output_whole_bytes, layer.stash_whole_bytes) for layer in weighted)
 
 
-def stage_memory_bytes(cost: StageCost, in_flight: int, cluster: Cluster) -> float:
-    """Peak bytes on one device of a stage: weights, gradients, optimizer state, stash.
+def weight_state_factor(replicas: int, zero: int, optimizer_state_factor: float) -> float:
+    """Bytes one device holds per byte of a stage's parameters at its peak: the weights, the
+    gradients and ``optimizer_state_factor`` of optimizer state (2.0 for fp32 Adam: 16 bytes
+    per fp32 parameter, DAPPLE Table 7). ZeRO keeps 1/``replicas`` of the state on each
+    replica (``zero`` >= 1; the shares are whole parameters, so 1/d is the balanced share,
+    at most one parameter off). The gradients stay whole at the peak even under ``zero=2``:
+    every micro-batch's backward adds into the stage's whole gradient, and the other shares
+    are dropped only when the last one's buckets are reduced, while the stash of the
+    micro-batches in flight (5.3) lies in the steps before that; ZeRO-2's share of the
+    gradients is what a device holds from then until the step."""
+    if zero <= 0 or replicas <= 1:
+        return 2.0 + optimizer_state_factor
+    return 2.0 + optimizer_state_factor / replicas
 
-    Weights and gradients take one copy each, the optimizer ``optimizer_state_factor``
-    more (2.0 for fp32 Adam: 16 bytes per fp32 parameter, DAPPLE Table 7); activations of
-    ``in_flight`` micro-batch slices are stashed (K_i under DAPPLE 5.3, M under GPipe).
-    """
-    return cost.param_bytes * (2.0 + cluster.optimizer_state_factor) + in_flight * cost.stash_bytes
+
+def weight_state_bytes(cost: StageCost, cluster: Cluster) -> float:
+    """Weights, gradients and optimizer state on one device of the stage (``weight_state_factor``)."""
+    return cost.param_bytes * weight_state_factor(cost.replicas, cost.zero, cluster.optimizer_state_factor)
+
+
+def stage_memory_bytes(cost: StageCost, in_flight: int, cluster: Cluster) -> float:
+    """Peak bytes on one device of a stage: weights, gradients and optimizer state
+    (``weight_state_bytes``: ZeRO's shares where the stage shards), plus the activations of
+    ``in_flight`` micro-batch slices (K_i under DAPPLE 5.3, M under GPipe)."""
+    return weight_state_bytes(cost, cluster) + in_flight * cost.stash_bytes
 
 
 def stage_memory_from_stash(cost: StageCost, peak_stash_bytes: float, cluster: Cluster) -> float:
     """``stage_memory_bytes`` with the activation term given as bytes: the peak of a
     schedule's stash walk (``schedule.actions.stash_walk``), which accounts for recomputed
     micro-batches (input only) and deferred W work (stash plus output gradients)."""
-    return cost.param_bytes * (2.0 + cluster.optimizer_state_factor) + peak_stash_bytes
+    return weight_state_bytes(cost, cluster) + peak_stash_bytes
 
 
 def step_lower_bound(costs: Sequence[StageCost], micro_batches: int) -> float:

@@ -76,16 +76,32 @@ from typing import Any, Sequence
 
 from lightning_dapple.cluster import Cluster
 from lightning_dapple.errors import DappleConfigError
-from lightning_dapple.plan.baselines import balanced_variant, data_parallel_candidates, smallest_memory, straight_candidates
+from lightning_dapple.plan.baselines import (
+    balanced_variant,
+    data_parallel_candidates,
+    smallest_memory,
+    straight_candidates,
+)
 from lightning_dapple.plan.choice import describe_choice, pair_for, summary
-from lightning_dapple.plan.evaluate import Scored, finish_plan, raise_no_memory, score_stages
+from lightning_dapple.plan.communicators import communicators_per_rank
+from lightning_dapple.plan.evaluate import Scored, finish_plan, raise_no_memory
 from lightning_dapple.plan.partial import RawStages, TopPlans
 from lightning_dapple.plan.plan import Plan, StagePlan
-from lightning_dapple.plan.policy_choice import PolicyChoice, rescored, simulate_policies
+from lightning_dapple.plan.policy_choice import (
+    PolicyChoice,
+    rescored,
+    simulate_policies,
+)
 from lightning_dapple.plan.polish import polish
 from lightning_dapple.plan.request import PlanRequest, StepPricer
 from lightning_dapple.plan.search import SearchSettings, SharedMemo, StageSearch
 from lightning_dapple.plan.search_tables import RangeTables, p2p_ms_fast
+from lightning_dapple.plan.zero_choice import (
+    per_level,
+    refine_zero,
+    whole_twin,
+    zero_note,
+)
 from lightning_dapple.profile.model_profile import ModelProfile
 
 __all__ = [
@@ -106,8 +122,9 @@ _INF = float("inf")
 SMALL_INSTANCE = 256  # layers x devices up to which the search keeps everything it can
 
 
-def _to_stages(raw: RawStages) -> tuple[StagePlan, ...]:
-    return tuple(StagePlan(layers=(a, b), devices=tuple(sorted(devices))) for a, b, devices in raw)
+def _to_stages(raw: RawStages, zero: int = 0) -> tuple[StagePlan, ...]:
+    """A search result's stages, the replicated ones at ZeRO level ``zero``."""
+    return tuple(StagePlan(layers=(a, b), devices=tuple(sorted(devices)), zero=zero if len(devices) > 1 else 0) for a, b, devices in raw)
 
 
 def search_effort(num_layers: int, num_devices: int, keep_per_state: int | None = None, beam: int | None | str = "auto") -> tuple[int, int | None]:
@@ -158,38 +175,55 @@ def dapple_search(
     straight_only: bool = False,
     extended_placement: bool = True,
     beam: int | None | str = "auto",
+    zero: int | str = 0,
 ) -> list[Scored]:
-    """The ``keep`` best plans under formula 2 that fit in memory, best first.
+    """The ``keep`` best plans under formula 2 that fit in memory, best first (per ZeRO
+    level the request allows: ``keep`` for each).
 
     ``cluster`` must already be the device set to plan for (see ``subcluster``). Every plan
     returned is re-priced with ``score_stages`` (the official cost model). The search effort
     (``keep_per_state``, ``beam``) defaults by instance size, see ``search_effort``.
     """
-    request = PlanRequest.build(profile, cluster, global_batch_size, micro_batches, schedule, policy, None, min_slice, keep, keep_per_state, beam)
+    request = PlanRequest.build(
+        profile, cluster, global_batch_size, micro_batches, schedule, policy, None, min_slice, keep, keep_per_state, beam, zero=zero
+    )
     return search(request, keep, straight_only, extended_placement)
 
 
 def search(request: PlanRequest, keep: int = 4, straight_only: bool = False, extended_placement: bool = True, cap: float = _INF) -> list[Scored]:
-    """``dapple_search`` for a built request."""
+    """``dapple_search`` for a built request: one search per ZeRO level of the request (a
+    straight pipeline has no replicas to shard, so ``straight_only`` needs one), the
+    results together, best first."""
+    levels = request.zero_levels[:1] if straight_only else request.zero_levels
+    found: dict[tuple[int, tuple[StagePlan, ...]], Scored] = {}
+    for zero in levels:
+        for item in _search_level(request, zero, keep, straight_only, extended_placement, cap):
+            found.setdefault((item.micro_batches, item.stages), item)
+    return sorted(found.values(), key=lambda item: (item.latency_ms, len(item.stages), item.micro_batches))
+
+
+def _search_level(request: PlanRequest, zero: int, keep: int, straight_only: bool, extended_placement: bool, cap: float) -> list[Scored]:
+    """The search with every replicated stage at ZeRO level ``zero``, polished where a
+    beam cut it short."""
     profile, cluster = request.profile, request.cluster
     keep_per_state, beam = search_effort(profile.num_layers, cluster.num_devices, request.keep_per_state, request.beam)
     tables = request.tables
-    settings = SearchSettings(request.policy, request.schedule, keep_per_state, straight_only, extended_placement, beam)
+    settings = SearchSettings(request.policy, request.schedule, keep_per_state, straight_only, extended_placement, beam, zero)
     top = TopPlans(keep)
     _run_searches(request, tables, settings, top, cap)
     scored = []
     for _, _, m, raw in top.items:
-        item = score_stages(profile, cluster, _to_stages(raw), request.global_batch_size, m, request.policy, request.schedule)
+        item = request.score(_to_stages(raw, zero), m)
         if item.fits(cluster):
             scored.append(item)
     if beam is not None and scored and not straight_only:
         # the beam may have cut the way to a better plan: polish the best ones locally
         polished = [
-            polish(profile, cluster, item, request.global_batch_size, request.policy, request.schedule, request.floor, tables=tables)
+            polish(profile, cluster, item, request.global_batch_size, request.policy, request.schedule, request.floor, tables=tables, rescore=request.score)
             for item in scored[:2]
         ]
         known = {(item.micro_batches, item.stages) for item in scored}
-        scored.extend(item for item in polished if (item.micro_batches, item.stages) not in known)
+        scored.extend(item for item in polished if (item.micro_batches, item.stages) not in known and item.fits(cluster))
     scored.sort(key=lambda item: (item.latency_ms, len(item.stages), item.micro_batches))
     return scored
 
@@ -245,6 +279,8 @@ def plan_dapple(
     keep_per_state: int | None = None,
     beam: int | None | str = "auto",
     simulate: StepPricer | None = None,
+    zero: int | str = 0,
+    communicator_bytes: float = 0.0,
 ) -> Plan:
     """Plan ``profile`` on all devices of ``cluster`` with DAPPLE's planner (section 4).
 
@@ -253,11 +289,17 @@ def plan_dapple(
     ``simulate`` prices a plan's exact schedule (``simulate.plans.simulate_plan``, which
     ``simulate.plans.make_plan`` passes): the shortlist is re-ranked by it; without it the
     formula alone decides. ``policy`` "auto" runs each plan with the K_i policy it simulates
-    faster with (``policy_choice``; P_A without a simulator). Raises ``DappleConfigError``
-    when no plan is valid or none fits in device memory.
+    faster with (``policy_choice``; P_A without a simulator). ``zero`` is the ZeRO level of
+    every replicated stage (0: none), or "auto": the planner searches with and without it
+    and sets each stage's own (``zero_choice``), saying in the reason where it made the plan
+    fit or faster. ``communicator_bytes`` is the device memory of each NCCL communicator a
+    plan makes (``plan.communicators``; 0: not priced, as on CPU processes); the plan records
+    it and each rank's count in ``extra["communicators"]``. Raises ``DappleConfigError`` when
+    no plan is valid or none fits in device memory.
     """
     request = PlanRequest.build(
-        profile, cluster, global_batch_size, micro_batches, schedule, policy, num_devices, min_slice, rerank, keep_per_state, beam, simulate
+        profile, cluster, global_batch_size, micro_batches, schedule, policy, num_devices, min_slice, rerank, keep_per_state, beam, simulate, zero,
+        communicator_bytes,
     )
     return plan_request(request)
 
@@ -290,6 +332,13 @@ def plan_request(request: PlanRequest) -> Plan:
     }
     if choice is not None and request.auto_policy:
         extra["policy_choice"] = choice.summary()
+    if request.zero_auto:
+        note, record = zero_note(request, chosen, simulations.get(chosen_index), pool, simulations)
+        reason += ("; " + note) if note else ""
+        extra["zero_choice"] = record
+    if request.communicator_bytes > 0:
+        counts = communicators_per_rank(Plan(request.global_batch_size, chosen.micro_batches, chosen.stages), request.profile.tied, request.cluster.num_devices)
+        extra["communicators"] = {"reserve_bytes": request.communicator_bytes, "per_rank": {str(rank): count for rank, count in counts.items()}}
     return finish_plan(
         chosen, request.profile, request.cluster, request.global_batch_size, policy, request.schedule, "dapple", reason,
         simulations.get(chosen_index), extra,
@@ -313,10 +362,13 @@ def _candidate_pool(request: PlanRequest, dp: list[Scored], straight: list[Score
     duplicates; ``DappleConfigError`` when there is none."""
     rerank = request.rerank
     best = search(request, keep=max(rerank, 1), cap=cap)
-    shortlist = [*best[: max(rerank, 1)], *straight]
+    shortlist = [*per_level(best, request.zero_levels, max(rerank, 1)), *straight]
     if rerank > 0:
         balanced = [balanced_variant(request, item) for item in shortlist]
         shortlist += [item for item in balanced if item is not None]
+    if request.zero_auto:  # each stage at its own level, and every sharded plan's twin without sharding
+        shortlist += [item for item in (refine_zero(request, entry) for entry in [*shortlist, *dp]) if item is not None]
+        shortlist += [item for item in (whole_twin(request, entry) for entry in [*shortlist, *dp]) if item is not None]
     pool: list[Scored] = []
     seen: set[tuple[int, tuple[StagePlan, ...]]] = set()
     for item in [*shortlist, *dp]:

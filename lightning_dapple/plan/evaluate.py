@@ -22,17 +22,22 @@ from typing import Any, Sequence
 
 from lightning_dapple.cluster import GIB, Cluster
 from lightning_dapple.errors import DappleConfigError, require
-from lightning_dapple.plan.costs import StageCost, dapple_latency, stage_costs, stage_memory_bytes
+from lightning_dapple.plan.communicators import communicator_memory
+from lightning_dapple.plan.costs import (
+    StageCost,
+    dapple_latency,
+    stage_costs,
+    stage_memory_bytes,
+)
 from lightning_dapple.plan.plan import SCHEDULES, Plan, Prediction, StagePlan
-from lightning_dapple.profile.model_profile import ModelProfile
 from lightning_dapple.plan.warmup import warmup_counts
+from lightning_dapple.profile.model_profile import ModelProfile
 
 __all__ = [
     "Scored",
     "candidate_micro_batches",
     "check_inputs",
     "default_min_slice",
-    "format_bytes",
     "in_flight_limits",
     "memory_per_stage",
     "score_stages",
@@ -192,14 +197,21 @@ def score_stages(
     micro_batches: int,
     policy: str = "PA",
     schedule: str = "dapple",
+    communicator_bytes: float = 0.0,
 ) -> Scored:
     """Formula 1-2 latency and per-device memory of ``stages`` (the one scoring function);
-    stages that carry their K_i (``warmup``) are sized with them."""
+    stages that carry their K_i (``warmup``) are sized with them. ``communicator_bytes`` is
+    the device memory each NCCL communicator of the plan takes (``plan.communicators``: 0
+    where the run does not use NCCL), added to each stage's memory."""
     stages = tuple(stages)
     costs = stage_costs(profile, cluster, stages, global_batch_size // micro_batches)
     given = [stage.warmup for stage in stages]
     warmups = given if all(count is not None for count in given) else None
     memory = memory_per_stage(costs, micro_batches, cluster, policy, schedule, warmups)  # type: ignore[arg-type]
+    if communicator_bytes > 0:
+        bare = Plan(global_batch_size, micro_batches, stages, schedule, policy)
+        reserve = communicator_memory(bare, communicator_bytes, profile.tied, cluster.num_devices)
+        memory = [each + extra for each, extra in zip(memory, reserve)]
     return Scored(stages, micro_batches, dapple_latency(costs, micro_batches, memory), tuple(costs))
 
 
@@ -238,17 +250,6 @@ def finish_plan(
     return plan
 
 
-def format_bytes(num_bytes: float) -> str:
-    """Human size in the paper's style (548 MB, 2.6 GB): decimal units."""
-    if num_bytes >= 1e9:
-        return f"{num_bytes / 1e9:.1f} GB"
-    if num_bytes >= 1e6:
-        return f"{num_bytes / 1e6:.0f} MB"
-    if num_bytes >= 1e3:
-        return f"{num_bytes / 1e3:.0f} kB"
-    return f"{num_bytes:.0f} B"
-
-
 def format_gib(num_bytes: float) -> str:
     return f"{num_bytes / GIB:.2f} GiB"
 
@@ -264,6 +265,7 @@ def raise_no_memory(
         f"no plan fits in {cluster.device_memory_gib:g} GiB per device: the smallest plan ({what}) needs "
         f"{smallest_bytes / GIB:.2f} GiB per device for {profile.name}",
         "use more devices (--cluster), smaller micro-batches (more --micro-batches or a smaller global batch), "
-        "or devices with more memory (--memory-gib); the planner sizes every stash without recomputation, so an "
+        "devices with more memory (--memory-gib), or let replicated stages shard their optimizer state (zero='auto', "
+        "DappleStrategy(zero='auto')); the planner sizes every stash without recomputation, so an "
         "explicit plan whose stages recompute (recompute='always') may still fit",
     )

@@ -12,7 +12,7 @@ from dataclasses import replace
 from typing import Sequence
 
 from lightning_dapple.errors import require
-from lightning_dapple.plan.plan import RECOMPUTE_MODES, Plan
+from lightning_dapple.plan.plan import RECOMPUTE_MODES, ZERO_LEVELS, Plan
 from lightning_dapple.profile.model_profile import LayerProfile, ModelProfile
 
 __all__ = ["WEIGHT_SPLIT_ESTIMATE", "set_options", "with_weight_split"]
@@ -39,10 +39,11 @@ def with_weight_split(profile: ModelProfile, fraction: float = WEIGHT_SPLIT_ESTI
     return replace(profile, layers=tuple(layers), meta=meta)
 
 
-def set_options(plan: Plan, *, ooo: bool | None = None, recompute: "str | Sequence[str] | None" = None) -> Plan:
-    """``plan`` with ``ooo`` and fixed per-stage recomputation modes set, without a profile
-    (for ``"auto"``, which needs the memory model, use ``apply_ooo_recompute``). ``None``
-    keeps what the plan says."""
+def set_options(plan: Plan, *, ooo: bool | None = None, recompute: "str | Sequence[str] | None" = None, zero: int | None = None) -> Plan:
+    """``plan`` with ``ooo``, fixed per-stage recomputation modes and a ZeRO level for every
+    replicated stage set, without a profile (for ``"auto"``, which needs the memory model,
+    use ``apply_ooo_recompute`` and the planner's ``zero="auto"``). ``None`` keeps what the
+    plan says."""
     if recompute is not None:
         modes = [recompute] * plan.num_stages if isinstance(recompute, str) else list(recompute)
         require(len(modes) == plan.num_stages, "recompute", f"has {len(modes)} entries for {plan.num_stages} stages", "give one mode per stage or a single mode")
@@ -51,6 +52,9 @@ def set_options(plan: Plan, *, ooo: bool | None = None, recompute: "str | Sequen
         plan = replace(plan, stages=tuple(replace(stage, recompute=mode) for stage, mode in zip(plan.stages, modes)))
     if ooo is not None:
         plan = replace(plan, ooo=bool(ooo))
+    if zero is not None:
+        require(zero in ZERO_LEVELS and not isinstance(zero, bool), "zero", f"is {zero!r}", f"use one of {list(ZERO_LEVELS)}")
+        plan = replace(plan, stages=tuple(replace(stage, zero=zero if stage.replicas > 1 else 0) for stage in plan.stages))
     return plan
 
 

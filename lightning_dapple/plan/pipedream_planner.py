@@ -39,7 +39,12 @@ from dataclasses import dataclass
 
 from lightning_dapple.cluster import Cluster
 from lightning_dapple.errors import DappleConfigError, require
-from lightning_dapple.plan.evaluate import Scored, finish_plan, raise_no_memory, score_stages
+from lightning_dapple.plan.evaluate import (
+    Scored,
+    finish_plan,
+    raise_no_memory,
+    score_stages,
+)
 from lightning_dapple.plan.pipedream_optimizer import Level, PipeDreamChoice, optimize
 from lightning_dapple.plan.pipedream_states import PipeDreamStates, pipedream_states
 from lightning_dapple.plan.plan import Plan, StagePlan

@@ -5,37 +5,58 @@ each replicated on its own list of global ranks, the number of micro-batches M, 
 schedule and the per-stage warm-up count K_i (section 5.3). ``predicted`` holds the
 planner's latency model (formulas 1-2) and memory model so a user can see why.
 
+A replicated stage may shard its optimizer state over its replicas (``zero``: ZeRO-1,
+and with 2 its gradients too; ``strategy/zero.py`` runs it, ``costs.py`` prices it). The
+runtime reads it per stage, so a plan can shard one stage and not another.
+
 The JSON form is documented in docs/formats.md; a hand-written file needs only
 ``global_batch_size``, ``micro_batches`` and each stage's ``layers`` and ``devices``.
+
+This module is long because a plan's fields, their JSON form and the checks of each field
+belong together: a field added in one place and not the others is a plan that saves what it
+cannot load.
+
+The module is long because a plan's validation and its JSON forms live beside the dataclasses
+they check: each bad field gets its own message naming the fix, and a hand-written file is
+read through the same checks as a planned one.
 """
 from __future__ import annotations
 
 import difflib
 import json
-import os
-import tempfile
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Sequence
 
+from lightning_dapple.atomic_files import atomic_write_text
 from lightning_dapple.errors import DappleConfigError, require
+from lightning_dapple.plan.schedule_table import (
+    chunked_schedule_names,
+    schedule_names,
+    schedule_spec,
+)
 from lightning_dapple.plan.warmup import chunked_warmup_counts, warmup_counts
 
-SCHEDULES = ("dapple", "gpipe", "interleaved", "zbv")
+SCHEDULES = schedule_names()
 # schedules that run several stages (chunks) on each device group
-CHUNKED_SCHEDULES = ("interleaved", "zbv")
+CHUNKED_SCHEDULES = chunked_schedule_names()
 POLICIES = ("PA", "PB")
 RECOMPUTE_MODES = ("never", "always", "except_last")
+# ZeRO levels of a replicated stage: 0 every replica keeps the whole optimizer state, 1 each
+# keeps its share's state (ZeRO-1), 2 its share's gradients too (ZeRO-2)
+ZERO_LEVELS = (0, 1, 2)
 
 
 def chunk_placement(schedule: str, num_groups: int, chunks: int) -> tuple[int, ...]:
     """The device group of each stage: k mod P (interleaved), the V (zbv: 2 chunks)."""
-    require(schedule in CHUNKED_SCHEDULES, "schedule", f"is {schedule!r}", f"use one of {list(CHUNKED_SCHEDULES)} for chunks")
+    spec = schedule_spec(schedule)
+    require(spec.chunked, "schedule", f"is {schedule!r}", f"use one of {list(CHUNKED_SCHEDULES)} for chunks")
     require(num_groups >= 1, "device groups", f"are {num_groups}", "give at least one device group")
-    if schedule == "zbv":
-        require(chunks == 2, "chunks", f"is {chunks} for 'zbv'", "ZB-V places exactly 2 chunks per device group (a V)")
+    if spec.fixed_chunks is not None:
+        require(chunks == spec.fixed_chunks, "chunks", f"is {chunks} for {schedule!r}", f"{schedule!r} places exactly {spec.fixed_chunks} chunks per device group")
+    if spec.chunk_placement == "vee":
         return (*range(num_groups), *reversed(range(num_groups)))
-    require(chunks >= 2, "chunks", f"is {chunks} for 'interleaved'", "use 2 or more chunks per device group")
+    require(chunks >= 2, "chunks", f"is {chunks} for {schedule!r}", "use 2 or more chunks per device group")
     return tuple(stage % num_groups for stage in range(num_groups * chunks))
 
 
@@ -47,6 +68,7 @@ class StagePlan:
     devices: tuple[int, ...]
     warmup: int | None = None
     recompute: str = "never"
+    zero: int = 0
 
     @property
     def start(self) -> int:
@@ -66,6 +88,8 @@ class StagePlan:
             out["warmup"] = self.warmup
         if self.recompute != "never":
             out["recompute"] = self.recompute
+        if self.zero:
+            out["zero"] = self.zero
         return out
 
 
@@ -239,7 +263,7 @@ class Plan:
         self._check_chunks()
         _check_in_flight(self.ooo_in_flight, self.num_stages)
         warmups = [stage.warmup for stage in self.stages]
-        if self.schedule == "dapple" and all(k is not None for k in warmups):
+        if schedule_spec(self.schedule, "plan.schedule").early_backward and all(k is not None for k in warmups):
             capped = [min(int(k), self.micro_batches) for k in warmups]  # type: ignore[arg-type]
             for index in range(len(capped) - 1):
                 require(
@@ -292,6 +316,7 @@ class Plan:
             "use fewer micro-batches or fewer replicas for this stage",
         )
         require(stage.recompute in RECOMPUTE_MODES, f"{where}.recompute", f"is {stage.recompute!r}", f"use one of {list(RECOMPUTE_MODES)}")
+        _check_zero(stage, where, [earlier for earlier in self.stages[:index] if earlier.devices == stage.devices])
         if stage.warmup is not None:
             require(stage.warmup >= 1, f"{where}.warmup", f"is {stage.warmup}", "use K_i >= 1 or leave it out")
 
@@ -328,7 +353,7 @@ class Plan:
             not self.ooo,
             "plan.ooo",
             f"is on, but the {self.schedule!r} schedule places its own backward work"
-            + (" (it always splits B into I and W)" if self.schedule == "zbv" else " and does not defer weight gradients"),
+            + (" (it always splits B into I and W)" if schedule_spec(self.schedule).splits_backward else " and does not defer weight gradients"),
             "leave ooo off for chunked plans ('zbv' is the schedule with deferred weight gradients)",
         )
         for group in range(groups):
@@ -339,10 +364,10 @@ class Plan:
                 f"differs between the stages of device group {group}: {sorted(k for k in ks if k is not None)}",
                 "give every stage of a group the group's K (in chunk micro-batches) or leave them all out",
             )
-        if self.schedule == "zbv":
+        if schedule_spec(self.schedule).chunk_placement == "vee":
             small = [k for k, stage in enumerate(self.stages) if stage.warmup is not None and stage.warmup < 2]
             require(not small, f"plan.stages[{small[0] if small else 0}].warmup", "is below 2", "let each ZB-V group hold K >= 2 chunk micro-batches, one in each chunk")
-            expected = chunk_placement("zbv", groups, 2)
+            expected = chunk_placement(self.schedule, groups, 2)
             require(
                 self.chunks == 2 and self.placement == expected,
                 "plan.stages[].devices",
@@ -350,7 +375,7 @@ class Plan:
                 "put stage k on group k for k < P and on group 2P-1-k after (the V shape)",
             )
         else:
-            expected = chunk_placement("interleaved", groups, self.chunks)
+            expected = chunk_placement(self.schedule, groups, self.chunks)
             require(
                 self.placement == expected,
                 "plan.stages[].devices",
@@ -390,7 +415,7 @@ class Plan:
 
 
 PLAN_KEYS = ("global_batch_size", "micro_batches", "stages", "schedule", "policy", "predicted", "planner", "reason", "ooo", "first_k", "ooo_in_flight", "extra")
-STAGE_KEYS = ("layers", "devices", "warmup", "recompute")
+STAGE_KEYS = ("layers", "devices", "warmup", "recompute", "zero")
 
 
 def check_keys(data: dict[str, Any], valid: Sequence[str], where: str) -> None:
@@ -411,42 +436,7 @@ def plan_from_dict(data: Any, source: str = "plan") -> Plan:
     for name in ("global_batch_size", "micro_batches", "stages"):
         require(name in data, f"{source}.{name}", "is missing", "a plan needs global_batch_size, micro_batches and stages")
     require(isinstance(data["stages"], list) and data["stages"], f"{source}.stages", "is not a non-empty list", "list the stages")
-    stages = []
-    for index, entry in enumerate(data["stages"]):
-        where = f"{source}.stages[{index}]"
-        require(isinstance(entry, dict), where, "is not an object", "write each stage as {\"layers\": [start, end], \"devices\": [...]}")
-        check_keys(entry, STAGE_KEYS, where)
-        for name in ("layers", "devices"):
-            require(
-                name in entry,
-                f"{where}.{name}",
-                "is missing",
-                "every stage needs layers [start, end) and devices (or every stage devices alone: the planner then chooses the cut)",
-            )
-        layers = entry["layers"]
-        require(
-            isinstance(layers, list) and len(layers) == 2 and all(isinstance(v, int) for v in layers),
-            f"{where}.layers",
-            f"is {layers!r}",
-            "write a half-open range [start, end] of two integers",
-        )
-        devices = entry["devices"]
-        require(
-            isinstance(devices, list) and all(isinstance(v, int) and v >= 0 for v in devices),
-            f"{where}.devices",
-            f"is {devices!r}",
-            "write a list of global ranks",
-        )
-        warmup = entry.get("warmup")
-        require(warmup is None or isinstance(warmup, int), f"{where}.warmup", f"is {warmup!r}", "write an integer or leave it out")
-        stages.append(
-            StagePlan(
-                layers=(layers[0], layers[1]),
-                devices=tuple(devices),
-                warmup=warmup,
-                recompute=str(entry.get("recompute", "never")),
-            )
-        )
+    stages = [_stage_from_dict(entry, f"{source}.stages[{index}]") for index, entry in enumerate(data["stages"])]
     predicted = None
     if isinstance(data.get("predicted"), dict):
         p = data["predicted"]
@@ -480,6 +470,49 @@ def plan_from_dict(data: Any, source: str = "plan") -> Plan:
     return plan.validate()
 
 
+def _stage_from_dict(entry: Any, where: str) -> StagePlan:
+    """One stage of a plan's JSON, each field checked (``where`` names it in errors)."""
+    require(isinstance(entry, dict), where, "is not an object", "write each stage as {\"layers\": [start, end], \"devices\": [...]}")
+    check_keys(entry, STAGE_KEYS, where)
+    for name in ("layers", "devices"):
+        require(
+            name in entry,
+            f"{where}.{name}",
+            "is missing",
+            "every stage needs layers [start, end) and devices (or every stage devices alone: the planner then chooses the cut)",
+        )
+    layers = entry["layers"]
+    require(
+        isinstance(layers, list) and len(layers) == 2 and all(isinstance(v, int) for v in layers),
+        f"{where}.layers",
+        f"is {layers!r}",
+        "write a half-open range [start, end] of two integers",
+    )
+    devices = entry["devices"]
+    require(
+        isinstance(devices, list) and all(isinstance(v, int) and v >= 0 for v in devices),
+        f"{where}.devices",
+        f"is {devices!r}",
+        "write a list of global ranks",
+    )
+    warmup = entry.get("warmup")
+    require(warmup is None or isinstance(warmup, int), f"{where}.warmup", f"is {warmup!r}", "write an integer or leave it out")
+    zero = entry.get("zero", 0)
+    require(
+        isinstance(zero, int) and not isinstance(zero, bool),
+        f"{where}.zero",
+        f"is {zero!r}",
+        f"write one of {list(ZERO_LEVELS)} or leave it out (0: no sharding)",
+    )
+    return StagePlan(
+        layers=(layers[0], layers[1]),
+        devices=tuple(devices),
+        warmup=warmup,
+        recompute=str(entry.get("recompute", "never")),
+        zero=zero,
+    )
+
+
 def _in_flight_from(data: dict[str, Any], source: str) -> tuple[int, ...] | None:
     """The plan's ``ooo_in_flight``: its own key, or ``extra.ooo_in_flight`` where files
     written before it was a plan field keep it."""
@@ -505,6 +538,25 @@ def require_round_multiple(num_groups: int, micro_batches: int) -> None:
         "plan.micro_batches",
         f"is {micro_batches}, but interleaved 1F1B sends micro-batches through the chunks in rounds of the {num_groups} device groups",
         f"use a multiple of {num_groups} (e.g. {up}), or the 'dapple' or 'zbv' schedule",
+    )
+
+
+def _check_zero(stage: StagePlan, where: str, same_group: Sequence[StagePlan]) -> None:
+    """A stage's ZeRO level: one of ``ZERO_LEVELS``, above 0 only where there are replicas
+    to shard over, and the same on every stage of one device group (the runtime shards a
+    rank's whole optimizer over its group's replicas, ``strategy/zero.py``)."""
+    require(stage.zero in ZERO_LEVELS, f"{where}.zero", f"is {stage.zero!r}", f"use one of {list(ZERO_LEVELS)} (0: every replica keeps the whole state)")
+    require(
+        stage.zero == 0 or stage.replicas > 1,
+        f"{where}.zero",
+        f"is {stage.zero} on a stage with one device, which has no replicas to shard its optimizer state over",
+        "leave zero at 0 on unreplicated stages",
+    )
+    require(
+        all(other.zero == stage.zero for other in same_group),
+        f"{where}.zero",
+        f"is {stage.zero}, but another stage on the same devices {list(stage.devices)} has {same_group[0].zero if same_group else 0}",
+        "give every stage of one device group the same zero (its ranks shard one optimizer)",
     )
 
 
@@ -618,23 +670,6 @@ def plan_or_shape_from_dict(data: Any, source: str = "plan") -> Plan | PlanShape
 def load_plan_or_shape(path: str | Path) -> Plan | PlanShape:
     path = Path(path)
     return plan_or_shape_from_dict(_read_json(path), source=f"plan {path.name}")
-
-
-def atomic_write_text(path: Path, text: str) -> Path:
-    """Write ``text`` to ``path`` so that readers see the old file or the new one, never half."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(handle, "w") as stream:
-            stream.write(text)
-            stream.flush()
-            os.fsync(stream.fileno())
-        os.replace(temp, path)
-    except BaseException:
-        if os.path.exists(temp):
-            os.unlink(temp)
-        raise
-    return path
 
 
 def straight_plan(num_layers: int, bounds: Sequence[int], global_batch_size: int, micro_batches: int, **kwargs: Any) -> Plan:

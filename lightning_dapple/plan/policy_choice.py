@@ -21,9 +21,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from lightning_dapple.plan.costs import step_lower_bound
-from lightning_dapple.plan.evaluate import Scored, in_flight_limits, score_stages
+from lightning_dapple.plan.evaluate import Scored, in_flight_limits
 from lightning_dapple.plan.plan import Plan
 from lightning_dapple.plan.request import PlanRequest
+from lightning_dapple.plan.schedule_table import schedule_spec
 from lightning_dapple.plan.warmup import warmup_counts
 
 __all__ = ["POLICIES", "PolicyChoice", "rescored", "simulate_policies"]
@@ -55,7 +56,7 @@ class PolicyChoice:
 def _policies(request: PlanRequest, item: Scored) -> tuple[str, ...]:
     """Policies worth simulating: both when asked for 'auto' and they can differ (early
     backward with two stages or more), else the request's."""
-    if request.auto_policy and request.schedule == "dapple" and len(item.stages) > 1:
+    if request.auto_policy and schedule_spec(request.schedule).early_backward and len(item.stages) > 1:
         return POLICIES
     return (request.policy,)
 
@@ -98,4 +99,4 @@ def rescored(request: PlanRequest, item: Scored, choice: "PolicyChoice | None") 
     if choice is None or choice.policy == request.policy:
         return item
     stages = tuple(replace(stage, warmup=count) for stage, count in zip(item.stages, choice.warmups))
-    return score_stages(request.profile, request.cluster, stages, request.global_batch_size, item.micro_batches, choice.policy, request.schedule)
+    return request.score(stages, item.micro_batches, choice.policy)

@@ -7,7 +7,7 @@ boundary or one replica recovers most of that, pricing each edit with formula 2
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 from lightning_dapple.cluster import Cluster
 from lightning_dapple.plan.costs import dapple_latency, slice_size
@@ -20,11 +20,13 @@ from lightning_dapple.profile.model_profile import ModelProfile
 __all__ = ["polish", "consecutive"]
 
 
-def consecutive(shape: Sequence[tuple[int, int, int]]) -> tuple[StagePlan, ...]:
+def consecutive(shape: Sequence[tuple[int, int, int]], zero: int = 0) -> tuple[StagePlan, ...]:
+    """Stages of ``shape`` ((start, end, replicas) each) on consecutive ranks, the replicated
+    ones at ZeRO level ``zero``."""
     stages = []
     rank = 0
     for a, b, r in shape:
-        stages.append(StagePlan(layers=(a, b), devices=tuple(range(rank, rank + r))))
+        stages.append(StagePlan(layers=(a, b), devices=tuple(range(rank, rank + r)), zero=zero if r > 1 else 0))
         rank += r
     return tuple(stages)
 
@@ -35,7 +37,7 @@ class _QuickCost:
     field (recomputation time, ...) reads as 0, which is what a plan without
     recomputation has."""
 
-    __slots__ = ("forward_ms", "backward_ms", "tail_ms", "send_ms", "param_bytes", "stash_bytes", "overhead")
+    __slots__ = ("forward_ms", "backward_ms", "tail_ms", "send_ms", "param_bytes", "stash_bytes", "overhead", "replicas", "zero")
 
     def __getattr__(self, name: str) -> float:
         if name.startswith("__"):
@@ -44,9 +46,11 @@ class _QuickCost:
 
     def __init__(
         self, forward_ms: float, backward_ms: float, tail_ms: float, send_ms: float, param_bytes: float, stash_bytes: float,
-        overhead: ActionOverhead,
+        overhead: ActionOverhead, replicas: int = 1, zero: int = 0,
     ) -> None:
         self.overhead = overhead
+        self.replicas = replicas
+        self.zero = zero
         self.forward_ms = forward_ms
         self.backward_ms = backward_ms
         self.tail_ms = tail_ms
@@ -56,12 +60,13 @@ class _QuickCost:
 
 
 def _tail_ms(tables: RangeTables, cluster: Cluster, stage: StagePlan, per_device: float) -> float:
-    """The stage's ``tail_ms`` (exposed AllReduce and optimizer step) from the range tables."""
+    """The stage's ``tail_ms`` (exposed AllReduce and optimizer step, at its ZeRO level) from
+    the range tables."""
     a = 0.0
     if stage.replicas > 1:
         coef = 2.0 * (stage.replicas - 1) / stage.replicas
         a = coef / cluster.bytes_per_ms(cluster.ring_bandwidth_gbps(stage.devices))
-    return tables.stage_tail(a, cluster.ring_latency_ms(stage.replicas), per_device, stage.start, stage.end)
+    return tables.stage_tail(a, cluster.ring_latency_ms(stage.replicas), per_device, stage.start, stage.end, stage.replicas, stage.zero)
 
 
 def _quick_latency(tables: RangeTables, cluster: Cluster, stages: Sequence[StagePlan], mbs: int, m: int, policy: str, schedule: str) -> tuple[float, bool]:
@@ -84,6 +89,8 @@ def _quick_latency(tables: RangeTables, cluster: Cluster, stages: Sequence[Stage
                 params,
                 float(tables.stash_bytes(a, b, per_device)),
                 tables.overhead,
+                stage.replicas,
+                stage.zero if stage.replicas > 1 else 0,
             )
         )
     memory = memory_per_stage(costs, m, cluster, policy, schedule)  # type: ignore[arg-type]
@@ -100,6 +107,7 @@ def polish(
     min_slice: int,
     rounds: int = 12,
     tables: "RangeTables | None" = None,
+    rescore: "Callable[[tuple[StagePlan, ...], int], Scored] | None" = None,
 ) -> Scored:
     """Hill-climb from a DP result with small edits, keeping what formula 2 likes better.
 
@@ -108,8 +116,11 @@ def polish(
     between two stages, merge two neighbours, or split a replicated stage in two. Edits that
     change replica counts place stages on consecutive ranks; every candidate is priced with
     ``score_stages`` and must fit in memory with slices of at least ``min_slice`` samples.
+    Replicated stages keep the ZeRO level of ``start``'s (the search's level). ``rescore``
+    prices the result (``PlanRequest.score``; default ``score_stages``).
     """
     tables = tables or RangeTables(profile)
+    zero = max((stage.zero for stage in start.stages), default=0)
     m = start.micro_batches
     mbs = global_batch_size // m
     rmax = min(mbs // min_slice, mbs)
@@ -123,8 +134,8 @@ def polish(
                 cut = best_stages[i].end + delta
                 if best_stages[i].start < cut < best_stages[i + 1].end:
                     edited = list(best_stages)
-                    edited[i] = StagePlan((edited[i].start, cut), edited[i].devices)
-                    edited[i + 1] = StagePlan((cut, edited[i + 1].end), edited[i + 1].devices)
+                    edited[i] = StagePlan((edited[i].start, cut), edited[i].devices, zero=edited[i].zero)
+                    edited[i + 1] = StagePlan((cut, edited[i + 1].end), edited[i + 1].devices, zero=edited[i + 1].zero)
                     options.append(tuple(edited))
         for i in range(len(shape)):
             for k in range(len(shape)):
@@ -132,13 +143,13 @@ def polish(
                     edited_shape = list(shape)
                     edited_shape[i] = (shape[i][0], shape[i][1], shape[i][2] - 1)
                     edited_shape[k] = (shape[k][0], shape[k][1], shape[k][2] + 1)
-                    options.append(consecutive(edited_shape))
+                    options.append(consecutive(edited_shape, zero))
             if i + 1 < len(shape) and shape[i][2] + shape[i + 1][2] <= rmax:
-                options.append(consecutive(shape[:i] + [(shape[i][0], shape[i + 1][1], shape[i][2] + shape[i + 1][2])] + shape[i + 2 :]))
+                options.append(consecutive(shape[:i] + [(shape[i][0], shape[i + 1][1], shape[i][2] + shape[i + 1][2])] + shape[i + 2 :], zero))
             a, b, r = shape[i]
             if r >= 2 and b - a >= 2:
                 mid = (a + b) // 2
-                options.append(consecutive(shape[:i] + [(a, mid, r // 2), (mid, b, r - r // 2)] + shape[i + 1 :]))
+                options.append(consecutive(shape[:i] + [(a, mid, r // 2), (mid, b, r - r // 2)] + shape[i + 1 :], zero))
         improved = None
         for stages in options:
             key = tuple((s.start, s.end, s.devices) for s in stages)
@@ -153,4 +164,6 @@ def polish(
         best_stages = improved
     if best_stages == start.stages:
         return start
+    if rescore is not None:
+        return rescore(best_stages, m)
     return score_stages(profile, cluster, best_stages, global_batch_size, m, policy, schedule)

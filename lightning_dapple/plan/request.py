@@ -5,15 +5,30 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from lightning_dapple.cluster import Cluster
-from lightning_dapple.plan.evaluate import candidate_micro_batches, check_inputs, default_min_slice, subcluster
-from lightning_dapple.plan.plan import Plan
+from lightning_dapple.errors import require
+from lightning_dapple.plan.evaluate import (
+    Scored,
+    candidate_micro_batches,
+    check_inputs,
+    default_min_slice,
+    score_stages,
+    subcluster,
+)
+from lightning_dapple.plan.plan import ZERO_LEVELS, Plan, StagePlan
 from lightning_dapple.plan.search_tables import RangeTables
 from lightning_dapple.profile.model_profile import ModelProfile
 
-__all__ = ["PlanRequest", "StepPricer"]
+__all__ = ["AUTO_ZERO", "AUTO_ZERO_LEVELS", "PlanRequest", "StepPricer", "zero_levels"]
+
+AUTO_ZERO = "auto"
+# The levels ``zero="auto"`` chooses among: no sharding and ZeRO-1. ZeRO-2 holds no less at
+# a step's peak (``costs.weight_state_factor``: the gradients are whole until the last
+# micro-batch's buckets are reduced) and differs only in how its gradients travel, so it is
+# planned for when asked for by number (``zero=2``).
+AUTO_ZERO_LEVELS = (0, 1)
 
 # Prices one step of a plan exactly (the simulator's ``simulate_plan``): given to the
 # planners by the layer above them, which owns the schedules and the simulator.
@@ -29,6 +44,11 @@ class PlanRequest:
     ``policy`` is the K_i policy the search sizes memory with (DAPPLE 5.3); with
     ``auto_policy`` (asked for as policy "auto") it is P_A, the one that holds fewer
     micro-batches, and the simulated re-ranking also tries P_B (``policy_choice``).
+
+    ``zero_levels`` are the ZeRO levels a replicated stage may run at (``costs.py``): the
+    search runs once per level, and with more than one level ``zero_choice`` sets each
+    stage's own (``zero`` "auto" asks for ``AUTO_ZERO_LEVELS``, an integer for that level
+    alone; default 0, every replica keeps the whole optimizer state).
     """
 
     profile: ModelProfile
@@ -45,6 +65,20 @@ class PlanRequest:
     beam: int | None | str = "auto"
     simulate: StepPricer | None = None
     auto_policy: bool = False
+    zero_levels: tuple[int, ...] = (0,)
+    communicator_bytes: float = 0.0
+
+    def score(self, stages: Sequence[StagePlan], micro_batches: int, policy: str | None = None) -> Scored:
+        """``score_stages`` of ``stages`` for this request (its schedule, its policy unless
+        ``policy`` is given, its communicators' memory)."""
+        return score_stages(
+            self.profile, self.cluster, stages, self.global_batch_size, micro_batches, policy or self.policy, self.schedule, self.communicator_bytes
+        )
+
+    @property
+    def zero_auto(self) -> bool:
+        """Whether the planner chooses each replicated stage's ZeRO level."""
+        return len(self.zero_levels) > 1
 
     @cached_property
     def tables(self) -> RangeTables:
@@ -66,6 +100,8 @@ class PlanRequest:
         keep_per_state: int | None = None,
         beam: int | None | str = "auto",
         simulate: StepPricer | None = None,
+        zero: int | str = 0,
+        communicator_bytes: float = 0.0,
     ) -> "PlanRequest":
         """Check the inputs (``DappleConfigError`` on bad ones) and resolve the defaults."""
         auto_policy = policy == "auto"
@@ -77,5 +113,18 @@ class PlanRequest:
         candidates, floor = candidate_micro_batches(global_batch_size, floor, micro_batches)
         return cls(
             profile, cluster, global_batch_size, tuple(candidates), floor, min_slice, schedule, policy, micro_batches, rerank, keep_per_state, beam, simulate,
-            auto_policy,
+            auto_policy, zero_levels(zero), float(communicator_bytes),
         )
+
+
+def zero_levels(zero: int | str) -> tuple[int, ...]:
+    """The ZeRO levels the planner may give replicated stages for the setting ``zero``."""
+    if zero == AUTO_ZERO:
+        return AUTO_ZERO_LEVELS
+    require(
+        zero in ZERO_LEVELS and not isinstance(zero, bool),
+        "zero",
+        f"is {zero!r}",
+        f"use {AUTO_ZERO!r} (the planner chooses per stage) or one of {list(ZERO_LEVELS)}",
+    )
+    return (int(zero),)

@@ -29,7 +29,9 @@ A candidate is priced by the layer that owns the simulator (``simulate.plans.pri
 ``check_plan_fits``, ``stage_memory`` and ``simulate_plan``, the checks and prices every
 plan gets). It "fits" when every device's memory (``stage_memory``: for a device group
 holding several stages, the weights of all of them and the peak of one stash walk over
-the group's merged order) is within ``cluster.device_memory_bytes``. If none fits, the
+the group's merged order; plus its NCCL communicators' reserve where the planner priced
+one, ``extra["communicators"]``) is within ``cluster.device_memory_bytes``. Chunks on
+the planner's device groups keep the group's ZeRO level. If none fits, the
 planner's own plan is kept, as before. The plan's ``reason`` gains one sentence naming
 the winner, what it beat and by how much; ``extra["schedule_choice"]`` holds every
 candidate's numbers.
@@ -42,8 +44,10 @@ from typing import Any, Callable, Iterator, Sequence
 from lightning_dapple.cluster import GIB, Cluster
 from lightning_dapple.errors import DappleConfigError, require
 from lightning_dapple.plan.chunk_cut import chunked_stages
+from lightning_dapple.plan.communicators import communicator_memory
 from lightning_dapple.plan.costs import StageCost, dapple_latency
 from lightning_dapple.plan.plan import POLICIES, SCHEDULES, Plan
+from lightning_dapple.plan.schedule_table import DEFAULT_SCHEDULE, schedule_spec
 from lightning_dapple.profile.model_profile import ModelProfile
 
 __all__ = ["AUTO_SCHEDULE", "RUNNABLE_SCHEDULES", "Candidate", "choose_schedule", "schedule_candidates"]
@@ -80,7 +84,7 @@ class Candidate:
 
     @property
     def label(self) -> str:
-        name = f"interleaved x{self.chunks}" if self.schedule == "interleaved" else self.schedule
+        name = f"{self.schedule} x{self.chunks}" if schedule_spec(self.schedule).chunked and schedule_spec(self.schedule).fixed_chunks is None else self.schedule
         return f"{name} on the straight shape" if self.straight else name
 
     def summary(self) -> dict[str, Any]:
@@ -119,7 +123,7 @@ def choose_schedule(
     fitting = [candidate for candidate in candidates if candidate.fits]
     if not fitting:
         why = schedule_reason(candidates, None) if candidates else f"the plan has one device group ({plan.kind()}), with no pipeline to chunk"
-        require("dapple" in schedules, "schedule", f"none of {list(schedules)} can run this plan: {why}", "name another schedule or leave it to 'auto'")
+        require(DEFAULT_SCHEDULE in schedules, "schedule", f"none of {list(schedules)} can run this plan: {why}", "name another schedule or leave it to 'auto'")
         kept = finish(plan) if finish is not None else plan
         return _with_choice(kept, candidates, None)
     best = min(fitting, key=lambda candidate: candidate.latency_ms)  # first listed on a tie: dapple before the others
@@ -132,9 +136,10 @@ def schedule_candidates(
 ) -> Iterator[Candidate]:
     """Every schedule tried for ``plan``, priced, in the order of the module docstring."""
     groups = plan.device_groups
-    pricing = Pricing(profile, cluster, price, finish)
+    pricing = Pricing(profile, cluster, price, finish, float(plan.extra.get("communicators", {}).get("reserve_bytes", 0.0)))
     require(plan.chunks == 1, "plan", f"has {plan.chunks} stages per device group", "give the planner's plan (one stage per group)")
-    for name in ("dapple", "gpipe")[: 2 if len(groups) > 1 else 1]:  # one group has no pipeline: DP or one device
+    straight_names = [name for name in SCHEDULES if not schedule_spec(name).chunked]
+    for name in straight_names if len(groups) > 1 else [DEFAULT_SCHEDULE]:  # one group has no pipeline: DP or one device
         if name in schedules:
             bare = plan if name == plan.schedule else _rescheduled(plan, name)
             yield _priced(Candidate(name, 1, False, bare), pricing)
@@ -144,20 +149,22 @@ def schedule_candidates(
     straight = tuple(sorted((rank,) for group in groups for rank in group))
     if len(straight) > len(groups):
         shapes.append((straight, True))
+    chunked = [schedule_spec(name) for name in SCHEDULES if schedule_spec(name).chunked and name in schedules]
     for shape, is_straight in shapes:
-        if "interleaved" in schedules:
-            yield from _interleaved(plan, shape, is_straight, pricing)
-        if "zbv" in schedules:
-            yield _chunked(plan, shape, is_straight, "zbv", 2, pricing)
+        for spec in chunked:
+            if spec.fixed_chunks is None:
+                yield from _interleaved(plan, shape, is_straight, pricing, spec.name)
+            else:
+                yield _chunked(plan, shape, is_straight, spec.name, spec.fixed_chunks, pricing)
 
 
-def _interleaved(plan: Plan, groups: tuple[tuple[int, ...], ...], straight: bool, pricing: "Pricing") -> Iterator[Candidate]:
+def _interleaved(plan: Plan, groups: tuple[tuple[int, ...], ...], straight: bool, pricing: "Pricing", name: str) -> Iterator[Candidate]:
     """Interleaved with 2, 3, ... chunks per group while each simulates faster than the last
     and the layers allow a chunk of at least one layer each."""
     previous: float | None = None
     chunks = 2
     while chunks * len(groups) <= pricing.profile.num_layers:
-        candidate = _chunked(plan, groups, straight, "interleaved", chunks, pricing)
+        candidate = _chunked(plan, groups, straight, name, chunks, pricing)
         yield candidate
         if not candidate.fits or (previous is not None and candidate.latency_ms >= previous):  # type: ignore[operator]
             return
@@ -179,6 +186,8 @@ def _chunked(
         stages = chunked_stages(pricing.profile, groups, schedule, chunks, plan.micro_batch_size)
     except DappleConfigError as exc:
         return Candidate(schedule, chunks, straight, problem=_problem(exc))
+    sharded = {stage.devices: stage.zero for stage in plan.stages}  # a device group keeps its ZeRO level in every chunk
+    stages = tuple(replace(stage, zero=sharded.get(stage.devices, 0) if stage.replicas > 1 else 0) for stage in stages)
     policies = POLICIES if "policy_choice" in plan.extra else (plan.policy,)
     tried = []
     for policy in policies:
@@ -202,6 +211,7 @@ class Pricing:
     cluster: Cluster
     price: SchedulePricer
     finish: Finisher | None = None
+    communicator_bytes: float = 0.0  # each NCCL communicator's device memory (plan.communicators)
 
 
 def _priced(candidate: Candidate, pricing: Pricing) -> Candidate:
@@ -213,6 +223,8 @@ def _priced(candidate: Candidate, pricing: Pricing) -> Candidate:
         simulation, memory, costs = pricing.price(plan, pricing.profile, pricing.cluster)
     except DappleConfigError as exc:
         return replace(candidate, plan=None, problem=_problem(exc))
+    reserve = communicator_memory(plan, pricing.communicator_bytes, pricing.profile.tied, pricing.cluster.num_devices)
+    memory = [each + extra for each, extra in zip(memory, reserve)]  # chunks hold more links: more communicators
     peak = max(memory)  # a device's bytes: a stage's entry is its device group's (all its chunks)
     formula = dapple_latency(costs, plan.micro_batches, memory)
     predicted = replace(formula, simulated_latency_ms=simulation.latency_ms, bubble_fraction=simulation.bubble_fraction)

@@ -17,7 +17,12 @@ row here and one builder in ``lightning_dapple/schedule/``:
   schedules split only under out-of-order backprop (``plan.ooo``);
 * ``holds_every_micro_batch``: whether every stage runs all M forwards before its first
   backward (GPipe), so K_i = M and the stash holds M micro-batches;
+* ``chunk_placement``: how a chunked schedule places its stages on the device groups,
+  ``"round_robin"`` (stage k on group k mod P) or ``"vee"`` (down the groups and back up);
 * ``warmup_rule``: how K_i is set, in words (the counts are ``plan.warmup``'s).
+
+``DEFAULT_SCHEDULE`` is the planner's own (DAPPLE's early backward), kept when no other
+schedule fits.
 """
 from __future__ import annotations
 
@@ -25,7 +30,7 @@ from dataclasses import dataclass
 
 from lightning_dapple.errors import require
 
-__all__ = ["SCHEDULE_TABLE", "ScheduleSpec", "chunked_schedule_names", "schedule_names", "schedule_spec"]
+__all__ = ["DEFAULT_SCHEDULE", "SCHEDULE_TABLE", "ScheduleSpec", "chunked_schedule_names", "schedule_names", "schedule_spec"]
 
 
 @dataclass(frozen=True)
@@ -39,8 +44,17 @@ class ScheduleSpec:
     fixed_chunks: int | None = None
     splits_backward: bool = False
     holds_every_micro_batch: bool = False
+    chunk_placement: str = ""
     warmup_rule: str = ""
 
+    @property
+    def early_backward(self) -> bool:
+        """One stage per device group, K_i forwards, then a backward and a forward at a time
+        (DAPPLE 3.2): the schedule whose K_i must not grow along the pipeline."""
+        return not self.chunked and not self.holds_every_micro_batch
+
+
+DEFAULT_SCHEDULE = "dapple"
 
 SCHEDULE_TABLE: dict[str, ScheduleSpec] = {
     spec.name: spec
@@ -63,6 +77,7 @@ SCHEDULE_TABLE: dict[str, ScheduleSpec] = {
             "Megatron's interleaved 1F1B: v chunks per device group (Narayanan et al. 2021, sec. 2.2)",
             builder="lightning_dapple.schedule.interleaved:build_interleaved_schedule",
             chunked=True,
+            chunk_placement="round_robin",
             warmup_rule="(v - 1) P forwards to fill the earlier chunks, then DAPPLE's rule on the last chunk",
         ),
         ScheduleSpec(
@@ -72,6 +87,7 @@ SCHEDULE_TABLE: dict[str, ScheduleSpec] = {
             chunked=True,
             fixed_chunks=2,
             splits_backward=True,
+            chunk_placement="vee",
             warmup_rule="at most 2P chunk micro-batches in flight per device group (P_A), 4P - 2 (P_B)",
         ),
     )

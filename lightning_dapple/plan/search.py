@@ -6,6 +6,19 @@ next stage of every sub-problem of layer j at once -- every replica count r, eve
 placement the policies of 4.2 offer and every end J -- both as the plan's last-but-one
 stage with the rest as one final stage (``_batch_complete``: the paper's T_PL, formula 2
 computed incrementally) and as a new sub-problem to split further (``_batch_extend``).
+
+``SearchSettings.zero`` prices every replicated stage of the run at that ZeRO level
+(``costs.py``: each replica's share of the optimizer state, and under 2 of the gradients; the
+step's share, the parameter exchange and the reduce); the planner runs the search once per
+level it may use and lets ``zero_choice`` mix levels per stage afterwards.
+
+This module is long because the vectorised DP shares its memo tables, its per-layer
+batches and its bound between the steps of one layer; split apart, every piece would
+have to carry all of them.
+
+The module is long because the dynamic programme's vectorised expansion (every replica count,
+placement and end of every sub-problem at once) keeps its array steps together, in the order
+formulas 4-5 combine them; split, the steps would pass a dozen arrays between modules.
 """
 from __future__ import annotations
 
@@ -16,9 +29,16 @@ from typing import Any, NamedTuple, Sequence
 import numpy as np
 
 from lightning_dapple.cluster import Cluster
-from lightning_dapple.plan.costs import slice_size
-from lightning_dapple.plan.partial import PartialPlan, TopPlans, beam_select, dominates, rank
+from lightning_dapple.plan.costs import slice_size, weight_state_factor
+from lightning_dapple.plan.partial import (
+    PartialPlan,
+    TopPlans,
+    beam_select,
+    dominates,
+    rank,
+)
 from lightning_dapple.plan.placement import PlacementState, placement_options
+from lightning_dapple.plan.schedule_table import schedule_spec
 from lightning_dapple.plan.search_tables import RangeTables, p2p_ms_fast
 
 __all__ = ["EXTENDED_PLACEMENT_DEVICES", "SearchSettings", "SharedMemo", "StageSearch"]
@@ -36,6 +56,7 @@ class SearchSettings:
     straight_only: bool = False
     extended: bool = True
     beam: int | None = None
+    zero: int = 0  # the ZeRO level of every replicated stage (costs.py)
 
     @property
     def beam_insert(self) -> int:
@@ -159,7 +180,11 @@ class StageSearch:
         self.rmax = min(self.mbs // min_slice, self.mbs, cluster.num_devices)
         self.settings = settings
         self.cap = cluster.device_memory_bytes
-        self.weight_factor = 2.0 + cluster.optimizer_state_factor
+        self.weight_factor = 2.0 + cluster.optimizer_state_factor  # bytes held per parameter byte, one replica
+        # ... per replica count r (index), at the run's ZeRO level
+        self._weight_factors = np.array(
+            [weight_state_factor(r, settings.zero, cluster.optimizer_state_factor) for r in range(cluster.num_devices + 1)]
+        )
         self.lat = cluster.latency_ms  # per transfer
         self.ring_lat = cluster.ring_latency_ms  # per AllReduce, by replica count
         self.per = cluster.devices_per_machine
@@ -181,7 +206,7 @@ class StageSearch:
 
     def k_of(self, t: int) -> int:
         """K_i of a stage with ``t`` stages from it to the end (itself included)."""
-        if self.settings.schedule == "gpipe":
+        if schedule_spec(self.settings.schedule).holds_every_micro_batch:
             return self.m
         wanted = t if self.settings.policy == "PA" else 2 * t - 1
         return max(1, min(wanted, self.m))
@@ -200,7 +225,7 @@ class StageSearch:
         safe = np.where(finite, kmax, 0.0)
         down = finite & (weights + safe * stash > self.cap)
         kmax = np.where(down, kmax - 1, kmax)
-        if self.settings.schedule == "gpipe":
+        if schedule_spec(self.settings.schedule).holds_every_micro_batch:
             return np.where(kmax >= self.m, _INF, -1.0)
         if self.settings.policy == "PA":
             return np.where(kmax >= self.m, _INF, kmax)
@@ -211,7 +236,8 @@ class StageSearch:
         ``replicas``, each distinct replica count priced once."""
         distinct, inverse = _distinct(replicas)
         t = self.t
-        table = self.t_max(t.params[j, lo:hi][None, :] * self.weight_factor, t.stash_bytes(j, slice(lo, hi), self._scale_array[distinct][:, None]))
+        weights = t.params[j, lo:hi][None, :] * self._weight_factors[distinct][:, None]
+        table = self.t_max(weights, t.stash_bytes(j, slice(lo, hi), self._scale_array[distinct][:, None]))
         return table[inverse]
 
     def p2p_unit(self, senders: tuple[int, ...], receivers: tuple[int, ...]) -> tuple[float, float]:
@@ -303,7 +329,7 @@ class StageSearch:
         s = self.scale(g)
         f, b = self.t.forward[0, n] * s, self.t.backward[0, n] * s
         ar = float(self._exposed_row(self.ring_id(ranks), 0)[n])
-        mem = self.t.params[0, n] * self.weight_factor + self.k_of(1) * self.t.stash_bytes(0, n, s)
+        mem = self.t.params[0, n] * self._weight_factors[g] + self.k_of(1) * self.t.stash_bytes(0, n, s)
         if mem > self.cap:
             return
         latency = f + self.m1 * (f + b) + (ar + b)
@@ -509,7 +535,8 @@ class StageSearch:
         complete_ok = batch.rest <= self.rmax
         if self.settings.straight_only:
             complete_ok &= batch.rest == 1
-        mem = t.params[batch.lo : batch.hi, n][None, :] * self.weight_factor + self.k_of(1) * t.stash_bytes(slice(batch.lo, batch.hi), n, batch.s_rest)
+        weights = t.params[batch.lo : batch.hi, n][None, :] * self._weight_factors[batch.rest][:, None]
+        mem = weights + self.k_of(1) * t.stash_bytes(slice(batch.lo, batch.hi), n, batch.s_rest)
         batch.valid = batch.inside & complete_ok[:, None] & (batch.tmax >= 2) & (mem <= self.cap)
         batch.latency = np.full(batch.fn.shape, _INF)
         if batch.valid.any():
@@ -663,7 +690,7 @@ class StageSearch:
         found = self._exposed.get(key)
         if found is None:
             replicas, per_byte = key
-            found = self._exposed[key] = self.t.tail(per_byte, self.ring_lat(replicas), self.scale(replicas))
+            found = self._exposed[key] = self.t.tail(per_byte, self.ring_lat(replicas), self.scale(replicas), replicas, self.settings.zero)
         return found
 
     def _exposed_table(self, ring: int) -> np.ndarray:
@@ -686,7 +713,7 @@ class StageSearch:
         row = self._exposed_first.get(ring)
         if row is None:
             replicas, per_byte = self.shared.ring_keys[ring]
-            row = self._exposed_first[ring] = self.t.tail_row(per_byte, self.ring_lat(replicas), self.scale(replicas), 0)
+            row = self._exposed_first[ring] = self.t.tail_row(per_byte, self.ring_lat(replicas), self.scale(replicas), 0, replicas, self.settings.zero)
         return row
 
     def _exposed_rows(self, rings: np.ndarray, j: int, lo: int, hi: int) -> np.ndarray:
@@ -719,7 +746,7 @@ class StageSearch:
         if found is not None:
             return found[:, self.t.n]
         replicas, per_byte = self.shared.ring_keys[ring]
-        return self.t.tail_column(per_byte, self.ring_lat(replicas), self.scale(replicas), self.t.n)
+        return self.t.tail_column(per_byte, self.ring_lat(replicas), self.scale(replicas), self.t.n, replicas, self.settings.zero)
 
     def rest_unit(self, succ: Successor) -> float:
         """``p2p_unit`` from a successor's ranks to the rest, looked up once per successor."""

@@ -4,7 +4,9 @@ The search prices thousands of stages per second; these tables give any layer ra
 forward, backward, parameter and stash sums in O(1) (the stash's per-sample and whole parts
 apart: ``stash_bytes``), summed exactly as ``costs.stage_costs`` sums them, and every cut's bytes (per-sample part scaled, whole part once) (so ties in DAPPLE's Algorithm 1 resolve the same way in the search and in the
 official formula), plus every range's tail after its last backward: the exposed AllReduce of
-``overlap.OverlapTables`` and the optimizer step (``StageCost.tail_ms``).
+``overlap.OverlapTables`` and the optimizer step (``StageCost.tail_ms``), under ZeRO with the
+replica's share of the step, the parameter exchange after it and, for ``zero=2``, the
+gradients' reduce in place of the AllReduce (``costs.zero_exchange_ms``, ``costs.zero_reduce_ms``).
 """
 from __future__ import annotations
 
@@ -40,24 +42,47 @@ class RangeTables:
         self.output_whole = np.array([layer.output_whole_bytes for layer in layers], dtype=float)
         self.overlap = OverlapTables([layer.param_bytes for layer in layers], [layer.backward_ms for layer in layers])
         self.optimizer = self._range_sums([layer.optimizer_ms for layer in layers])
+        self._exchanges: dict[tuple[float, float, int], np.ndarray] = {}
 
-    def tail(self, a: float, latency: float, s: float) -> np.ndarray:
+    def tail(self, a: float, latency: float, s: float, replicas: int = 1, zero: int = 0) -> np.ndarray:
         """``StageCost.tail_ms`` of every range [j, J) (rows j, columns J): the exposed
-        AllReduce tail (``OverlapTables.tail``) plus the range's optimizer step."""
+        AllReduce tail (``OverlapTables.tail``) plus the range's optimizer step, for a stage
+        of ``replicas`` at ZeRO level ``zero`` (``_sharded``)."""
+        if _sharded(a, replicas, zero):
+            sync_a, sync_latency = _sync(a, latency, replicas, zero)
+            return self.overlap.tail(sync_a, sync_latency, s) + self.optimizer / replicas + self._exchange(a, latency, replicas)
         return self.overlap.tail(a, latency, s) + self.optimizer
 
-    def tail_row(self, a: float, latency: float, s: float, j: int) -> np.ndarray:
+    def tail_row(self, a: float, latency: float, s: float, j: int, replicas: int = 1, zero: int = 0) -> np.ndarray:
         """Row ``j`` of ``tail``, without the whole table (``OverlapTables.tail_row``)."""
+        if _sharded(a, replicas, zero):
+            extra = self.optimizer[j] / replicas + self._exchange(a, latency, replicas)[j]
+            return self.overlap.tail_row(*_sync(a, latency, replicas, zero), s, j) + extra
         return self.overlap.tail_row(a, latency, s, j) + self.optimizer[j]
 
-    def tail_column(self, a: float, latency: float, s: float, end: int) -> np.ndarray:
+    def tail_column(self, a: float, latency: float, s: float, end: int, replicas: int = 1, zero: int = 0) -> np.ndarray:
         """Column ``end`` of ``tail``, without the whole table (``OverlapTables.tail_column``)."""
+        if _sharded(a, replicas, zero):
+            extra = self.optimizer[:, end] / replicas + self._exchange(a, latency, replicas)[:, end]
+            return self.overlap.tail_column(*_sync(a, latency, replicas, zero), s, end) + extra
         return self.overlap.tail_column(a, latency, s, end) + self.optimizer[:, end]
 
-    def stage_tail(self, a: float, latency: float, s: float, start: int, end: int) -> float:
+    def stage_tail(self, a: float, latency: float, s: float, start: int, end: int, replicas: int = 1, zero: int = 0) -> float:
         """``tail`` of the one range [start, end); ``a`` = 0: one replica, no sync."""
-        exposed = float(self.overlap.tail(a, latency, s)[start, end]) if a > 0 else 0.0
-        return exposed + float(self.optimizer[start, end])
+        if a <= 0:
+            return float(self.optimizer[start, end])
+        return float(self.tail(a, latency, s, replicas, zero)[start, end])
+
+    def _exchange(self, a: float, latency: float, replicas: int) -> np.ndarray:
+        """``costs.zero_exchange_ms`` of every range's parameters on a ring whose AllReduce
+        costs ``a`` per byte (2 (r-1)/r over the ring's bytes per ms) and ``latency`` per
+        call: the bytes over the ring's bandwidth plus one call per replica (memoised)."""
+        key = (a, latency, replicas)
+        found = self._exchanges.get(key)
+        if found is None:
+            per_byte = a * replicas / (2.0 * (replicas - 1))
+            found = self._exchanges[key] = np.where(self.params > 0, self.params * per_byte + replicas * latency, 0.0)
+        return found
 
     def cut_bytes(self, last: Any, scale: float) -> Any:
         """Bytes crossing the cut after layer(s) ``last`` (an index or an index array) for
@@ -82,6 +107,20 @@ class RangeTables:
                 acc = acc + values[b]
                 row[b + 1] = acc
         return table
+
+
+def _sharded(a: float, replicas: int, zero: int) -> bool:
+    """Whether a stage on a ring with AllReduce cost ``a`` per byte shards under ZeRO."""
+    return zero > 0 and replicas > 1 and a > 0
+
+
+def _sync(a: float, latency: float, replicas: int, zero: int) -> tuple[float, float]:
+    """(cost per byte, cost per call) of a gradient bucket's sync: the AllReduce's, or for
+    ``zero=2`` the reduce onto the owners (``costs.zero_reduce_ms``: the bytes over the
+    ring's bandwidth, one call per replica)."""
+    if zero >= 2:
+        return a * replicas / (2.0 * (replicas - 1)), replicas * latency
+    return a, latency
 
 
 def p2p_ms_fast(cluster: Cluster, num_bytes: float, senders: Sequence[int], receivers: Sequence[int]) -> float:

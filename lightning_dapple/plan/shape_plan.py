@@ -15,7 +15,11 @@ from lightning_dapple.plan.baselines import shape_candidates
 from lightning_dapple.plan.evaluate import Scored, finish_plan
 from lightning_dapple.plan.options import set_options
 from lightning_dapple.plan.plan import Plan, PlanShape
-from lightning_dapple.plan.policy_choice import PolicyChoice, rescored, simulate_policies
+from lightning_dapple.plan.policy_choice import (
+    PolicyChoice,
+    rescored,
+    simulate_policies,
+)
 from lightning_dapple.plan.request import PlanRequest, StepPricer
 from lightning_dapple.profile.model_profile import ModelProfile
 

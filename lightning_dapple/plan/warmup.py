@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from lightning_dapple.errors import require
+from lightning_dapple.plan.schedule_table import chunked_schedule_names, schedule_spec
 
 
 def warmup_counts(
@@ -28,7 +29,7 @@ def warmup_counts(
     require(policy in ("PA", "PB"), "policy", f"is {policy!r}", "use 'PA' or 'PB'")
     counts = []
     for stage in range(num_stages):
-        if schedule == "gpipe":
+        if schedule_spec(schedule).holds_every_micro_batch:
             counts.append(micro_batches)
             continue
         wanted = num_stages - stage if policy == "PA" else 2 * (num_stages - stage) - 1
@@ -57,8 +58,8 @@ def chunked_warmup_counts(num_groups: int, chunks: int, micro_batches: int, poli
       first device of 1F1B holds under P_A; P_B allows 4P - 2, twice P_B's 2P - 1. At most 2M.
     """
     require(policy in ("PA", "PB"), "policy", f"is {policy!r}", "use 'PA' or 'PB'")
-    require(schedule in ("interleaved", "zbv"), "schedule", f"is {schedule!r}", "use 'interleaved' or 'zbv' for chunked plans")
-    if schedule == "zbv":
+    require(schedule_spec(schedule).chunked, "schedule", f"is {schedule!r}", f"use one of {list(chunked_schedule_names())} for chunked plans")
+    if schedule_spec(schedule).chunk_placement == "vee":
         wanted = 2 * num_groups if policy == "PA" else 4 * num_groups - 2
         return [max(2, min(wanted, 2 * micro_batches))] * num_groups
     counts = []

@@ -19,21 +19,34 @@ from typing import Any, Sequence
 from lightning_dapple.cluster import Cluster
 from lightning_dapple.errors import DappleConfigError, require
 from lightning_dapple.plan.buckets import BUCKET_BYTES
-from lightning_dapple.plan.costs import StageCost, stage_costs, stage_memory_from_stash, synced_layer_bytes
+from lightning_dapple.plan.costs import (
+    StageCost,
+    stage_costs,
+    stage_memory_from_stash,
+    synced_layer_bytes,
+)
 from lightning_dapple.plan.dapple_planner import plan_dapple
 from lightning_dapple.plan.options import with_weight_split
 from lightning_dapple.plan.pipedream_planner import plan_pipedream
 from lightning_dapple.plan.plan import CHUNKED_SCHEDULES, POLICIES, Plan
-from lightning_dapple.plan.schedule_choice import AUTO_SCHEDULE, RUNNABLE_SCHEDULES, Finisher, choose_schedule
+from lightning_dapple.plan.schedule_choice import (
+    AUTO_SCHEDULE,
+    RUNNABLE_SCHEDULES,
+    Finisher,
+    choose_schedule,
+)
+from lightning_dapple.plan.schedule_table import schedule_spec
 from lightning_dapple.plan.warmup import chunked_warmup_counts
 from lightning_dapple.profile.model_profile import ModelProfile
 from lightning_dapple.schedule.actions import Schedule, group_stash_walk, stash_walk
-from lightning_dapple.schedule.builders import build_schedule
-from lightning_dapple.schedule.interleaved import build_interleaved_schedule
 from lightning_dapple.schedule.ooo import build_ooo_schedule
-from lightning_dapple.schedule.zbv import build_zbv_schedule
+from lightning_dapple.schedule.registry import build_named
 from lightning_dapple.simulate.cores import bound_by_shared_cores
-from lightning_dapple.simulate.engine import ScheduleDeadlock, SimulationResult, simulate
+from lightning_dapple.simulate.engine import (
+    ScheduleDeadlock,
+    SimulationResult,
+    simulate,
+)
 
 __all__ = ["PLANNERS", "check_plan_fits", "make_plan", "price_plan", "schedule_for_plan", "simulate_plan", "stage_memory"]
 
@@ -73,10 +86,7 @@ def schedule_for_plan(plan: Plan, profile: ModelProfile | None = None, bucket_by
             param_bytes=sizes,
             bucket_bytes=BUCKET_BYTES if bucket_bytes is None else bucket_bytes,
         )
-    built = build_schedule(plan.schedule, plan.num_stages, plan.micro_batches, plan.warmups)
-    if any(mode != "never" for mode in modes):
-        built = replace(built, recompute=modes)
-    return built
+    return build_named(plan.schedule, num_groups=plan.num_stages, micro_batches=plan.micro_batches, warmups=plan.warmups, recompute=modes)
 
 
 def _chunked_schedule(plan: Plan, modes: tuple[str, ...]) -> Schedule:
@@ -85,10 +95,7 @@ def _chunked_schedule(plan: Plan, modes: tuple[str, ...]) -> Schedule:
     plan.validate()
     placement = plan.placement
     per_group = [plan.warmups[placement.index(group)] for group in range(len(plan.device_groups))]
-    if plan.schedule == "zbv":
-        built = build_zbv_schedule(len(per_group), plan.micro_batches, per_group, recompute=modes)
-    else:
-        built = build_interleaved_schedule(len(per_group), plan.chunks, plan.micro_batches, per_group, recompute=modes)
+    built = build_named(plan.schedule, num_groups=len(per_group), chunks=plan.chunks, micro_batches=plan.micro_batches, warmups=per_group, recompute=modes)
     policies = [chunked_warmup_counts(len(per_group), plan.chunks, plan.micro_batches, policy, plan.schedule) for policy in POLICIES]
     if per_group not in policies:
         _require_completes(built, per_group)
@@ -120,7 +127,7 @@ def _priced(plan: Plan, profile: ModelProfile) -> ModelProfile:
     """The profile a plan's schedule is priced with: schedules that split backwards into I
     and W (``plan.ooo``, ZB-V) need each layer's B/W split, measured or estimated
     (``plan.options.with_weight_split``)."""
-    return with_weight_split(profile) if plan.ooo or plan.schedule == "zbv" else profile
+    return with_weight_split(profile) if plan.ooo or schedule_spec(plan.schedule).splits_backward else profile
 
 
 def check_plan_fits(plan: Plan, profile: ModelProfile, cluster: Cluster) -> Plan:

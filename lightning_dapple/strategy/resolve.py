@@ -17,7 +17,8 @@ from typing import Any, Sequence
 
 from lightning_dapple.errors import require
 from lightning_dapple.plan.options import set_options
-from lightning_dapple.plan.plan import SCHEDULES, Plan, PlanShape, plan_or_shape_from_dict, read_plan_data
+from lightning_dapple.plan.plan import SCHEDULES, ZERO_LEVELS, Plan, PlanShape, plan_or_shape_from_dict, read_plan_data
+from lightning_dapple.plan.request import AUTO_ZERO
 from lightning_dapple.plan.schedule_choice import AUTO_SCHEDULE
 from lightning_dapple.strategy.ooo_choice import OooSetting, check_ooo, decide_ooo, with_ooo_choice
 
@@ -32,7 +33,10 @@ class PlanArguments:
     resolved by the planner's memory model (``simulate.memory_fit``) and needs
     ``plan="auto"``; ``ooo`` "auto" lets ``strategy.ooo_choice`` decide. ``schedule``
     "auto" and ``None`` both let the planner choose it by simulation under ``plan="auto"``
-    (``plan.schedule_choice``) and keep a given plan's.
+    (``plan.schedule_choice``) and keep a given plan's. ``zero`` 1 or 2 shards every
+    replicated stage's optimizer state at that level (the planner sizes memory with it);
+    "auto" lets the planner choose per stage under ``plan="auto"`` (``plan.zero_choice``) and
+    keeps a given plan's; 0 and ``None`` keep the plan's (the planner then shards nothing).
     """
 
     micro_batches: int | None = None
@@ -40,6 +44,7 @@ class PlanArguments:
     policy: str | None = None
     recompute: str | Sequence[str] | None = None
     ooo: OooSetting = "auto"
+    zero: int | str | None = None
 
     def __post_init__(self) -> None:
         require(
@@ -59,6 +64,17 @@ class PlanArguments:
             "use 'never', 'always', 'except_last', 'auto' or one mode per stage",
         )
         object.__setattr__(self, "ooo", check_ooo(self.ooo))
+        require(
+            self.zero is None or (self.zero in (AUTO_ZERO, *ZERO_LEVELS) and not isinstance(self.zero, bool)),
+            "zero",
+            f"is {self.zero!r}",
+            f"use {AUTO_ZERO!r} (chosen per stage by the planner) or one of {list(ZERO_LEVELS)}",
+        )
+
+    @property
+    def fixed_zero(self) -> int | None:
+        """The ZeRO level the user set for every replicated stage (1 or 2), or None."""
+        return int(self.zero) if self.zero not in (None, AUTO_ZERO, 0) else None  # type: ignore[arg-type]
 
     @property
     def fixed_schedule(self) -> str | None:
@@ -78,6 +94,8 @@ class PlanArguments:
             kwargs["micro_batches"] = self.micro_batches
         if self.fixed_policy is not None:
             kwargs["policy"] = self.fixed_policy
+        if self.zero not in (None, 0):
+            kwargs["zero"] = self.zero
         return kwargs
 
 
@@ -114,13 +132,16 @@ def resolve_plan(base: Plan, arguments: PlanArguments) -> Plan:
     unless ``ooo="auto"`` and the planner already decided it with a profile.
     """
     plan = base
-    given = {**arguments.planner_kwargs(), "schedule": arguments.fixed_schedule or plan.schedule}
+    given = {key: value for key, value in arguments.planner_kwargs().items() if key != "zero"}
+    given["schedule"] = arguments.fixed_schedule or plan.schedule
     overrides = {name: value for name, value in given.items() if getattr(plan, name) != value}
     if overrides:
         stages = tuple(replace(stage, warmup=None) for stage in plan.stages)
         plan = replace(plan, stages=stages, **overrides)
     if arguments.recompute is not None and arguments.recompute != "auto":
         plan = set_options(plan, recompute=arguments.recompute)
+    if arguments.fixed_zero is not None:
+        plan = set_options(plan, zero=arguments.fixed_zero)
     if arguments.ooo != "auto" or "ooo_choice" not in plan.extra:
         plan = with_ooo_choice(plan, *decide_ooo(arguments.ooo, plan))
     return plan
