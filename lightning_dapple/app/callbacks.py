@@ -7,7 +7,6 @@ run directory given at construction, atomically (temp file + rename).
 """
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import socket
@@ -22,8 +21,8 @@ import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
-from lightning_dapple.app.report import plan_table, write_text
 from lightning_dapple.app.timelines import MeasuredTimeline, draw_measured_timeline
+from lightning_dapple.atomic_files import atomic_write_text as write_text
 from lightning_dapple.cluster import load_cluster
 from lightning_dapple.plan import explain
 from lightning_dapple.plan.console import make_console, render_text
@@ -252,7 +251,7 @@ class PipelineReport(Callback):
                 self._note(run_dir, f"plan explanation not available: {type(exc).__name__}: {exc}")
                 parts = []
         if not parts:
-            parts = [plan_table(plan)]
+            parts = [explain.plan_table(plan)]
         console = make_console()
         for part in parts:
             console.print(part)
@@ -306,13 +305,7 @@ class PipelineReport(Callback):
 
 
 def _explained(plan: Any, profile: Any, cluster: dict[str, Any]) -> list[Any]:
-    """plan.explain's table and summary (the summary's signature varies between versions)."""
-    resolved = load_cluster(cluster)
-    parts: list[Any] = [explain.plan_table(plan, profile, resolved)]
-    summary_fn = getattr(explain, "plan_summary", None)
-    if summary_fn is not None:
-        count = len(inspect.signature(summary_fn).parameters)
-        summary = summary_fn(plan, profile, resolved) if count >= 3 else summary_fn(plan)
-        if summary:
-            parts.append(summary)
-    return parts
+    """plan.explain's table and summary."""
+    parts: list[Any] = [explain.plan_table(plan, profile, load_cluster(cluster))]
+    summary = explain.plan_summary(plan)
+    return parts + [summary] if summary else parts

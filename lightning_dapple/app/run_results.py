@@ -10,9 +10,9 @@ from typing import Any
 from rich.table import Table
 
 from lightning_dapple.app.callbacks import MEASURED_TIMELINE, SIMULATED_TIMELINE
-from lightning_dapple.app.report import format_bytes
 from lightning_dapple.plan.console import make_console
 from lightning_dapple.plan.plan import plan_from_dict
+from lightning_dapple.units import format_bytes
 
 __all__ = ["loss_curve", "plan_record", "print_run_summary", "read_json", "run_outputs"]
 

@@ -17,8 +17,10 @@ from typing import Any, Iterable, Sequence
 
 from hydra.experimental.callback import Callback as HydraCallback
 
-from lightning_dapple.app.report import format_bytes, summary_table, write_text
+from lightning_dapple.app.report import summary_table
+from lightning_dapple.atomic_files import atomic_write_text as write_text
 from lightning_dapple.plan.console import make_console, render_text
+from lightning_dapple.units import format_bytes
 
 __all__ = ["RESULTS", "SUMMARY_COLUMNS", "SweepSummary", "collect_results", "summarize", "write_summary"]
 

@@ -66,12 +66,26 @@ from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from lightning_dapple.app.callbacks import PipelineReport, StepTimer, WorkerSetup, quiet_warnings
-from lightning_dapple.app.command_line import check_known_keys, cluster_file_overrides, hydra_error_line
+from lightning_dapple.app.callbacks import (
+    PipelineReport,
+    StepTimer,
+    WorkerSetup,
+    quiet_warnings,
+)
+from lightning_dapple.app.command_line import (
+    check_known_keys,
+    cluster_file_overrides,
+    hydra_error_line,
+)
 from lightning_dapple.app.config import enum_value, register_configs
-from lightning_dapple.app.report import write_text
-from lightning_dapple.app.run_results import loss_curve, plan_record, print_run_summary, run_outputs
+from lightning_dapple.app.run_results import (
+    loss_curve,
+    plan_record,
+    print_run_summary,
+    run_outputs,
+)
 from lightning_dapple.app.summary import RESULTS
+from lightning_dapple.atomic_files import atomic_write_text as write_text
 from lightning_dapple.cluster import detect_cluster, usable_cores
 from lightning_dapple.data import DATAMODULES
 from lightning_dapple.errors import DappleConfigError, require
@@ -80,9 +94,17 @@ from lightning_dapple.models import MODELS
 from lightning_dapple.plan.plan import Plan, PlanShape, plan_or_shape_from_dict
 from lightning_dapple.profile.profiler import profile_layers
 from lightning_dapple.strategy import DappleStrategy
-from lightning_dapple.strategy.module_adapter import LogRecorder, capture_input, find_layers
+from lightning_dapple.strategy.module_adapter import (
+    LogRecorder,
+    capture_input,
+    find_layers,
+)
 from lightning_dapple.strategy.ooo_choice import check_ooo
-from lightning_dapple.strategy.resolve import PlanArguments, resolve_plan, shape_with_arguments
+from lightning_dapple.strategy.resolve import (
+    PlanArguments,
+    resolve_plan,
+    shape_with_arguments,
+)
 
 __all__ = ["main", "prepare", "run_job"]
 

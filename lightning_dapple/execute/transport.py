@@ -61,6 +61,10 @@ receiver. The receiver decides, from what it knows without asking:
   goes back to the sender that sent it), and a model that broadcasts the value over the
   batch computes the same; one that needs the (1, ...) shape gets it with slices of at
   least two rows per sending replica.
+
+The module is long because both ends of a transfer (the layout cache, the header, split-concat
+of the rows and the two wire policies) must agree byte for byte; they are kept in one place
+so that a change to one end is seen at the other.
 """
 from __future__ import annotations
 
