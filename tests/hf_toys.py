@@ -55,6 +55,26 @@ class LitLM(LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
+class LitLMOnMeta(LitLM):
+    """The causal LM made in ``configure_model`` from its config, or from a directory's
+    config (``AutoConfig.from_pretrained``): built on the meta device under the strategy,
+    its weights then the seed's or, with ``DappleStrategy(pretrained=directory)``, the
+    directory's."""
+
+    def __init__(self, config: Any = None, directory: str | None = None, seed: int = 7) -> None:
+        LightningModule.__init__(self)
+        self.source = (config, directory, seed)
+
+    def configure_model(self) -> None:
+        if hasattr(self, "model"):  # configure_model runs again for validate after fit
+            return
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config, directory, seed = self.source
+        torch.manual_seed(seed)
+        self.model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory) if directory else config)
+
+
 class LitClassifier(LightningModule):
     """A sequence classifier (BERT) called with input_ids, attention_mask and labels."""
 

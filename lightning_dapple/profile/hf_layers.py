@@ -59,7 +59,7 @@ from torch import nn
 from lightning_dapple.errors import DappleConfigError
 from lightning_dapple.profile.trace import _trace_once, forward_signature
 
-__all__ = ["HF_LAYERS_FIX", "HFBlock", "HFEmbedding", "HFHead", "hf_layers", "is_hf_model"]
+__all__ = ["HF_LAYERS_FIX", "HFBlock", "HFEmbedding", "HFHead", "hf_layers", "is_hf_layer_list", "is_hf_model"]
 
 HF_LAYERS_FIX = (
     "give the layer list by hand: an nn.Sequential of small modules (the embedding, each block of the model's "
@@ -72,6 +72,11 @@ def is_hf_model(module: nn.Module) -> bool:
     """Whether ``module`` is a ``transformers`` ``PreTrainedModel`` (without importing it)."""
     modeling = sys.modules.get("transformers.modeling_utils")
     return modeling is not None and isinstance(module, modeling.PreTrainedModel)
+
+
+def is_hf_layer_list(layers: Sequence[nn.Module]) -> bool:
+    """Whether ``layers`` is a layer list made here (its layer 0 is an ``HFEmbedding``)."""
+    return len(layers) > 0 and isinstance(layers[0], HFEmbedding)
 
 
 def _masks() -> Any:
