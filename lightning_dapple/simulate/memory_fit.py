@@ -5,9 +5,11 @@ what the memory/time trade-offs of this issue add, by pricing the *exact action 
 executor will run (``schedule_for_plan``) with the shared cost model:
 
 * memory per device = weights + gradients + optimizer state (``stage_memory_bytes``'s
-  first term) + the peak of the schedule's stash walk (``schedule.actions.stash_walk``: full
-  stash for held micro-batches, only the stage input for recomputed ones, stash plus the
-  layer-output gradients for micro-batches whose W is deferred);
+  first term, ZeRO's share where a stage shards) + the peak of the schedule's stash walk
+  (``schedule.actions.stash_walk``: full stash for held micro-batches, only the stage input
+  for recomputed ones, stash plus the layer-output gradients for micro-batches whose W is
+  deferred) + the NCCL communicators' reserve where the planner priced one
+  (``extra["communicators"]``, ``plan.communicators``);
 * ``recompute="auto"``: every stage starts at ``never`` with the default deferral cap; a
   stage over the device memory first holds fewer deferred micro-batches (cap down to its
   K_i, then 0: no deferral, then -1: no B/W split on that stage), then recomputes
@@ -33,6 +35,7 @@ from typing import Any, Sequence
 
 from lightning_dapple.cluster import Cluster
 from lightning_dapple.errors import require
+from lightning_dapple.plan.communicators import communicator_memory
 from lightning_dapple.plan.costs import dapple_latency
 from lightning_dapple.plan.plan import RECOMPUTE_MODES, Plan
 from lightning_dapple.profile.model_profile import ModelProfile
@@ -90,11 +93,14 @@ def apply_ooo_recompute(
     never_memory: list[float] | None = None
     least: list[tuple[float, int]] = [(float("inf"), 0)] * num
 
+    reserve = communicator_memory(plan, float(plan.extra.get("communicators", {}).get("reserve_bytes", 0.0)), profile.tied, cluster.num_devices)
+
     def build(positions: list[int]) -> tuple[Plan, Any]:
         modes = [per_stage[i][positions[i]][0] for i in range(num)]
         caps = [int(per_stage[i][positions[i]][1] or 0) for i in range(num)] if ooo else None
         candidate = _with(plan, modes, caps)
-        return candidate, stage_memory(candidate, profile, cluster)
+        memory, stashes, schedule, costs = stage_memory(candidate, profile, cluster)
+        return candidate, ([m + extra for m, extra in zip(memory, reserve)], stashes, schedule, costs)
 
     while True:
         candidate, (memory, stashes, schedule, costs) = build(position)
