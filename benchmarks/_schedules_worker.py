@@ -21,7 +21,9 @@ hits all variants alike. Two modes:
     after, ZB-V's V), ``StageRunner.for_plan`` as the strategy builds it;
   * ``torch-Interleaved1F1B`` / ``torch-ZBVZeroBubble``: two ``PipelineStage``s per rank with
     the same placement under ``ScheduleInterleaved1F1B`` / ``ScheduleZBVZeroBubble``;
-  * ``dapple`` / ``torch-1F1B``: one stage per rank, the 1F1B reference.
+  * ``dapple`` / ``torch-1F1B``: one stage per rank, the 1F1B reference;
+  * with ``cfg["settle_ablation"]``: ``interleaved-nosettle`` / ``zbv-nosettle``, every send
+    waited at the end of the step instead of at its settle point.
 
   After the first step every variant's parameters are compared with one SGD step of the
   whole model in one process (``parameter_diff``).
@@ -281,11 +283,16 @@ class DappleVariant(Variant):
     def measure_stash(self, batch: Any) -> dict[str, int]:
         # The executor meters its layers' saves (with hooks that would shadow ours) only in
         # the first step of a batch layout; this step comes after the warm-up, so ours see
-        # every saved tensor.
+        # every saved tensor. The buffers of sends not yet waited: ``_send_probe``.
+        from _send_probe import PendingSendBytes
+
+        with PendingSendBytes(self.runner.transport) as sends:
+            stash = super().measure_stash(batch)
         return {
-            **super().measure_stash(batch),
+            **stash,
             "runner_peak_stash_bytes": self.runner.stats.peak_stash_bytes,
             "runner_peak_in_flight": self.runner.stats.peak_in_flight,
+            "runner_peak_send_bytes": sends.peak,
         }
 
 
@@ -430,6 +437,8 @@ def make_variants(rank: int, world: int, cfg: dict, m: int, failure: FailureChan
         ]
     interleaved, v = stage_ranks("interleaved", world, cfg["chunks"]), stage_ranks("v", world, cfg["chunks"])
     straight = stage_ranks("straight", world)
+    # the settle ablation: the chunked schedules with every send waited at the end of the step
+    ablation = (("interleaved", interleaved), ("zbv", v)) if cfg.get("settle_ablation") else ()
     return [
         DappleVariant("interleaved", rank, cfg, m, failure, placement=interleaved),
         DappleVariant("zbv", rank, cfg, m, failure, placement=v),
@@ -437,6 +446,7 @@ def make_variants(rank: int, world: int, cfg: dict, m: int, failure: FailureChan
         TorchPipeVariant("ZBVZeroBubble", rank, cfg, m, placement=v),
         DappleVariant("dapple", rank, cfg, m, failure, placement=straight),
         TorchPipeVariant("1F1B", rank, cfg, m, placement=straight),
+        *(DappleVariant(kind, rank, cfg, m, failure, settle_sends=False, placement=where) for kind, where in ablation),
     ]
 
 

@@ -29,8 +29,19 @@ stages (S = 4, M = 8) with and without ooo, and for BERT-48 (global batch 64) an
 it (``apply_ooo_recompute``: caps and k chosen; the graph texts' B/W split is the estimate
 of ``with_weight_split``), plus that plan with every stage recomputing (DAPPLE 6.5).
 
+Deferred-W cost per layer (``--deferred-layers`` runs only this, in one process, one
+thread): what a split backward costs the executor beyond what the profile prices. For
+stages of L = 1, 2, 4, 8 identical layers (a small ``Conv2d`` and a small ``Linear``
+block) and for the tiny VGG-19 recipe's layers cut into 4 straight stages, one micro-batch
+of ``--deferred-rows`` rows through the executor's ``Stage``: F + I + W (split) against
+F + B, paired, the median of ``--deferred-repeats``; less what the layer profile and the
+action-overhead probe price for the split (the layers' I + W - B, and the probe's I + W - B
+overheads). The rest is fitted as a + c L: ``c`` is the cost per deferred layer that
+``strategy.ooo_choice.DEFERRED_LAYER_MS`` prices.
+
     python benchmarks/bench_ooo.py                       # both parts: S = 2 and 4, M = 4, batch 512, width 1024
     python benchmarks/bench_ooo.py --skip-simulated --stages 2 --steps 30
+    python benchmarks/bench_ooo.py --deferred-layers --out benchmarks/results/ooo_deferred_layers.json
 """
 from __future__ import annotations
 
@@ -259,6 +270,93 @@ def simulated() -> dict[str, Any]:
     return out
 
 
+def _split_extra_ms(layers: list[Any], x: Any, repeats: int) -> float:
+    """Median over ``repeats`` paired runs of (F + I + W) - (F + B) of one micro-batch ``x``
+    through a middle ``Stage`` of ``layers`` (split vs not), in milliseconds."""
+    import torch
+
+    from lightning_dapple.execute.stage import Stage
+
+    with torch.no_grad():
+        out = x
+        for layer in layers:
+            out = layer(out)
+    grad = torch.randn_like(out)
+    rows = x.shape[0]
+    stages = {split: Stage(layers, torch.device("cpu"), 1, 0, 3, split=split, w_count={0: 1} if split else None) for split in (False, True)}
+
+    def once(split: bool) -> float:
+        stage = stages[split]
+        stage.end_step()
+        stage.begin_step(torch.zeros(rows, 1), rows, [(0, rows)], None, 1.0, (0, 0))
+        stage.receive(0, x.clone().requires_grad_(True))
+        start = time.perf_counter()
+        stage.forward(0)
+        like = stage.gradient_like(0)
+        stage.receive_gradient(0, like, [grad])
+        stage.backward_input(0)
+        stage.input_gradients(0)
+        if split:
+            stage.backward_weight(0)
+        return (time.perf_counter() - start) * 1e3
+
+    for _ in range(10):
+        once(False), once(True)
+    return statistics.median(once(True) - once(False) for _ in range(repeats))
+
+
+def _priced_extra_ms(layers: list[Any], x: Any, overhead: Any) -> float:
+    """What the layer profile and the overhead probe price for the split: layers' I + W - B
+    and the probe's I + W - B overheads."""
+    from lightning_dapple.profile.profiler import profile_layers
+
+    profile = profile_layers(layers, x, repeats=30, warmup=5)
+    layer_ms = sum(layer.input_grad_ms + layer.weight_grad_ms - layer.backward_ms for layer in profile.layers)
+    return layer_ms + overhead.backward_input + overhead.backward_weight - overhead.backward
+
+
+def deferred_layers(rows: int, repeats: int) -> dict[str, Any]:
+    """The deferred-W cost per layer (module docstring, ``--deferred-layers``)."""
+    import torch
+    from torch import nn
+
+    from lightning_dapple.execute.overhead_probe import measure_action_overhead
+    from lightning_dapple.models.vgg import VGG19
+
+    torch.set_num_threads(1)
+    overhead = measure_action_overhead()
+    families = {
+        "conv": (lambda: nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.ReLU()), torch.randn(rows, 8, 16, 16)),
+        "linear": (lambda: nn.Sequential(nn.Linear(64, 64), nn.ReLU()), torch.randn(rows, 64)),
+    }
+    out: dict[str, Any] = {"rows": rows, "repeats": repeats, "action_overhead_ms": overhead.to_dict(), "families": {}}
+    for name, (make, x) in families.items():
+        torch.manual_seed(SEED)
+        points = []
+        for count in (1, 2, 4, 8):
+            layers = [make() for _ in range(count)]
+            measured = _split_extra_ms(layers, x, repeats)
+            points.append((count, measured, measured - _priced_extra_ms(layers, x, overhead)))
+        counts, missing = [p[0] for p in points], [p[2] for p in points]
+        slope = statistics.linear_regression(counts, missing)
+        out["families"][name] = {"points": points, "per_layer_ms": slope.slope, "intercept_ms": slope.intercept}
+        print(f"{name}: per layer {slope.slope:.4f} ms, intercept {slope.intercept:.4f} ms; (layers, measured extra, unpriced) "
+              + ", ".join(f"({c}, {m:.3f}, {u:.3f})" for c, m, u in points))
+    torch.manual_seed(SEED)
+    vgg = VGG19(num_classes=4, width_multiplier=0.0625, image_size=32, fc_hidden=64, dropout=0.0, optimizer="adam", lr=1e-3, weight_decay=0.0)
+    layers, x = list(vgg.layers), torch.randn(rows, 3, 32, 32)
+    stages = []
+    for lo, hi in ((0, 2), (2, 7), (7, 12), (12, 19)):  # vgg_tiny's straight 4-stage cut (balanced compute)
+        with torch.no_grad():
+            inputs = nn.Sequential(*layers[:lo])(x) if lo else x
+        measured = _split_extra_ms(layers[lo:hi], inputs, repeats)
+        unpriced = measured - _priced_extra_ms(layers[lo:hi], inputs, overhead)
+        stages.append({"layers": [lo, hi], "measured_extra_ms": measured, "unpriced_ms": unpriced, "per_layer_ms": unpriced / (hi - lo)})
+        print(f"vgg_tiny layers {lo}:{hi}: split extra {measured:.3f} ms, unpriced {unpriced:.3f} ms ({unpriced / (hi - lo):.4f} ms per layer)")
+    out["vgg_tiny_stages"] = stages
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--stages", type=int, nargs="+", default=[2, 4])
@@ -273,7 +371,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(HERE / "results" / "ooo.json"))
     parser.add_argument("--skip-simulated", action="store_true")
     parser.add_argument("--skip-measured", action="store_true")
+    parser.add_argument("--deferred-layers", action="store_true", help="only the deferred-W cost per layer (module docstring)")
+    parser.add_argument("--deferred-rows", type=int, default=4, help="rows per micro-batch there (vgg_tiny's recipe: 32 / 8)")
+    parser.add_argument("--deferred-repeats", type=int, default=200)
     args = parser.parse_args(argv)
+    if args.deferred_layers:
+        result = deferred_layers(args.deferred_rows, args.deferred_repeats)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"config": vars(args), "deferred_layers": result}, indent=1))
+        print(f"wrote {args.out}")
+        return 0
     report: dict[str, Any] = {"config": vars(args), "results": {}}
     if not args.skip_simulated:
         report["simulated"] = simulated()

@@ -28,11 +28,16 @@ each, 2P stages of equal blocks: lightning_dapple's ``interleaved`` and ``zbv`` 
 ``dapple`` against ``Schedule1F1B`` (P stages) as the 1F1B reference. Besides the losses,
 every variant's parameters after the first step must match one SGD step of the whole model
 in one process. Reported per pair: ours / torch's step time (median, and median of
-per-round ratios) and peak stashed bytes per rank.
+per-round ratios) and peak stashed bytes per rank. ``--settle-ablation`` adds
+``interleaved-nosettle`` and ``zbv-nosettle``: the same schedules with every send waited at
+the end of the step instead of as soon as its receiver is known to have it
+(``schedule.settle.group_settle_points``); reported: the step-time ratio to them and the
+peak bytes of sends not yet waited per rank (``_send_probe``).
 
     python benchmarks/bench_schedules.py                      # M = 4 and 8, width 1024
     python benchmarks/bench_schedules.py --width 512 --out benchmarks/results/schedules_w512.json
     python benchmarks/bench_schedules.py --ranks 4 --chunks 2  # M = 8, width 1024, 16 blocks, batch 256
+    python benchmarks/bench_schedules.py --ranks 4 --chunks 2 --settle-ablation --out benchmarks/results/schedules_settle.json
 """
 from __future__ import annotations
 
@@ -124,10 +129,32 @@ def summarize(by_rank: dict[int, Any], cfg: dict) -> dict:
                 row["runner_peak_stash_bytes_per_rank"] = [r["runner_peak_stash_bytes"] for r in ranks]
                 row["runner_peak_stash_bytes"] = max(row["runner_peak_stash_bytes_per_rank"])
                 row["runner_peak_in_flight_per_rank"] = [r["runner_peak_in_flight"] for r in ranks]
+                row["runner_peak_send_bytes_per_rank"] = [r["runner_peak_send_bytes"] for r in ranks]
             rows[name] = row
         summary["results"][m] = rows
     summary["pairs"] = {m: compare_pairs(by_rank[0][m], rows, cfg) for m, rows in summary["results"].items()}
+    if cfg.get("settle_ablation"):
+        summary["settle"] = {m: compare_settle(by_rank[0][m], rows) for m, rows in summary["results"].items()}
     return summary
+
+
+def compare_settle(per: dict, rows: dict) -> dict:
+    """Each chunked schedule with its sends waited at their settle points against the same
+    schedule waiting for every send at the end of the step: step-time ratios (median, and
+    median of per-round ratios) and per rank the peak bytes of sends pending and of stash."""
+    out = {}
+    for name in ("interleaved", "zbv"):
+        ablation = f"{name}-nosettle"
+        paired = sorted(a / b for a, b in zip(per[name]["times_s"], per[ablation]["times_s"]))
+        out[f"{name}/{ablation}"] = {
+            "ratio": per[name]["median_s"] / per[ablation]["median_s"],
+            "paired_ratio": statistics.median(paired),
+            "paired_ratio_quartiles": [paired[len(paired) // 4], paired[(3 * len(paired)) // 4]],
+            "cpu_ratio": per[name]["median_cpu_s"] / per[ablation]["median_cpu_s"],
+            "send_bytes_per_rank": {key: rows[key]["runner_peak_send_bytes_per_rank"] for key in (name, ablation)},
+            "runner_stash_bytes_per_rank": {key: rows[key]["runner_peak_stash_bytes_per_rank"] for key in (name, ablation)},
+        }
+    return out
 
 
 def compare_pairs(per: dict, rows: dict, cfg: dict) -> dict:
@@ -168,7 +195,7 @@ def print_table(summary: dict) -> None:
         ("variant", "left"), ("M", "right"), ("median step ms", "right"), ("ratio vs dapple", "right"),
         ("paired ratio [IQR]", "right"), (f"CPU ms ({ranks} ranks)", "right"),
         (f"peak stashed MB storages ({names})", "right"), (f"views ({names})", "right"),
-        (f"runner.stats MB ({names})", "right"),
+        (f"runner.stats MB ({names})", "right"), (f"sends pending MB ({names})", "right"),
         ("step-0 loss", "right"),
     ]:
         table.add_column(col, justify=justify)  # type: ignore[arg-type]
@@ -176,6 +203,7 @@ def print_table(summary: dict) -> None:
     for m, rows in summary["results"].items():
         for name, row in rows.items():
             runner = row.get("runner_peak_stash_bytes_per_rank")
+            sends = row.get("runner_peak_send_bytes_per_rank")
             table.add_row(
                 name,
                 m,
@@ -186,6 +214,7 @@ def print_table(summary: dict) -> None:
                 " / ".join(f"{b * mb:.2f}" for b in row["peak_stash_bytes_per_rank"]),
                 " / ".join(f"{b * mb:.2f}" for b in row["peak_stash_view_bytes_per_rank"]),
                 " / ".join(f"{b * mb:.2f}" for b in runner) if runner else "-",
+                " / ".join(f"{b * mb:.2f}" for b in sends) if sends else "-",
                 f"{row['first_loss']:.7f}",
             )
         table.add_section()
@@ -224,6 +253,21 @@ def print_chunked_verdict(summary: dict) -> None:
                 f"CPU time {pair['cpu_ratio']:.3f}; peak stashed MB per rank (views) "
                 f"{' / '.join(f'{b * mb:.2f}' for b in stash[ours])} vs {' / '.join(f'{b * mb:.2f}' for b in stash[theirs])}: "
                 f"{'same or less' if pair['stash_same_or_less'] else 'MORE'}"
+            )
+
+
+def print_settle(summary: dict) -> None:
+    """``--settle-ablation``: sends waited at their settle points against at the end of the step."""
+    mb = 1 / 2**20
+    for m, pairs in summary.get("settle", {}).items():
+        for name, pair in pairs.items():
+            ours, ablation = name.split("/")
+            sends, stash = pair["send_bytes_per_rank"], pair["runner_stash_bytes_per_rank"]
+            print(
+                f"M={m}: {ours}/{ablation} step time {pair['ratio']:.3f} (per-round paired {pair['paired_ratio']:.3f} "
+                f"[{pair['paired_ratio_quartiles'][0]:.2f}-{pair['paired_ratio_quartiles'][1]:.2f}]); CPU time {pair['cpu_ratio']:.3f}; "
+                f"peak MB of sends pending per rank {' / '.join(f'{b * mb:.2f}' for b in sends[ours])} vs "
+                f"{' / '.join(f'{b * mb:.2f}' for b in sends[ablation])}; runner.stats stash {' / '.join(f'{b * mb:.2f}' for b in stash[ours])}"
             )
 
 
@@ -283,6 +327,7 @@ def parse_config(argv: list[str] | None) -> tuple[dict, Path]:
     parser.add_argument("--batch", type=int, help="global batch size (default 64; chunked: 256)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds before the run is abandoned")
     parser.add_argument("--out", type=Path, help="JSON results path (default results/schedules.json; chunked: results/schedules_chunked.json)")
+    parser.add_argument("--settle-ablation", action="store_true", help="chunked: also run interleaved and zbv with every send waited at the end of the step")
     args = parser.parse_args(argv)
     for key, value in DEFAULTS[args.chunks].items():
         if getattr(args, key) is None:
@@ -297,6 +342,8 @@ def parse_config(argv: list[str] | None) -> tuple[dict, Path]:
         parser.error("--ranks must be 2 with one stage per rank; give --chunks 2 for more ranks")
     if args.ranks < 2:
         parser.error("--ranks must be at least 2")
+    if args.settle_ablation and args.chunks == 1:
+        parser.error("--settle-ablation needs --chunks 2 (it compares the chunked schedules' settle points)")
     stages = args.ranks * args.chunks
     if args.layers < stages or args.layers % stages:
         parser.error(f"--layers must be a positive multiple of the {stages} stages")
@@ -308,6 +355,7 @@ def parse_config(argv: list[str] | None) -> tuple[dict, Path]:
     cfg = {
         "steps": args.steps, "block": args.block, "warmup": args.warmup, "micro_batches": args.micro_batches, "width": args.width,
         "layers": args.layers, "batch": args.batch, "timeout": args.timeout, "ranks": args.ranks, "chunks": args.chunks,
+        "settle_ablation": args.settle_ablation,
     }
     return cfg, args.out
 
@@ -332,6 +380,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{load['after']:.1f} on {load['cpus']} CPUs)"
     )
     print_verdict(summary)
+    print_settle(summary)
     check_stash(summary)
     check_losses(summary)
     if cfg["chunks"] > 1:

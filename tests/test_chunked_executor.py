@@ -12,7 +12,8 @@ Each rank's most chunk micro-batches in flight is the memory model's
 (``group_stash_walk`` over its group's merged order). A tied embedding and head (on two
 groups, or both on one under V), a failure inside one chunk, and the set-up checks (merged
 orders, stream orders, separate tensors for one tie) and the nccl wire's communicator per
-stream have tests of their own.
+stream have tests of their own, and so do sends waited before the end of the step
+(``settle_worker``).
 """
 from __future__ import annotations
 
@@ -112,6 +113,34 @@ def test_interleaved_and_zbv_schedules_match_single_device() -> None:
         names.append(f"{schedule}/six stages")
     results = run_ranks(cw.run_cases, 4, cases, timeout_s=500)
     _check(results, cases, names)
+
+
+@pytest.mark.timeout(400)
+def test_sends_waited_once_their_receiver_has_them_train_the_same_with_fewer_pending() -> None:
+    """Interleaved and ZB-V, on 2 groups of 1 rank and of 2 replicas: with each send waited
+    at the first receive of the merged order after which its receiver is known to have it
+    (``schedule.settle.group_settle_points``), training equals one process in float64, as
+    with every send left to the end of the step (``settle_sends=False``); every rank waits
+    some sends before the end, and keeps fewer pending at once."""
+    import settle_worker
+
+    cases, names = [], []
+    for schedule in PLACEMENTS:
+        for layout in GROUPS:
+            for settle in (True, False):
+                cases.append((plan_data(schedule, layout, micro_batches=4), {"settle_sends": settle}))
+                names.append(f"{schedule}/{layout}/{'settle' if settle else 'at the end'}")
+    results = run_ranks(settle_worker.run_cases, 4, cases, timeout_s=300)
+    assert "__errors__" not in results, results.get("__errors__")
+    for index in range(0, len(cases), 2):
+        for rank in results:
+            settled, at_end = results[rank][index], results[rank][index + 1]
+            if settled is None:
+                continue
+            for res in (settled, at_end):
+                assert res["param_diff"] < 1e-10 and res["loss_diff"] < 1e-10, (names[index], rank, res)
+            assert at_end["settled"] == 0 and settled["settled"] > 0, (names[index], rank, settled)
+            assert settled["peak_pending"] < at_end["peak_pending"], (names[index], rank, settled, at_end)
 
 
 @pytest.mark.timeout(400)

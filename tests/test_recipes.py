@@ -213,7 +213,7 @@ def test_a_plan_shape_file_is_cut_by_the_planner_and_trains(tmp_path: Path) -> N
     """Stages given by their devices alone: the run profiles, cuts the layers for that shape
     and decides ooo by simulating it (on CPU processes sharing fewer cores, their compute)."""
     from lightning_dapple.cluster import usable_cores
-    from lightning_dapple.strategy.ooo_choice import MIN_GAIN
+    from lightning_dapple.strategy.ooo_choice import DEFERRED_LAYER_MS, MIN_GAIN
 
     run_dir = tmp_path / "run"
     shape = _shape_file(tmp_path / "shape.json", batch=32)
@@ -230,7 +230,9 @@ def test_a_plan_shape_file_is_cut_by_the_planner_and_trains(tmp_path: Path) -> N
     with_ooo, without = float(found[2]), float(found[3])
     if abs(with_ooo - without * (1 - MIN_GAIN)) > 0.01:  # clear of the printed numbers' rounding
         assert (found[1] == "on") == (with_ooo < without * (1 - MIN_GAIN)), choice
-    assert found[4] in ("", f" (4 CPU processes share {usable_cores()} cores: the step is their compute, which ooo's split backward adds to)"), choice
+    priced = f" (deferred weight gradients priced {DEFERRED_LAYER_MS:g} ms per layer of a stage)"
+    cores = f" (4 CPU processes share {usable_cores()} cores: the step is their compute, which ooo's split backward adds to)"
+    assert found[4] in ("", cores, priced, priced + cores), choice
 
 
 # --------------------------------------------------------------------------- training

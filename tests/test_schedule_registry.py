@@ -2,6 +2,8 @@
 ``validate_schedule`` on schedules written as text."""
 from __future__ import annotations
 
+import ast
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +13,8 @@ from lightning_dapple.plan.schedule_table import SCHEDULE_TABLE, chunked_schedul
 from lightning_dapple.schedule import build_interleaved_schedule, build_schedule, build_zbv_schedule
 from lightning_dapple.schedule.actions import format_actions
 from lightning_dapple.schedule.registry import build_named, builder_for
+
+PACKAGE = Path(lightning_dapple.__file__).parent
 
 
 @pytest.mark.parametrize("name", list(SCHEDULE_TABLE))
@@ -41,6 +45,35 @@ def test_built_by_name_equals_each_builder_called_directly() -> None:
         2, 2, 4, recompute=modes
     )
     assert build_named("dapple", num_groups=2, micro_batches=2, warmups=None, recompute=("always", "never")).recompute == ("always", "never")
+
+
+def _about_schedules(operand: ast.AST) -> bool:
+    """Whether an operand holds a schedule name (``schedule``, ``plan.schedule``, a builder's
+    ``name``), not the strategy's or the planner's, which are also called "dapple"."""
+    if isinstance(operand, ast.Name):
+        return "schedule" in operand.id or operand.id == "name"
+    return isinstance(operand, ast.Attribute) and "schedule" in operand.attr
+
+
+def _compared_names(tree: ast.AST) -> list[str]:
+    """Schedule names compared with == / != / in (a tuple of literals) in one module."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare) and any(_about_schedules(o) for o in [node.left, *node.comparators]):
+            for operand in [node.left, *node.comparators]:
+                values = operand.elts if isinstance(operand, (ast.Tuple, ast.List, ast.Set)) else [operand]
+                found += [v.value for v in values if isinstance(v, ast.Constant) and v.value in SCHEDULE_TABLE]
+    return found
+
+
+def test_no_module_dispatches_on_a_schedule_name_outside_the_table() -> None:
+    """A new schedule is one row in the table and one builder: no module compares names."""
+    offenders = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        names = _compared_names(ast.parse(path.read_text()))
+        if names:
+            offenders[str(path.relative_to(PACKAGE))] = names
+    assert offenders == {}
 
 
 def test_validate_schedule_takes_what_the_builders_print() -> None:

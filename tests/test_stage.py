@@ -87,7 +87,7 @@ def test_split_backward_leaves_the_linear_weights_to_w_and_then_matches() -> Non
     assert [len(params) for params in stage.deferred] == [2, 2, 2]  # each Linear's weight and bias
     for mb in range(MICRO):
         stage.forward(mb)
-        assert stage.backward_input(mb) == 3 * (5 + 5 + 3) * 8  # output gradients of the Linears kept for W
+        assert stage.backward_input(mb) == 3 * (4 + 5 + 5 + 5 + 5 + 3) * 8  # each Linear's input and output gradient, kept for W
     linear_weights = [layers[0][0].weight, layers[1][1].weight, layers[2].weight]
     assert all(w.grad is None for w in linear_weights)  # B computed no deferred gradient
     assert layers[1][0].weight.grad is not None  # LayerNorm's gradient came with B

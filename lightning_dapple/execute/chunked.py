@@ -19,9 +19,11 @@ group under interleaving, group 0 under ZB-V), the one stash ledger (the rank's 
 every chunk's stash, keyed (stage, micro-batch)) and the hand-offs. The ``ChunkedRunner``
 then strings the chunks' compiled ops together in the merged order, once, in set-up (with
 the receives posted one transfer ahead where that pays, ``transport.receives_ahead_pay``): a
-step only runs that list. Sends are waited at the end of the step: ``schedule.settle``'s
-earlier waits are derived from one stage's list, and in a merged order such a wait could
-stand behind another chunk's work.
+step only runs that list. Each send is waited at the first receive of the merged order by
+which its receiver is known to have it (``schedule.settle.group_settle_points``, derived
+from every group's merged order: one stage's list would not show the other chunks' work
+between a peer's send and its next receive), so its buffer is freed there and not at the
+end of the step; ``chunk_settle_points`` hands each chunk its share of those points.
 
 A boundary between two stages on the same devices (ZB-V's turn, stage P-1 to P) is a
 hand-off inside the process (``Handoffs``): the stage output goes over cut from the
@@ -37,13 +39,14 @@ replica count, so gradient clipping's per-rank share stays ``1 / replicas``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Hashable, Sequence
+from typing import Any, Callable, Hashable, Mapping, Sequence
 
 import torch
 from torch import nn
 
 from lightning_dapple.errors import DappleConfigError
 from lightning_dapple.execute.failure import PeerFailedError
+from lightning_dapple.execute.keys import TransferKey, transfer_key
 from lightning_dapple.execute.replay import restore_rng, save_rng, step_key
 from lightning_dapple.execute.results import ResultChannel
 from lightning_dapple.execute.slicing import batch_size_of
@@ -54,8 +57,28 @@ from lightning_dapple.execute.tied import TiedSync
 from lightning_dapple.execute.transport import Transport
 from lightning_dapple.plan.plan import Plan
 from lightning_dapple.schedule.actions import Action, Schedule
+from lightning_dapple.schedule.settle import group_settle_points
 
-__all__ = ["ChunkedRunner", "RankShared", "Handoffs"]
+__all__ = ["ChunkedRunner", "RankShared", "Handoffs", "chunk_settle_points"]
+
+# per stage of a rank: position in the stage's own list of a receive -> the sends it waits for
+ChunkSettle = Mapping[int, Mapping[int, frozenset[TransferKey]]]
+
+
+def chunk_settle_points(schedule: Schedule, group: int) -> dict[int, dict[int, frozenset[TransferKey]]]:
+    """``group_settle_points`` of device ``group``, per stage of the group: the position of
+    each such receive in its stage's own list (what that stage's runner compiles) -> the
+    transfer keys of the sends, of any of the group's stages, it waits for."""
+    points = group_settle_points(schedule)[group]
+    out: dict[int, dict[int, frozenset[TransferKey]]] = {}
+    cursor: dict[int, int] = {}
+    for index, action in enumerate(schedule.group_actions(group)):
+        position = cursor.get(action.stage, 0)
+        cursor[action.stage] = position + 1
+        if index in points:
+            keys = frozenset(transfer_key(kind, stage, mb) for kind, stage, mb in points[index])
+            out.setdefault(action.stage, {})[position] = keys
+    return out
 
 
 class Handoffs:
@@ -86,6 +109,7 @@ class RankShared:
     ledger: StashLedger
     handoffs: Handoffs = field(default_factory=Handoffs)
     stage: int = -1
+    settle: ChunkSettle = field(default_factory=dict)  # ``chunk_settle_points`` (empty: all at the end)
 
     def of_stage(self, stage: int) -> "RankShared":
         return replace(self, stage=stage)

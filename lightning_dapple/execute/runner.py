@@ -9,7 +9,8 @@ simulator times) and hands each action to the collaborator that does it:
 * send/receive to the ``Transport`` (``execute/transport.py``): split-concat transfers to
   adjacent stages (DAPPLE 5.2.2), named by ``keys.TransferKey``. Sends are asynchronous; a
   receive, once its data is in, also waits for the earlier sends ``schedule.settle`` names
-  (those the peer has already posted receives for), the rest at the end of the step. Where
+  (those the peer has already posted receives for; on a rank holding several stages, those
+  its merged order knows to be received), the rest at the end of the step. Where
   it pays (``transport.receives_ahead_pay``), the receives of the next receive action are
   posted before each compute action, so their data arrives meanwhile (DAPPLE 5.2: transfers
   overlapped with compute);
@@ -34,10 +35,14 @@ a W, whether W work follows, which parameters are final after it), and the recei
 ahead and the gradient-readiness reports become ops of their own. A step then only runs the
 ops in order; what differs between steps (the batch's rows and their routes to the peers) is
 looked up once per step.
+
+The module is long because ``StageRunner`` is one interpreter: its set-up compiles every
+action kind into ops and its handlers share the step's state (routes, stash sizes, ledger,
+transport); the collaborators above hold everything that stands on its own.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, ContextManager, NamedTuple, Sequence
+from typing import Any, Callable, ContextManager, Mapping, NamedTuple, Sequence
 
 import torch
 from torch import nn
@@ -45,7 +50,7 @@ from torch import nn
 from lightning_dapple.errors import DappleConfigError
 from lightning_dapple.execute.action_errors import name_action
 from lightning_dapple.execute.batchnorm import StageBuffers
-from lightning_dapple.execute.chunked import ChunkedRunner, RankShared
+from lightning_dapple.execute.chunked import ChunkedRunner, RankShared, chunk_settle_points
 from lightning_dapple.execute.failure import FailureChannel, PeerFailedError
 from lightning_dapple.execute.grad_sync import GradientSync
 from lightning_dapple.execute.groups import PlanGroups, build_groups
@@ -237,16 +242,20 @@ class StageRunner:
         order by a ``ChunkedRunner`` (``execute/chunked.py``), over one transport that keeps
         each boundary and direction apart (``links``: a tag under gloo, a communicator per
         stream under NCCL). The ``ChunkedRunner`` posts receives
-        ahead in the merged order (``post_ahead`` as for one stage); sends are waited at the
-        end of the step: ``schedule.settle``'s waits are derived from one stage's list, and in
-        a merged order such a wait could stand behind another chunk's work."""
+        ahead in the merged order (``post_ahead`` as for one stage); each send is waited at
+        the first receive of the merged order by which its receiver is known to have it
+        (``schedule.settle.group_settle_points``; ``settle_sends=False``: all at the end of
+        the step, the benchmarks' ablation)."""
         check_stream_orders(plan, schedule)
         wire = options.pop("wire", "auto")
         post_ahead = options.pop("post_ahead", None)
-        options.pop("settle_sends", None)
+        settle = chunk_settle_points(schedule, plan.placement[plan.stages_of_rank(rank)[0]]) if options.pop("settle_sends", True) else {}
         # one transport and result channel per rank (collective under NCCL: every rank, once)
         shared = RankShared(
-            Transport(failure, device, wire=wire, links=plan_streams(plan), tagged=True), ResultChannel(plan, rank, device, failure), StashLedger()
+            Transport(failure, device, wire=wire, links=plan_streams(plan), tagged=True),
+            ResultChannel(plan, rank, device, failure),
+            StashLedger(),
+            settle=settle,
         )
         units, offset = [], 0
         for stage in plan.stages_of_rank(rank):
@@ -349,9 +358,15 @@ class StageRunner:
     def _compile(self, settle_sends: bool) -> list[_Op]:
         """The action list as ops: per action its handler and everything the plan decides."""
         actions = self._actions
-        # per receive position: the earlier sends it waits for too (schedule/settle.py);
-        # settle_sends=False leaves every send to the end of the step (the benchmarks' ablation)
-        settle_at = settle_points(self.schedule.actions)[self.stage] if settle_sends and actions else {}
+        # per receive position: the earlier sends it waits for too (schedule/settle.py; a chunk
+        # gets its share of its group's merged-order points); settle_sends=False leaves every
+        # send to the end of the step (the benchmarks' ablation)
+        settle_at: Mapping[int, frozenset[TransferKey]] = {}
+        if self.chunk is not None:
+            settle_at = self.chunk.settle.get(self.stage, {})
+        elif settle_sends and actions:
+            points = settle_points(self.schedule.actions)[self.stage]
+            settle_at = {at: frozenset(transfer_key(kind, self.stage, mb) for kind, mb in keys) for at, keys in points.items()}
         spans, last_w = self._weight_spans()
         final_after = self._final_positions(spans) if self.sync is not None else {}
         last_b = max((i for i, a in enumerate(actions) if a.kind.is_backward), default=-1)
@@ -366,14 +381,14 @@ class StageRunner:
                 run = self._post_activation if ahead.kind is Kind.RECV_ACT else self._post_gradient
                 key = transfer_key(ahead.kind, self.stage, ahead.microbatch)
                 program.append(_Op(run, ahead.microbatch, key, position=receives[upcoming]))
-            op = self._op(action, settle_at.get(position, ()), spans.get(position), position == last_b, position in last_w)
+            op = self._op(action, settle_at.get(position, frozenset()), spans.get(position), position == last_b, position in last_w)
             if op is not None:
                 program.append(op._replace(position=position))
             if position in final_after:
                 program.append(_Op(self._ready, params=final_after[position], position=position))
         return program
 
-    def _op(self, action: Action, settle: Any, span: tuple[int, int] | None, last_b: bool, last_w: bool) -> _Op | None:
+    def _op(self, action: Action, settle: frozenset[TransferKey], span: tuple[int, int] | None, last_b: bool, last_w: bool) -> _Op | None:
         """One action's op (None for ALLREDUCE: its buckets start when their gradients are final)."""
         kind, mb = action.kind, action.microbatch
         if kind is Kind.F:
@@ -393,14 +408,13 @@ class StageRunner:
             }[kind]
             return _Op(handler, mb, transfer_key(kind, self.stage, mb))
         if kind in (Kind.RECV_ACT, Kind.SEND_ACT, Kind.RECV_GRAD, Kind.SEND_GRAD):
-            sends = frozenset(transfer_key(send_kind, self.stage, send_mb) for send_kind, send_mb in settle)
             handler = {
                 Kind.RECV_ACT: self._recv_activation,
                 Kind.SEND_ACT: self._send_activation,
                 Kind.RECV_GRAD: self._recv_gradient,
                 Kind.SEND_GRAD: self._send_gradient,
             }[kind]
-            return _Op(handler, mb, transfer_key(kind, self.stage, mb), settle=sends)
+            return _Op(handler, mb, transfer_key(kind, self.stage, mb), settle=settle)
         if kind is Kind.ALLREDUCE:
             return None
         raise NotImplementedError(f"action {action} is not supported by this executor")
@@ -595,7 +609,7 @@ class StageRunner:
         else:
             kept = stage.backward_input(mb)
         if op.pending_w:
-            self.ledger.hold(mb, kept)  # the output gradients its W needs
+            self.ledger.keep_only(mb, kept)  # the graph is freed: what its W work keeps is left
         else:
             self.ledger.drop(mb)
         self.stats.spans.end(begun, "B", mb, self.stage)
@@ -604,7 +618,9 @@ class StageRunner:
         begun = self.stats.spans.begin()
         self.pipeline_stage.backward_weight(op.mb, op.span)
         self.stats.spans.end(begun, "W", op.mb, self.stage)
-        if not op.pending_w:
+        if op.pending_w:
+            self.ledger.keep_only(op.mb, self.store.held_bytes(op.mb))  # the other layers' pairs
+        else:
             self.ledger.drop(op.mb)
 
     def _ready(self, op: _Op) -> None:

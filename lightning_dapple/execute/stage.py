@@ -241,9 +241,14 @@ class Stage:
 
     def input_gradients(self, microbatch: int) -> list[torch.Tensor]:
         """The gradients of the inputs of ``microbatch`` that require grad (zeros where B gave
-        none), handed upstream: the stage keeps no reference to its inputs after this."""
+        none), handed upstream: the stage keeps no reference to its inputs after this, nor
+        do the inputs to their gradients (an input a pending W still reads would otherwise
+        keep its gradient alive until that W)."""
         item = self._state[microbatch]
-        grads = [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in flatten(item.inputs)[0] if leaf.requires_grad]
+        leaves = [leaf for leaf in flatten(item.inputs)[0] if leaf.requires_grad]
+        grads = [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in leaves]
+        for leaf in leaves:
+            leaf.grad = None
         item.inputs = None
         item.sent = True
         self._release(microbatch, item)
@@ -392,7 +397,7 @@ class Stage:
     def backward_input(self, microbatch: int) -> int:
         """B of ``microbatch``: one backward that frees its graph. Split, the deferrable
         weight gradients are filed for W (run at once when no W is scheduled for it);
-        returns the bytes of the output gradients kept for its W (0 when none is pending)."""
+        returns the bytes its W keeps, inputs and output gradients (0 when none is pending)."""
         item = self._state[microbatch]
         roots, root_grads = self._roots(item)
         item.loss = None

@@ -7,9 +7,12 @@ by its kept stage input until the replay before its B. The executor follows the 
 (``schedule.actions.stash_walk``) with measured sizes, through two collaborators:
 
 * ``StashLedger``: the accounting. The runner charges a micro-batch's bytes when its F (or
-  the replay before its B, or the B that leaves output gradients to W) stashes them and drops
-  them when the last of its work is done; the ledger keeps the bytes per micro-batch, the
-  step's peak and the most micro-batches in flight at once.
+  the replay before its B) stashes them; a split backward (I) frees the micro-batch's graph
+  and leaves only what its W work keeps (each deferred module's input and output gradient,
+  ``WeightGradStore.held_bytes``), so the micro-batch is charged exactly that from then on,
+  and after each partial W what is still pending; the last of its work drops it. The
+  ledger keeps the bytes per micro-batch, the step's peak and the most micro-batches in
+  flight at once.
 * ``StashSizes``: the sizes. Saved-tensor hooks (``profile/stash.py``) cost Python work on
   every saved tensor, so they run in the first step of each layout only -- (batch rows,
   training): what a forward saves depends on the layout of its input, not on its values --
@@ -62,6 +65,12 @@ class StashLedger:
         self.held[microbatch] = self.held.get(microbatch, 0) + nbytes
         self.peak_stash_bytes = max(self.peak_stash_bytes, sum(self.held.values()))
 
+    def keep_only(self, microbatch: int, nbytes: int) -> None:
+        """``microbatch`` now holds ``nbytes`` in all (its graph freed by a split backward,
+        what its pending W work keeps is left); the peak was taken before."""
+        self.held[microbatch] = nbytes
+        self.peak_stash_bytes = max(self.peak_stash_bytes, sum(self.held.values()))
+
     def drop(self, microbatch: int) -> None:
         """The last work of ``microbatch`` on this stage is done: it holds nothing more."""
         self.held.pop(microbatch, None)
@@ -83,6 +92,9 @@ class StageSlots:
 
     def hold(self, microbatch: int, nbytes: int) -> None:
         self.ledger.hold((self.stage, microbatch), nbytes)  # type: ignore[arg-type]
+
+    def keep_only(self, microbatch: int, nbytes: int) -> None:
+        self.ledger.keep_only((self.stage, microbatch), nbytes)  # type: ignore[arg-type]
 
     def drop(self, microbatch: int) -> None:
         self.ledger.drop((self.stage, microbatch))  # type: ignore[arg-type]

@@ -53,15 +53,29 @@ class WeightGradStore:
     def __init__(self) -> None:
         self.recording: int | None = None
         self.splitting: int | None = None
-        self._pending: dict[int, list[tuple[int, Callable[[], None], int]]] = {}
+        # per micro-batch: (layer, its weight work, the tensors that work keeps alive)
+        self._pending: dict[int, list[tuple[int, Callable[[], None], tuple[torch.Tensor, ...]]]] = {}
 
-    def defer(self, microbatch: int, layer: int, work: Callable[[], None], nbytes: int) -> None:
-        self._pending.setdefault(microbatch, []).append((layer, work, nbytes))
+    def defer(self, microbatch: int, layer: int, work: Callable[[], None], kept: tuple[torch.Tensor, ...]) -> None:
+        """File ``work`` for the W of ``microbatch``; ``kept``: what it holds until then (the
+        module's input and its output gradient)."""
+        self._pending.setdefault(microbatch, []).append((layer, work, kept))
 
     def held_bytes(self, microbatch: int) -> int:
-        """Bytes of the output gradients kept for the W of ``microbatch`` (the inputs W
-        needs were already stashed by its forward)."""
-        return sum(nbytes for _, _, nbytes in self._pending.get(microbatch, ()))
+        """Bytes the pending W work of ``microbatch`` keeps alive: each distinct tensor once
+        (modules fed the same input share it), a view counting its own elements, as the
+        stash rule counts (``profile/stash.py``). B freed the rest of the micro-batch's
+        graph, so this is all it holds until its W (ooo-backprop sec. 3: "the weight
+        gradient computation of a layer requires the layer's input and output gradient")."""
+        seen: set[tuple[int, int, tuple[int, ...], tuple[int, ...]]] = set()
+        total = 0
+        for _, _, kept in self._pending.get(microbatch, ()):
+            for tensor in kept:
+                key = _view_key(tensor)
+                if key not in seen:
+                    seen.add(key)
+                    total += tensor.numel() * tensor.element_size()
+        return total
 
     def run(self, microbatch: int, layers: tuple[int, int] | None = None) -> None:
         """The weight gradients of ``microbatch``, last layer first; only those of
@@ -86,6 +100,15 @@ class WeightGradStore:
     def clear(self) -> None:
         self._pending.clear()
         self.recording = None
+
+
+def _view_key(tensor: torch.Tensor) -> tuple[int, int, tuple[int, ...], tuple[int, ...]]:
+    """What makes two tensors the same memory for ``held_bytes``: storage, offset, shape, strides."""
+    try:
+        storage = tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # no plain storage: counted on its own
+        return (id(tensor), 0, tuple(tensor.shape), ())
+    return (storage, tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()))
 
 
 def _accumulate(param: nn.Parameter, grad: torch.Tensor) -> None:
@@ -136,7 +159,7 @@ class _DeferredLinear(torch.autograd.Function):
             if module.bias is not None and module.bias.requires_grad:
                 _accumulate(module.bias, flat_dy.sum(0))
 
-        store.defer(microbatch, layer, work, grad_out.numel() * grad_out.element_size())
+        store.defer(microbatch, layer, work, (x, grad_out))
         return grad_in, None, None, None
 
 
@@ -166,7 +189,7 @@ class _DeferredConv(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_in = torch.ops.aten.convolution_backward(grad_out, x, weight, bias_sizes, *args, [True, False, False])[0]
         work = partial(_conv_weight_work, module, grad_out, x, weight.shape, bias_sizes, args)
-        store.defer(microbatch, layer, work, grad_out.numel() * grad_out.element_size())
+        store.defer(microbatch, layer, work, (x, grad_out))
         return grad_in, None, None, None
 
 

@@ -230,6 +230,7 @@ def stash_walk(
     stash: float,
     input_bytes: float = 0.0,
     wgrad_bytes: float = 0.0,
+    kept_bytes: float | None = None,
 ) -> tuple[float, int]:
     """(peak stashed bytes, peak micro-batches in flight) of one stage's compute list.
 
@@ -239,8 +240,12 @@ def stash_walk(
       when the micro-batch is recomputed;
     * a backward (B or I) of a recomputed micro-batch rebuilds the stash (input + stash
       held from then on);
-    * B releases the micro-batch; I also keeps the gradients of the layer outputs that its
-      W actions need (``wgrad_bytes``) and the micro-batch is released by its last W.
+    * B releases the micro-batch. I frees its graph too, except what its W actions need
+      (ooo-backprop sec. 3: each deferred layer's input and output gradient): with
+      ``kept_bytes`` (what the executor measures, ``WeightGradStore.held_bytes``) the
+      micro-batch holds exactly that from then on; without it, the planner's bound, the
+      stash stays charged and the layer-output gradients (``wgrad_bytes``) are added. The
+      micro-batch is released by its last W.
 
     Peaks are taken after every step, so the result bounds the stash at any time.
     """
@@ -251,6 +256,7 @@ def stash_walk(
         {s: stash for s in stages},
         {s: input_bytes for s in stages},
         {s: wgrad_bytes for s in stages},
+        None if kept_bytes is None else {s: kept_bytes for s in stages},
     )
 
 
@@ -260,6 +266,7 @@ def group_stash_walk(
     stash: Mapping[int, float],
     input_bytes: Mapping[int, float],
     wgrad_bytes: Mapping[int, float],
+    kept_bytes: Mapping[int, float] | None = None,
 ) -> tuple[float, int]:
     """``stash_walk`` over a device group's merged compute order: each action keeps the
     bytes of its own stage (chunk), and the peaks are those of the device, which holds
@@ -285,7 +292,7 @@ def group_stash_walk(
                 held[key] = held.get(key, 0.0) + stash[s]
                 peak = max(peak, sum(held.values()))
             if action.kind is Kind.I:
-                held[key] = held.get(key, 0.0) + wgrad_bytes[s]
+                held[key] = kept_bytes[s] if kept_bytes is not None else held.get(key, 0.0) + wgrad_bytes[s]
             else:
                 peak = max(peak, sum(held.values()))
                 held.pop(key, None)

@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from lightning_dapple.errors import require
+from lightning_dapple.plan.schedule_table import schedule_spec
 from lightning_dapple.plan.warmup import warmup_counts
 from lightning_dapple.schedule.actions import Action, Kind, Schedule
 
@@ -27,9 +28,10 @@ def compute_order(name: str, stage: int, num_stages: int, micro_batches: int, wa
     """Order of F and B actions on ``stage`` for schedule ``name``."""
     forwards = [Action(Kind.F, stage, mb) for mb in range(micro_batches)]
     backwards = [Action(Kind.B, stage, mb) for mb in range(micro_batches)]
-    if name == "gpipe":
+    spec = schedule_spec(name)
+    require(not spec.chunked, "schedule", f"is {name!r}, which runs several stages per device group", "build it with its own builder (schedule.registry.build_named)")
+    if spec.holds_every_micro_batch:
         return forwards + backwards
-    require(name == "dapple", "schedule", f"is {name!r}", "use 'dapple' or 'gpipe'")
     warmup = max(1, min(warmup, micro_batches))
     order = forwards[:warmup]
     next_forward = warmup
@@ -71,10 +73,9 @@ def build_schedule(name: str, num_stages: int, micro_batches: int, warmups: Sequ
     require(num_stages >= 1, "num_stages", f"is {num_stages}", "use at least one stage")
     require(micro_batches >= 1, "micro_batches", f"is {micro_batches}", "use at least one micro-batch")
     if warmups is None:
-
         warmups = warmup_counts(num_stages, micro_batches, "PA", schedule=name)
     require(len(warmups) == num_stages, "warmups", f"has {len(warmups)} entries for {num_stages} stages", "give one K_i per stage")
-    if name == "gpipe":
+    if schedule_spec(name).holds_every_micro_batch:
         warmups = [micro_batches] * num_stages
     lists = tuple(
         tuple(with_communication(compute_order(name, s, num_stages, micro_batches, warmups[s]), s, num_stages))

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from lightning_dapple.errors import require
 from lightning_dapple.schedule.actions import Action, Kind, Schedule
 from lightning_dapple.schedule.builders import with_transfers
 

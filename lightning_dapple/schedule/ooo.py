@@ -56,6 +56,7 @@ from typing import Sequence
 
 from lightning_dapple.errors import require
 from lightning_dapple.plan.buckets import BUCKET_BYTES, bucket_layers
+from lightning_dapple.plan.schedule_table import schedule_spec
 from lightning_dapple.plan.warmup import warmup_counts
 from lightning_dapple.schedule.actions import Action, Kind, Schedule
 from lightning_dapple.schedule.builders import compute_order, with_communication
@@ -71,7 +72,7 @@ __all__ = [
 
 def default_caps(name: str, num_stages: int, micro_batches: int, warmups: Sequence[int]) -> list[int]:
     """K_0 for every stage under early backward, M under GPipe (see the module docstring)."""
-    if name == "gpipe":
+    if schedule_spec(name).holds_every_micro_batch:
         return [micro_batches] * num_stages
     top = max(min(int(k), micro_batches) for k in warmups)
     return [top] * num_stages
@@ -291,12 +292,13 @@ def build_ooo_schedule(
     require(micro_batches >= 1, "micro_batches", f"is {micro_batches}", "use at least one micro-batch")
     if warmups is None:
         warmups = warmup_counts(num_stages, micro_batches, "PA", schedule=name)
-    if name == "gpipe":
+    every = schedule_spec(name).holds_every_micro_batch
+    if every:
         warmups = [micro_batches] * num_stages
     warmups = [max(1, min(int(k), micro_batches)) for k in warmups]
     if caps is None:
         caps = default_caps(name, num_stages, micro_batches, warmups)
-    caps = [int(c) if int(c) <= 0 else (max(int(c), k) if name != "gpipe" else micro_batches) for c, k in zip(caps, warmups)]
+    caps = [int(c) if int(c) <= 0 else (micro_batches if every else max(int(c), k)) for c, k in zip(caps, warmups)]
     modes = list(recompute) if recompute is not None else ["never"] * num_stages
     replayed = [
         _recomputed_by_order(compute_order(name, s, num_stages, micro_batches, warmups[s]), modes[s], micro_batches)

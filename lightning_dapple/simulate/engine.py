@@ -68,6 +68,10 @@ devices). A group runs one stage, or several (the chunks of interleaved 1F1B and
 A schedule whose order can never complete (e.g. a stage waiting for a gradient whose
 backward is queued behind a forward that needs this stage's own later work) raises
 :class:`ScheduleDeadlock` (a ``ValueError``) naming each stuck stage and action.
+
+The module is long because the rules above act on one shared state of the step (the
+groups' clocks, the links, the arrivals), and its results are read field by field by the
+planner, the command lines and the timelines.
 """
 from __future__ import annotations
 
@@ -76,8 +80,7 @@ from typing import Any, Iterator, NamedTuple, Sequence
 
 from lightning_dapple.errors import DappleConfigError, require
 from lightning_dapple.plan.costs import StageCost
-from lightning_dapple.schedule.actions import Action, Kind
-from lightning_dapple.schedule.actions import Schedule, stash_walk
+from lightning_dapple.schedule.actions import Action, Kind, Schedule, stash_walk
 
 __all__ = [
     "ScheduleDeadlock",
