@@ -41,7 +41,7 @@ from lightning_dapple.plan.options import with_weight_split
 from lightning_dapple.plan.plan import Plan, StagePlan
 from lightning_dapple.profile import load_profile
 from lightning_dapple.profile.model_profile import LayerProfile, ModelProfile
-from lightning_dapple.simulate.plans import simulate_plan
+from lightning_dapple.simulate.plan_and_schedule import simulate_plan
 
 GROUPS = 4
 PROFILES = Path(__file__).resolve().parents[2] / "shared" / "profiles"

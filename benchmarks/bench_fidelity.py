@@ -71,7 +71,7 @@ from lightning_dapple.plan.plan import Plan
 from lightning_dapple.profile.loader import load_profile
 from lightning_dapple.profile.model_profile import ModelProfile
 from lightning_dapple.simulate.fidelity import CAUSES, SEED, THRESHOLD, Row, fidelity_row, random_rows
-from lightning_dapple.simulate.plans import make_plan
+from lightning_dapple.simulate.plan_and_schedule import make_plan
 
 REPO = Path(__file__).resolve().parents[1]
 CLUSTERS = ("paper-a", "paper-b", "paper-c")

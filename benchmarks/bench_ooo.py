@@ -14,7 +14,7 @@ M = 4, global batch 512, width 1024, 7 hidden layers):
   CPU time all ranks spent per step (the work, without the waiting);
 * peak stashed bytes (``runner.stats.peak_stash_bytes``, the executor's measurement) with
   ooo on and recompute never / always / except_last / auto, against the planner's estimate
-  (``simulate.plans.stage_memory``) and a stated budget per device: weights + gradients +
+  (``simulate.plan_and_schedule.stage_memory``) and a stated budget per device: weights + gradients +
   Adam state of a stage plus ``--budget-fraction`` (0.7) of the largest stash the plain
   schedule (no ooo, no recomputation) needs, so no stage that holds more than one
   micro-batch fits without recomputation. Fixed modes use the default deferral caps;
@@ -25,7 +25,7 @@ M = 4, global batch 512, width 1024, 7 hidden layers):
 Simulated part (``--skip-measured`` runs only this): the bubble of uniform F:B:W = 1:1:1
 stages (S = 4, M = 8) with and without ooo, and for BERT-48 (global batch 64) and GNMT-16
 (1024) from shared/profiles/dapple on paper-a the plan DAPPLE's planner chooses
-(``simulate.plans.make_plan``) simulated without ooo and with
+(``simulate.plan_and_schedule.make_plan``) simulated without ooo and with
 it (``apply_ooo_recompute``: caps and k chosen; the graph texts' B/W split is the estimate
 of ``with_weight_split``), plus that plan with every stage recomputing (DAPPLE 6.5).
 
@@ -81,7 +81,7 @@ def plans(cfg: dict) -> dict[str, dict]:
     from lightning_dapple.cluster import Cluster
     from lightning_dapple.plan.plan import straight_plan
     from lightning_dapple.simulate.memory_fit import apply_ooo_recompute
-    from lightning_dapple.simulate.plans import stage_memory
+    from lightning_dapple.simulate.plan_and_schedule import stage_memory
     from lightning_dapple.profile.profiler import profile_layers
 
     stages, total = cfg["num_stages"], cfg["layers"] + 1
@@ -214,7 +214,7 @@ def simulated() -> dict[str, Any]:
     from lightning_dapple.cluster import load_cluster
     from lightning_dapple.plan.costs import StageCost
     from lightning_dapple.simulate.memory_fit import apply_ooo_recompute
-    from lightning_dapple.simulate.plans import stage_memory
+    from lightning_dapple.simulate.plan_and_schedule import stage_memory
     from lightning_dapple.profile.loader import load_profile
     from lightning_dapple.schedule import build_schedule
     from lightning_dapple.schedule.ooo import build_ooo_schedule
@@ -233,7 +233,7 @@ def simulated() -> dict[str, Any]:
         }
         print(f"uniform F:B:W=1:1:1 S=4 M=8 {name}: bubble {plain.bubble_fraction:.4f} -> {ooo.bubble_fraction:.4f} with ooo "
               f"(latency {plain.latency_ms:.0f} -> {ooo.latency_ms:.0f} units)")
-    from lightning_dapple.simulate.plans import make_plan as planner
+    from lightning_dapple.simulate.plan_and_schedule import make_plan as planner
     planner_name = "make_plan"
     cluster = load_cluster("paper-a")
     profiles = Path(__file__).resolve().parents[2] / "shared" / "profiles" / "dapple"

@@ -39,7 +39,7 @@ from lightning_dapple.plan.request import PlanRequest
 from lightning_dapple.profile.loader import load_profile
 from lightning_dapple.profile.model_profile import LayerProfile, ModelProfile
 from lightning_dapple.simulate import simulate_plan
-from lightning_dapple.simulate.plans import make_plan
+from lightning_dapple.simulate.plan_and_schedule import make_plan
 
 PROFILES = Path(__file__).resolve().parents[1].parent / "shared" / "profiles" / "dapple"
 

@@ -32,7 +32,7 @@ def in_process(repeats: int) -> list[dict[str, Any]]:
 
     from lightning_dapple.cluster import load_cluster
     from lightning_dapple.profile.loader import load_profile
-    from lightning_dapple.simulate.plans import make_plan
+    from lightning_dapple.simulate.plan_and_schedule import make_plan
 
     cases = [
         ("BERT-48 on paper-a", load_profile(BERT), load_cluster("paper-a"), 64, 0.5),

@@ -24,7 +24,7 @@ from lightning_dapple.app.recipe_profile import shared_profiles_dir
 from lightning_dapple.app.table4 import zero_changed, zero_markdown, zero_rows
 from lightning_dapple.cluster import GIB, Cluster
 from lightning_dapple.profile.model_profile import LayerProfile, ModelProfile
-from lightning_dapple.simulate.plans import make_plan, simulate_plan
+from lightning_dapple.simulate.plan_and_schedule import make_plan, simulate_plan
 
 HERE = Path(__file__).resolve().parent
 CLUSTER = Cluster(1, 4, intra_bandwidth_gbps=2400.0, inter_bandwidth_gbps=100.0, device_memory_gib=8.0, name="4x8GiB")

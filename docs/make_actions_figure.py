@@ -2,7 +2,7 @@
 
 Builds one plan (4 stages, M = 8, stage 0 replicated on two devices so that it ends with the
 per-layer W parts and gradient buckets of ooo-backprop Algorithm 2 / DAPPLE 5.2.3), turns it
-into the action lists the executor runs (``simulate.plans.schedule_for_plan``), prints them in
+into the action lists the executor runs (``simulate.plan_and_schedule.schedule_for_plan``), prints them in
 the text form of ``schedule.actions.format_actions`` and draws the simulated step with the
 simulator's own ``simulate.timeline_png.draw_timeline``.
 
@@ -18,7 +18,7 @@ from lightning_dapple.cluster import Cluster
 from lightning_dapple.plan.plan import Plan, StagePlan
 from lightning_dapple.profile.model_profile import LayerProfile, ModelProfile
 from lightning_dapple.schedule.actions import format_actions
-from lightning_dapple.simulate.plans import schedule_for_plan, simulate_plan
+from lightning_dapple.simulate.plan_and_schedule import schedule_for_plan, simulate_plan
 from lightning_dapple.simulate.timeline_png import draw_timeline
 
 OUT = Path(__file__).with_name("actions_dapple_ooo_4stage.png")

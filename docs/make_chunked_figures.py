@@ -4,7 +4,7 @@ Four device groups of one device each, M = 8, a uniform model of 8 layers (F = 1
 per layer, so every chunk of one layer costs the same and nothing is transferred): interleaved
 1F1B with 2 chunks per group (stage k on group k mod 4) and ZB-V (stage k on group k, then
 back up: 0 1 2 3 3 2 1 0). For each, the per-group merged orders the executor runs
-(``simulate.plans.schedule_for_plan``, ``Schedule.orders``) are printed in the text form of
+(``simulate.plan_and_schedule.schedule_for_plan``, ``Schedule.orders``) are printed in the text form of
 ``schedule.actions.format_actions``, and the simulated step is drawn with
 ``simulate.timeline_png.draw_timeline``.
 
@@ -20,7 +20,7 @@ from lightning_dapple.cluster import Cluster
 from lightning_dapple.plan.plan import Plan, StagePlan
 from lightning_dapple.profile.model_profile import LayerProfile, ModelProfile
 from lightning_dapple.schedule.actions import format_actions
-from lightning_dapple.simulate.plans import schedule_for_plan, simulate_plan
+from lightning_dapple.simulate.plan_and_schedule import schedule_for_plan, simulate_plan
 from lightning_dapple.simulate.timeline_png import draw_timeline
 
 GROUPS, MICRO_BATCHES = 4, 8

@@ -36,7 +36,7 @@ def __getattr__(name: str) -> Any:
 
         return DappleStrategy
     if name in ("make_plan", "schedule_for_plan"):
-        from lightning_dapple.simulate import plans
+        from lightning_dapple.simulate import plan_and_schedule as plans
 
         return getattr(plans, name)
     if name == "validate_schedule":

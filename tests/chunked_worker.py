@@ -19,7 +19,7 @@ from lightning_dapple.execute.failure import FailureChannel
 from lightning_dapple.execute.runner import StageRunner
 from lightning_dapple.plan.plan import Plan, plan_from_dict
 from lightning_dapple.schedule.actions import Action, Kind, Schedule
-from lightning_dapple.simulate.plans import schedule_for_plan
+from lightning_dapple.simulate.plan_and_schedule import schedule_for_plan
 
 STEPS = 3
 CLIP = 0.05  # below the first steps' gradient norm: clipping scales every gradient

@@ -16,7 +16,7 @@ from lightning_dapple.plan.plan import Plan, StagePlan
 from lightning_dapple.profile.model_profile import LayerProfile, ModelProfile
 from lightning_dapple.schedule import Action, Kind, Schedule, build_ooo_schedule, build_schedule
 from lightning_dapple.schedule.actions import GRAMMAR, format_actions, parse_actions
-from lightning_dapple.simulate.plans import schedule_for_plan
+from lightning_dapple.simulate.plan_and_schedule import schedule_for_plan
 
 HAND_MADE = [
     (Action(Kind.F, 1, 0), "1F0"),

@@ -36,7 +36,7 @@ from lightning_dapple.execute.tied import build_tied_sync
 from lightning_dapple.plan.plan import plan_from_dict
 from lightning_dapple.profile.ties import TiedParameter
 from lightning_dapple.schedule.actions import Action, Kind, group_stash_walk
-from lightning_dapple.simulate.plans import schedule_for_plan
+from lightning_dapple.simulate.plan_and_schedule import schedule_for_plan
 
 CUTS = [[0, 2], [2, 3], [3, 5], [5, 8]]
 PLACEMENTS = {"interleaved": [0, 1, 0, 1], "zbv": [0, 1, 1, 0]}

@@ -21,7 +21,7 @@ from lightning_dapple.schedule.builders import build_schedule
 from lightning_dapple.schedule.interleaved import build_interleaved_schedule
 from lightning_dapple.schedule.zbv import build_zbv_schedule
 from lightning_dapple.simulate.engine import ScheduleDeadlock, simulate
-from lightning_dapple.simulate.plans import schedule_for_plan
+from lightning_dapple.simulate.plan_and_schedule import schedule_for_plan
 
 GROUPS = (2, 3, 4)
 
@@ -283,7 +283,7 @@ def test_group_stash_walk_charges_each_chunk_its_own_bytes() -> None:
 def test_stage_memory_reports_the_group_of_each_stage() -> None:
     from lightning_dapple.cluster import Cluster
     from lightning_dapple.profile.model_profile import LayerProfile, ModelProfile
-    from lightning_dapple.simulate.plans import simulate_plan, stage_memory
+    from lightning_dapple.simulate.plan_and_schedule import simulate_plan, stage_memory
 
     layers = tuple(LayerProfile(f"l{i}", forward_ms=1.0, backward_ms=2.0, output_bytes=8.0, param_bytes=100.0 * (i + 1), stash_bytes=1000.0) for i in range(4))
     profile = ModelProfile(micro_batch_size=8, layers=layers, name="four")

@@ -24,11 +24,11 @@ from lightning_dapple.errors import DappleConfigError
 from lightning_dapple.plan.costs import StageCost, dapple_latency, stage_costs
 from lightning_dapple.plan.plan import Plan, StagePlan, plan_from_dict, straight_plan
 from lightning_dapple.simulate.memory_fit import apply_ooo_recompute
-from lightning_dapple.simulate.plans import stage_memory
+from lightning_dapple.simulate.plan_and_schedule import stage_memory
 from lightning_dapple.plan.options import with_weight_split
 from lightning_dapple.profile.model_profile import LayerProfile, ModelProfile
 from lightning_dapple.schedule import Kind, build_schedule, compute_order
-from lightning_dapple.simulate.plans import schedule_for_plan
+from lightning_dapple.simulate.plan_and_schedule import schedule_for_plan
 from lightning_dapple.schedule.actions import stash_walk
 from lightning_dapple.schedule.ooo import build_ooo_schedule, ending_order
 from lightning_dapple.simulate import simulate, simulate_plan

@@ -19,7 +19,7 @@ from lightning_dapple.plan.plan import plan_from_dict
 from lightning_dapple.profile.model_profile import LayerProfile, ModelProfile, profile_from_dict
 from lightning_dapple.profile.optimizer_step import measure_optimizer_ms, with_optimizer_ms
 from lightning_dapple.simulate.fidelity import random_instance
-from lightning_dapple.simulate.plans import simulate_plan
+from lightning_dapple.simulate.plan_and_schedule import simulate_plan
 from lightning_dapple.strategy.optimizer_probe import optimizer_factory, with_run_optimizer
 
 from lightning_toys import MLPModule

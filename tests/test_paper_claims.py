@@ -23,7 +23,7 @@ from lightning_dapple.plan.plan import Plan
 from lightning_dapple.plan.request import PlanRequest
 from lightning_dapple.profile.loader import load_profile
 from lightning_dapple.simulate import simulate_plan
-from lightning_dapple.simulate.plans import make_plan
+from lightning_dapple.simulate.plan_and_schedule import make_plan
 
 PROFILES = shared_profiles() / "dapple"
 MODELS = [

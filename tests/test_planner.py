@@ -25,7 +25,7 @@ from lightning_dapple.plan.placement import (
 from lightning_dapple.plan.plan import plan_from_dict
 from lightning_dapple.profile.model_profile import LayerProfile, ModelProfile
 from lightning_dapple.plan.warmup import warmup_counts
-from lightning_dapple.simulate.plans import make_plan
+from lightning_dapple.simulate.plan_and_schedule import make_plan
 
 
 def chain(n: int, forward: float = 2.0, params: float = 1e6, output: float = 1e6, stash: float = 1e6, pbs: int = 1) -> ModelProfile:

@@ -11,7 +11,7 @@ import pytest
 import lightning_dapple.plan.dapple_planner as planner
 from lightning_dapple.errors import DappleConfigError
 from lightning_dapple.plan.partial import TopPlans
-from lightning_dapple.simulate.plans import make_plan
+from lightning_dapple.simulate.plan_and_schedule import make_plan
 from test_planner_optimality import random_instance
 
 REAL_SIMULATE_DP, REAL_SEARCH = planner._simulate_dp, planner.search

@@ -16,7 +16,7 @@ from lightning_dapple.plan.plan import StagePlan
 from lightning_dapple.plan.pipedream_states import pipedream_states
 from lightning_dapple.profile.model_profile import LayerProfile, ModelProfile
 from lightning_dapple.profile.loader import load_profile
-from lightning_dapple.simulate.plans import make_plan
+from lightning_dapple.simulate.plan_and_schedule import make_plan
 from conftest import shared_profiles
 
 RESNET50 = shared_profiles() / "pipedream" / "resnet50.graph.txt"

@@ -34,7 +34,7 @@ from lightning_dapple.plan.evaluate import score_stages
 from lightning_dapple.plan.plan import Plan, StagePlan
 from lightning_dapple.profile.loader import load_profile
 from lightning_dapple.simulate import simulate_plan
-from lightning_dapple.simulate.plans import make_plan
+from lightning_dapple.simulate.plan_and_schedule import make_plan
 from conftest import shared_profiles
 
 DATA = Path(__file__).with_name("data") / "planner_before.json"

@@ -26,7 +26,7 @@ from lightning_dapple.plan.plan import Plan, StagePlan, plan_from_dict
 from lightning_dapple.plan.request import PlanRequest
 from lightning_dapple.plan.search_tables import RangeTables
 from lightning_dapple.profile.model_profile import LayerProfile, ModelProfile
-from lightning_dapple.simulate.plans import make_plan, simulate_plan
+from lightning_dapple.simulate.plan_and_schedule import make_plan, simulate_plan
 from lightning_dapple.strategy.resolve import PlanArguments, resolve_plan
 
 MB = 1e6

@@ -13,7 +13,7 @@ from lightning_dapple.plan.request import PlanRequest
 from lightning_dapple.plan.warmup import warmup_counts
 from lightning_dapple.profile import load_profile
 from lightning_dapple.simulate import simulate_plan
-from lightning_dapple.simulate.plans import make_plan
+from lightning_dapple.simulate.plan_and_schedule import make_plan
 
 PROFILES = shared_profiles()
 

@@ -19,7 +19,7 @@ from lightning_dapple.plan.costs import stage_costs
 from lightning_dapple.plan.plan import Plan, StagePlan, plan_from_dict
 from lightning_dapple.plan.schedule_choice import RUNNABLE_SCHEDULES, choose_schedule
 from lightning_dapple.profile.model_profile import LayerProfile, ModelProfile
-from lightning_dapple.simulate.plans import make_plan, simulate_plan
+from lightning_dapple.simulate.plan_and_schedule import make_plan, simulate_plan
 from lightning_dapple.strategy.resolve import PlanArguments, resolve_plan
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -19,7 +19,7 @@ from lightning_dapple.schedule.actions import Action, Kind, Schedule
 from lightning_dapple.schedule.interleaved import build_interleaved_schedule
 from lightning_dapple.schedule.settle import group_settle_points, settle_points
 from lightning_dapple.schedule.zbv import build_zbv_schedule
-from lightning_dapple.simulate.plans import schedule_for_plan
+from lightning_dapple.simulate.plan_and_schedule import schedule_for_plan
 
 MATCH = {Kind.SEND_ACT: (+1, Kind.RECV_ACT), Kind.SEND_GRAD: (-1, Kind.RECV_GRAD)}
 SOURCE = {Kind.RECV_ACT: (-1, Kind.SEND_ACT), Kind.RECV_GRAD: (+1, Kind.SEND_GRAD)}

@@ -30,7 +30,7 @@ from lightning_dapple.execute.stage import Stage
 from lightning_dapple.plan.plan import plan_from_dict
 from lightning_dapple.schedule.actions import group_stash_walk, stash_walk
 from lightning_dapple.schedule.zbv import build_zbv_schedule
-from lightning_dapple.simulate.plans import schedule_for_plan
+from lightning_dapple.simulate.plan_and_schedule import schedule_for_plan
 
 
 class _Created(TorchDispatchMode):

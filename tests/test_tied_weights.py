@@ -32,7 +32,7 @@ from lightning_dapple.profile.model_profile import LayerProfile, ModelProfile, T
 from lightning_dapple.profile.profiler import profile_layers
 from lightning_dapple.profile.ties import first_use_param_bytes, tied_parameters
 from lightning_dapple.simulate import simulate_plan
-from lightning_dapple.simulate.plans import stage_memory
+from lightning_dapple.simulate.plan_and_schedule import stage_memory
 from lightning_dapple.simulate.timeline_png import draw_timeline
 from lightning_dapple.strategy import DappleStrategy
 from lightning_dapple.strategy.checkpoint import CheckpointLayout, consolidated_state_dict

@@ -36,7 +36,7 @@ from lightning_dapple.execute.links import link_orders, mismatched_links, plan_l
 from lightning_dapple.execute.slicing import overlap, row_range
 from lightning_dapple.plan.plan import plan_from_dict
 from lightning_dapple.schedule.actions import Kind
-from lightning_dapple.simulate.plans import schedule_for_plan
+from lightning_dapple.simulate.plan_and_schedule import schedule_for_plan
 
 # devices of each stage; ranks are numbered stage by stage
 SHAPES = {

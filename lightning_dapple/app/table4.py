@@ -40,7 +40,7 @@ from lightning_dapple.plan.policy_choice import simulate_policies
 from lightning_dapple.plan.request import PlanRequest
 from lightning_dapple.plan.shape_bound import shape_lower_bound
 from lightning_dapple.profile.loader import load_profile
-from lightning_dapple.simulate.plans import make_plan, simulate_plan
+from lightning_dapple.simulate.plan_and_schedule import make_plan, simulate_plan
 
 __all__ = [
     "PAPER_TABLE4", "SIMULATED_PER_SHAPE", "TABLE4_MODELS", "category", "fastest_of_shape", "full_table_markdown", "main", "plan_recipe",

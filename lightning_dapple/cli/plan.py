@@ -34,7 +34,7 @@ from lightning_dapple.plan.explain import plan_summary, plan_table
 from lightning_dapple.plan.plan import SCHEDULES
 from lightning_dapple.plan.schedule_choice import AUTO_SCHEDULE
 from lightning_dapple.profile.loader import load_profile
-from lightning_dapple.simulate.plans import make_plan
+from lightning_dapple.simulate.plan_and_schedule import make_plan
 
 __all__ = ["build_parser", "main"]
 

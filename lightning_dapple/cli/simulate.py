@@ -45,7 +45,7 @@ from lightning_dapple.plan.schedule_choice import AUTO_SCHEDULE, RUNNABLE_SCHEDU
 from lightning_dapple.profile.loader import load_profile
 from lightning_dapple.simulate.engine import ScheduleDeadlock, SimulationResult
 from lightning_dapple.simulate.memory_fit import apply_ooo_recompute
-from lightning_dapple.simulate.plans import check_plan_fits, price_plan, simulate_plan
+from lightning_dapple.simulate.plan_and_schedule import check_plan_fits, price_plan, simulate_plan
 from lightning_dapple.simulate.timeline_png import draw_timeline
 from lightning_dapple.strategy.ooo_choice import decide_ooo, with_ooo_choice
 

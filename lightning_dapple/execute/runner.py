@@ -71,7 +71,7 @@ from lightning_dapple.profile.stash import StashMeter
 from lightning_dapple.profile.ties import TiedParameter
 from lightning_dapple.schedule.actions import Action, Kind, Schedule
 from lightning_dapple.schedule.settle import settle_points
-from lightning_dapple.simulate.plans import schedule_for_plan
+from lightning_dapple.simulate.plan_and_schedule import schedule_for_plan
 
 __all__ = ["StageRunner", "StageStats", "StageCallbacks", "EvalCallbacks"]
 

@@ -286,8 +286,8 @@ def plan_dapple(
 
     Returns the plan JSON the runtime executes: stages, M, K_i (5.3), ``predicted`` (formula
     phases, pivot, per-device memory, simulated latency and bubble) and a one-line ``reason``.
-    ``simulate`` prices a plan's exact schedule (``simulate.plans.simulate_plan``, which
-    ``simulate.plans.make_plan`` passes): the shortlist is re-ranked by it; without it the
+    ``simulate`` prices a plan's exact schedule (``simulate.plan_and_schedule.simulate_plan``, which
+    ``simulate.plan_and_schedule.make_plan`` passes): the shortlist is re-ranked by it; without it the
     formula alone decides. ``policy`` "auto" runs each plan with the K_i policy it simulates
     faster with (``policy_choice``; P_A without a simulator). ``zero`` is the ZeRO level of
     every replicated stage (0: none), or "auto": the planner searches with and without it

@@ -195,7 +195,7 @@ def plan_pipedream(
     simulate: StepPricer | None = None,
 ) -> Plan:
     """Plan with PipeDream's optimizer (3.1) for its minibatch, priced and scheduled like a
-    DAPPLE plan; ``simulate`` (``simulate.plans.simulate_plan``) adds the simulated step to
+    DAPPLE plan; ``simulate`` (``simulate.plan_and_schedule.simulate_plan``) adds the simulated step to
     the result. ``micro_batches``, when given, must be the M that PipeDream's minibatch
     makes; ``min_slice`` is checked but binds nothing (PipeDream's replicas split its
     minibatch). ``policy`` "auto" runs the partition with the K_i policy it simulates faster

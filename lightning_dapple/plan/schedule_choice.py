@@ -25,7 +25,7 @@ plan's shape allows and keeping the fastest that fits the device memory:
   shapes would need the search itself to price chunked schedules (it prices 1F1B's
   formula 2); their bubbles lie between these two.
 
-A candidate is priced by the layer that owns the simulator (``simulate.plans.price_plan``:
+A candidate is priced by the layer that owns the simulator (``simulate.plan_and_schedule.price_plan``:
 ``check_plan_fits``, ``stage_memory`` and ``simulate_plan``, the checks and prices every
 plan gets). It "fits" when every device's memory (``stage_memory``: for a device group
 holding several stages, the weights of all of them and the peak of one stash walk over
@@ -61,7 +61,7 @@ RUNNABLE_SCHEDULES: tuple[str, ...] = SCHEDULES
 #: a plan as the run would finish it (out-of-order and recomputation choices) before pricing
 Finisher = Callable[[Plan], Plan]
 #: a plan's simulated step, memory bytes per stage and stage costs, as the executor would
-#: run it (``simulate.plans.price_plan``, given by the layer that owns the simulator);
+#: run it (``simulate.plan_and_schedule.price_plan``, given by the layer that owns the simulator);
 #: raises ``DappleConfigError`` for a plan it cannot run
 SchedulePricer = Callable[[Plan, ModelProfile, Cluster], "tuple[Any, Sequence[float], Sequence[StageCost]]"]
 

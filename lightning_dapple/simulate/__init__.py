@@ -9,7 +9,7 @@ from lightning_dapple.simulate.engine import (
     StageResult,
     simulate,
 )
-from lightning_dapple.simulate.plans import check_plan_fits, simulate_plan
+from lightning_dapple.simulate.plan_and_schedule import check_plan_fits, simulate_plan
 from lightning_dapple.simulate.timeline_png import draw_timeline
 
 __all__ = [

@@ -35,7 +35,7 @@ from lightning_dapple.plan.costs import StageCost, dapple_latency, pipeline_phas
 from lightning_dapple.plan.plan import Plan
 from lightning_dapple.profile.model_profile import LayerProfile, ModelProfile
 from lightning_dapple.simulate.engine import SimulationResult
-from lightning_dapple.simulate.plans import make_plan, simulate_plan
+from lightning_dapple.simulate.plan_and_schedule import make_plan, simulate_plan
 
 SEED = 20240601
 THRESHOLD = 0.10

@@ -42,7 +42,7 @@ from lightning_dapple.profile.model_profile import ModelProfile
 from lightning_dapple.schedule.ooo import default_caps
 from lightning_dapple.simulate.cores import bound_by_shared_cores
 from lightning_dapple.simulate.engine import simulate
-from lightning_dapple.simulate.plans import stage_memory
+from lightning_dapple.simulate.plan_and_schedule import stage_memory
 
 __all__ = ["apply_ooo_recompute"]
 

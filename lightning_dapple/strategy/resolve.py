@@ -87,7 +87,7 @@ class PlanArguments:
         return self.policy if self.policy in ("PA", "PB") else None
 
     def planner_kwargs(self) -> dict[str, Any]:
-        """The arguments the planner takes from the user (``simulate.plans.make_plan``);
+        """The arguments the planner takes from the user (``simulate.plan_and_schedule.make_plan``);
         the schedule is chosen by simulation unless the user named one."""
         kwargs: dict[str, Any] = {"schedule": self.fixed_schedule or AUTO_SCHEDULE}
         if self.micro_batches is not None:

@@ -49,7 +49,7 @@ def describe(plan: Any) -> dict[str, Any]:
 def record(out: Path) -> list[dict[str, Any]]:
     from lightning_dapple.cluster import load_cluster
     from lightning_dapple.errors import DappleConfigError
-    from lightning_dapple.simulate.plans import make_plan
+    from lightning_dapple.simulate.plan_and_schedule import make_plan
     from lightning_dapple.profile.loader import load_profile
 
     rows = []
