@@ -8,7 +8,9 @@ anything failed.
     python scripts/gpu_check.py --device cpu --size tiny --tests tests/test_x.py   # the same path on a CPU
 
 Every part runs under its own time limit, all of them inside ``--budget-s`` (7.75 minutes),
-so the check ends in bounded time whatever hangs.
+so the check ends in bounded time whatever hangs. With ``--gpus 2`` or more (``gpu_check.sh``
+passes the count it finds) the tests that need several GPUs (``MULTI_GPU_TESTS``) run first,
+one at a time, within 7 more minutes, and the other CUDA tests without them.
 """
 from __future__ import annotations
 
@@ -40,6 +42,21 @@ CUDA_TESTS = (
     "tests/test_traced_layers.py::test_traced_layers_follow_the_module_to_the_gpu",
     "tests/test_weight_grad_memory.py::*cuda*",
 )
+# the tests that need two or three GPUs (NCCL between ranks): with several GPUs they run
+# first, one at a time, each with the GPUs to itself (docs/gpus.md lists what each shows)
+MULTI_GPU_TESTS = (
+    "tests/test_cuda_multi_gpu.py",
+    "tests/test_cuda.py::test_two_gpus_hold_only_their_stage",
+    "tests/test_cuda_checkpoint.py::test_a_checkpoint_of_two_gpus_under_nccl_loads_without_one_and_resumes",
+    "tests/test_cuda_hot_path.py::test_frozen_stage_under_fp16_on_two_gpus",
+    "tests/test_cuda_transport.py::test_nccl_round_trips_every_dtype",
+    "tests/test_cuda_transport.py::test_every_schedule_runs_through_nccl_with_crossing_traffic",
+    "tests/test_cuda_transport.py::test_a_middle_stage_receives_while_its_send_downstream_waits",
+    "tests/test_cuda_transport.py::test_training_under_nccl_matches_single_process",
+    "tests/test_cuda_transport.py::test_a_peer_that_never_sends_ends_the_job_within_the_timeout",
+    "tests/test_cuda_transport.py::test_chunked_plans_under_nccl_match_single_process",
+)
+MULTI_GPU_S = 420.0  # their time limit, on top of the one-GPU budget
 STAGED_PLAN = {"global_batch_size": 8, "micro_batches": 2, "stages": [{"layers": [0, 2], "devices": [0]}, {"layers": [2, 4], "devices": [1]}]}
 STAGED_STEPS = 3
 STAGED_TOLERANCE = 1e-8  # float64 on the GPU; the micro-batches sum in another order than one batch
@@ -104,10 +121,12 @@ def _collect(files: Sequence[str]) -> list[str]:
     return [str(ROOT / line) for line in done.stdout.splitlines() if "::" in line]
 
 
-def run_tests(patterns: Sequence[str], seconds: float, log: Path | None = None, workers: int = 1) -> list[dict[str, str]]:
+def run_tests(
+    patterns: Sequence[str], seconds: float, log: Path | None = None, workers: int = 1, deselect: Sequence[str] = ()
+) -> list[dict[str, str]]:
     """The tests ``patterns`` name (``pytest_targets``) under pytest, one entry per test, in
-    ``workers`` processes (pytest-xdist) when more than one; pytest's whole output goes to
-    ``log`` when given."""
+    ``workers`` processes (pytest-xdist) when more than one, less the node ids (or their
+    prefixes) in ``deselect``; pytest's whole output goes to ``log`` when given."""
     targets, missing = pytest_targets(patterns)
     if missing:
         return [{"test": pattern, "outcome": "error", "message": "matches no test (no such file or name, or pytest could not collect it)"} for pattern in missing]
@@ -115,6 +134,7 @@ def run_tests(patterns: Sequence[str], seconds: float, log: Path | None = None, 
         junit = Path(folder) / "tests.xml"
         # a hanging test fails alone (pytest-timeout) instead of costing the whole run its report
         command = [sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", "--timeout=150", f"--junitxml={junit}", *targets]
+        command += [f"--deselect={node}" for node in deselect]
         if workers > 1:
             command[3:3] = ["-n", str(workers)]
         try:
@@ -296,12 +316,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda", help="cuda (the check); cpu runs the same path on a CPU")
     parser.add_argument("--tests", nargs="+", default=list(CUDA_TESTS), help="tests to run: file globs under the repository, node ids, or file::*part* for the file's tests named with part")
     parser.add_argument("--workers", type=int, default=None, help="test processes (default: 4 with pytest-xdist, else 1)")
-    parser.add_argument("--budget-s", type=float, default=465.0, help="the whole check's time limit")
+    parser.add_argument("--budget-s", type=float, default=465.0, help="the whole check's time limit (one GPU)")
+    parser.add_argument("--gpus", type=int, default=1, help="GPUs found (gpu_check.sh counts them); with 2 or more the multi-GPU tests run first, one at a time")
     args = parser.parse_args(argv)
-    deadline = Deadline(args.budget_s)
+    several = args.gpus >= 2
+    deadline = Deadline(args.budget_s + (MULTI_GPU_S if several else 0.0))
     device_name = "cuda:0" if args.device == "cuda" else args.device
     started = time.monotonic()
-    tests = run_tests(args.tests, deadline.limit(270), log=args.report.with_name(args.report.stem + "_pytest.txt"), workers=args.workers or default_workers())
+    tests: list[dict[str, str]] = []
+    if several:
+        tests += run_tests(MULTI_GPU_TESTS, deadline.limit(MULTI_GPU_S), log=args.report.with_name(args.report.stem + "_multi_gpu_pytest.txt"))
+    tests += run_tests(
+        args.tests, deadline.limit(270), log=args.report.with_name(args.report.stem + "_pytest.txt"), workers=args.workers or default_workers(),
+        deselect=MULTI_GPU_TESTS if several else (),
+    )
     with tempfile.TemporaryDirectory() as folder:
         benchmarks = {model: run_benchmark(model, args.size, args.device, deadline.limit(75), Path(folder)) for model in bench_gpu.MODELS}
     staged = staged_two_ranks(device_name, deadline.limit(60))

@@ -3,7 +3,11 @@
 # Lightning's loops at a size that runs in minutes (benchmarks/bench_gpu.py --size small),
 # a two-rank pipeline sharing one GPU through the staged wire, and gpu_report.json
 # (device, versions, each test's result, the ratios). Exit status 1 when anything failed;
-# under 8 minutes on one H100.
+# under 8 minutes on one H100. With several GPUs (torch.cuda.device_count() >= 2) it first
+# runs the tests that need two or three (NCCL between ranks: tests/test_cuda_multi_gpu.py
+# and the multi-GPU cases of the other CUDA files, scripts/gpu_check.py: MULTI_GPU_TESTS)
+# one at a time, each with the GPUs to itself, within 7 more minutes; docs/gpus.md says what
+# each is expected to show.
 #
 #   bash scripts/gpu_check.sh [REPORT [OPTION...]]   # REPORT: default gpu_report.json in the repository;
 #                                                    # options go to scripts/gpu_check.py (e.g. --budget-s 300)
@@ -32,6 +36,12 @@ if ! found=$("$PYTHON" -c 'import sys, torch; print(torch.__version__); sys.exit
   echo "gpu_check: no CUDA device (torch ${found:-cannot be imported}): nothing run"
   exit 0
 fi
+GPUS=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 1)
+if [ "${GPUS:-1}" -ge 2 ] 2>/dev/null; then
+  echo "gpu_check: $GPUS GPUs: the multi-GPU tests run first, one at a time"
+else
+  GPUS=1
+fi
 
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if ! "$PYTHON" -c 'import hydra, omegaconf' 2>/dev/null; then
@@ -42,4 +52,4 @@ if ! "$PYTHON" -c 'import hydra, omegaconf' 2>/dev/null; then
   "$PYTHON" -m pip install --quiet --no-index --no-deps --no-compile --upgrade --target "$SITE" "$WHEELS"/*.whl || exit 1
   export PYTHONPATH="$PYTHONPATH:$PWD/$SITE"
 fi
-exec "$PYTHON" scripts/gpu_check.py --report "${1:-gpu_report.json}" "${@:2}"
+exec "$PYTHON" scripts/gpu_check.py --report "${1:-gpu_report.json}" --gpus "$GPUS" "${@:2}"

@@ -137,3 +137,77 @@ def test_test_patterns_expand_and_name_what_matches_nothing() -> None:
     assert missing == ["tests/nothing_*.py", "tests/test_gpu_check.py::*no_such_test*"]
     entries = gpu_check.run_tests(["tests/nothing_*.py"], seconds=60)
     assert entries == [{"test": "tests/nothing_*.py", "outcome": "error", "message": "matches no test (no such file or name, or pytest could not collect it)"}]
+
+
+def test_with_several_gpus_the_script_passes_their_count(tmp_path: Path) -> None:
+    """gpu_check.sh counts the GPUs (torch.cuda.device_count()) and hands the count to
+    gpu_check.py, which then runs the multi-GPU tests first (a stand-in Python answers the
+    script's questions as a 3-GPU machine would and prints what it was asked to run)."""
+    fake = tmp_path / "python"
+    fake.write_text(
+        "#!/usr/bin/env bash\n"
+        'if [ "$1" = "-c" ]; then\n'
+        '  case "$2" in\n'
+        '    *is_available*) echo 2.13.0; exit 0;;\n'
+        '    *device_count*) echo 3; exit 0;;\n'
+        f'    *) exec {sys.executable} "$@";;\n'
+        "  esac\n"
+        "fi\n"
+        'echo "ran: $*"\n'
+    )
+    fake.chmod(0o755)
+    report = tmp_path / "gpu_report.json"
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(report)], capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHON": str(fake)})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "gpu_check: 3 GPUs: the multi-GPU tests run first, one at a time" in done.stdout
+    assert f"ran: scripts/gpu_check.py --report {report} --gpus 3" in done.stdout
+
+
+def test_several_gpus_run_the_multi_gpu_tests_first_alone_and_not_again(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    calls = []
+
+    def run_tests(patterns, seconds, log=None, workers=1, deselect=()):
+        calls.append({"patterns": tuple(patterns), "workers": workers, "deselect": tuple(deselect), "seconds": seconds})
+        return [{"test": str(patterns[0]), "outcome": "passed", "message": ""}]
+
+    monkeypatch.setattr(gpu_check, "run_tests", run_tests)
+    monkeypatch.setattr(gpu_check, "run_benchmark", lambda *args: {"error": "not run here"})
+    monkeypatch.setattr(gpu_check, "staged_two_ranks", lambda *args: STAGED_OK)
+    monkeypatch.setattr(gpu_check, "device_info", lambda name: DEVICE)
+    for gpus in (1, 2):
+        calls.clear()
+        gpu_check.main(["--report", str(tmp_path / f"report{gpus}.json"), "--gpus", str(gpus), "--workers", "4"])
+        if gpus == 1:
+            assert [(c["patterns"], c["workers"], c["deselect"]) for c in calls] == [(gpu_check.CUDA_TESTS, 4, ())]
+        else:
+            first, rest = calls
+            assert (first["patterns"], first["workers"]) == (gpu_check.MULTI_GPU_TESTS, 1)
+            assert (rest["patterns"], rest["workers"], rest["deselect"]) == (gpu_check.CUDA_TESTS, 4, gpu_check.MULTI_GPU_TESTS)
+            assert first["seconds"] == gpu_check.MULTI_GPU_S
+
+
+def test_every_test_that_needs_several_gpus_is_in_the_multi_gpu_pass() -> None:
+    """A test skipped below two or three CUDA devices (or in a file skipped so) runs in the
+    serial pass: listed by node id or by its file; every listed node exists."""
+    import ast
+
+    needs: set[str] = set()
+    for path in sorted((ROOT / "tests").glob("test_*.py")):
+        tree = ast.parse(path.read_text())
+        several = "device_count() < 2" in path.read_text() or "device_count() < 3" in path.read_text()
+        if not several:
+            continue
+        module_wide = any(
+            isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "pytestmark" for t in node.targets) and "TWO_GPUS" in ast.unparse(node.value)
+            for node in tree.body
+        )
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
+                marks = " ".join(ast.unparse(d) for d in node.decorator_list)
+                if module_wide or "device_count() < 2" in marks or "device_count() < 3" in marks:
+                    needs.add(f"tests/{path.name}::{node.name}")
+    listed = set(gpu_check.MULTI_GPU_TESTS)
+    unlisted = sorted(node for node in needs if node not in listed and node.split("::")[0] not in listed)
+    assert unlisted == []
+    targets, missing = gpu_check.pytest_targets(gpu_check.MULTI_GPU_TESTS)
+    assert missing == [] and len(targets) == len(gpu_check.MULTI_GPU_TESTS)

@@ -77,3 +77,74 @@ def test_a_store_wait_that_no_rank_answers_ends_at_its_limit() -> None:
     results = run_ranks(_limit_worker, 2, timeout_s=45)
     for rank in (0, 1):
         assert results[rank].startswith(f"rank {rank}: waited 1 s for a key no rank writes while every peer kept beating"), results
+
+
+# -- a checkpoint's parts: each leader waits for its turn as long as rank 0 progresses ----------
+
+PART_TIMEOUT_S = 2.0
+PART_TENSORS = 6
+TAKE_S = 0.4  # rank 0's time per tensor taken: rank 1's part takes it about 3 s, > PART_TIMEOUT_S
+
+
+def _parts_worker(rank: int, world: int, mode: str) -> dict | str:
+    """Stage leaders 1 and 2 send their parts to rank 0 (``checkpoint.consolidated_state_dict``
+    over ``PartTurns``). ``slow``: rank 0 takes every tensor slowly, so rank 2 waits for its
+    turn longer than ``timeout_s``; ``stalled``: rank 0 takes nothing for 3 x ``timeout_s``."""
+    import time
+
+    import torch
+    from torch import nn
+
+    from lightning_dapple.execute.failure import CommTimeoutError, FailureChannel
+    from lightning_dapple.strategy import checkpoint as ckpt
+    from lightning_dapple.strategy.part_stream import PartLane
+
+    class SlowTurns(ckpt.PartTurns):
+        def __call__(self, work, what: str) -> None:
+            super().__call__(work, what)
+            time.sleep(TAKE_S)
+
+    failure = FailureChannel(rank, timeout_s=PART_TIMEOUT_S, poll_s=0.1)
+    module = nn.Module()
+    for index in range(PART_TENSORS):
+        module.register_buffer(f"part{rank}_{index}", torch.full((1000,), float(10 * rank + index), dtype=torch.float64))
+    layout = ckpt.CheckpointLayout(
+        key_owner={f"part{r}_{i}": r for r in range(world) for i in range(PART_TENSORS)},
+        parameter_names=[], stage_leaders=tuple(range(world)), global_rank=rank,
+    )
+    turns = SlowTurns(failure) if rank == 0 else ckpt.PartTurns(failure)
+    started = time.monotonic()
+    try:
+        if rank == 0 and mode == "stalled":
+            time.sleep(3 * PART_TIMEOUT_S)
+        state = ckpt.consolidated_state_dict(module, layout, PartLane(None, turns))
+    except CommTimeoutError as exc:
+        return f"{time.monotonic() - started:.1f} s: {exc}"
+    finally:
+        failure.close()
+    return {key: float(value[0]) for key, value in state.items()}
+
+
+@pytest.mark.timeout(120)
+def test_a_checkpoint_part_waits_its_turn_as_long_as_rank_zero_takes_parts() -> None:
+    """Rank 2's turn comes about 3 s after the save starts, with ``timeout_s=2``: every part
+    still arrives (a leader's deadline restarts while rank 0 makes progress)."""
+    from dist_harness import run_ranks
+
+    results = run_ranks(_parts_worker, 3, "slow", timeout_s=90)
+    assert "__errors__" not in results, results
+    expected = {f"part{r}_{i}": float(10 * r + i) for r in range(3) for i in range(PART_TENSORS)}
+    assert results[0] == expected
+    assert results[1] == {} and results[2] == {}
+
+
+@pytest.mark.timeout(120)
+def test_a_leader_whose_turn_never_comes_fails_after_the_timeout() -> None:
+    """Rank 0 takes nothing: the first leader stops ``timeout_s`` after the save began, saying
+    that rank 0 made no progress."""
+    from dist_harness import run_ranks
+
+    results = run_ranks(_parts_worker, 3, "stalled", timeout_s=90)
+    said = results.get(1, "")
+    assert isinstance(said, str) and "rank 0 took no checkpoint part for 2 s" in said, results
+    assert float(said.split(" s:")[0]) < 2 * PART_TIMEOUT_S + 2, said

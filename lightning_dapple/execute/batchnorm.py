@@ -13,11 +13,12 @@ mini-batch". Three pieces, chosen once per plan:
     ``nn.SyncBatchNorm``, which refuses CPU tensors in this torch) each micro-batch is
     normalised with the mean and variance of the whole micro-batch across the stage's
     replicas. Every replica puts its slice's (mean, variance, count) in its own row of a
-    zero table that one AllReduce sums (``torch.distributed._functional_collectives``, whose
-    AllReduce has a backward: the sum of the replicas' gradients),
-    and combines the rows in replica order (Chan's parallel variance), so the statistics
-    are bit-identical on every replica and their gradient is exactly that of one device on
-    the whole micro-batch;
+    zero table that one AllReduce sums (``_SumOverReplicas``, whose backward is the
+    AllReduce of the replicas' gradients), and combines the rows in replica order (Chan's
+    parallel variance), so the statistics are bit-identical on every replica and their
+    gradient is exactly that of one device on the whole micro-batch. Both AllReduces are
+    waited for through the stage's failure channel (``ReplicaWaits``): a replica that failed
+    ends the others within the channel's grace, not the process group's timeout;
   - with ``deferred`` (torchgpipe's DeferredBatchNorm) each micro-batch is still normalised
     with its own statistics, but the running statistics are not touched in the forward:
     each forward's (count, mean, M2) is merged into accumulator buffers, and
@@ -40,7 +41,6 @@ from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -76,6 +76,7 @@ class PipelineBatchNorm(_BatchNorm):
         self.replica = replica
         self.replicas = replicas
         self.deferred = deferred and self.track_running_stats
+        self.waits = ReplicaWaits(group, None)  # the stage's failure channel, given by StageBuffers
         if self.deferred:
             device = original.running_mean.device  # type: ignore[union-attr]
             zeros = {"dtype": torch.float64, "device": device}
@@ -117,7 +118,7 @@ class PipelineBatchNorm(_BatchNorm):
         variance, mean = torch.var_mean(data, dim=_reduced_dims(data), correction=0)
         row = torch.cat([mean, variance, mean.new_full((1,), input.numel() / input.shape[1])])
         table = F.pad(row.unsqueeze(0), (0, 0, self.replica, self.replicas - 1 - self.replica))  # this replica's row, zeros elsewhere
-        table = funcol.all_reduce(table, "sum", self.group)
+        table = _SumOverReplicas.apply(table, self.waits)
         channels = self.num_features
         counts = table[:, 2 * channels :]
         total = counts.sum()
@@ -134,6 +135,50 @@ class PipelineBatchNorm(_BatchNorm):
     def reset_accumulators(self) -> None:
         for name in _ACCUMULATORS:
             self._buffers[name].zero_()  # type: ignore[union-attr]
+
+
+class ReplicaWaits:
+    """Sum a tensor over a stage's replica group and wait for it as the failure channel
+    waits: on the GPU under NCCL (the compute stream waits, the watchdog bounds it), on the
+    host under gloo (bounded, a peer's failure raised). Without a channel (BatchNorm
+    converted outside a runner), a plain wait."""
+
+    def __init__(self, group: Any, failure: FailureChannel | None) -> None:
+        self.group = group
+        self.failure = failure
+        self._on_device: dict[torch.device, bool] = {}  # per device: waits on the GPU (NCCL)
+
+    def wait(self, works: list[Any], device: torch.device, what: str) -> None:
+        if self.failure is None:
+            for work in works:
+                work.wait()
+            return
+        on_device = self._on_device.get(device)
+        if on_device is None:
+            on_device = self._on_device[device] = waits_on_device(device, self.group)
+        if on_device:
+            self.failure.wait_on_device(works, what, device.index)
+        else:
+            self.failure.wait_all(works, what)
+
+    def sum(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
+        """``tensor`` (contiguous, owned by the caller) summed in place over the group."""
+        self.wait([dist.all_reduce(tensor, group=self.group, async_op=True)], tensor.device, what)
+        return tensor
+
+
+class _SumOverReplicas(torch.autograd.Function):
+    """The replicas' statistics tables summed; the backward sums the gradients the same way
+    (each replica's loss reads the sum, so each row's gradient is the sum over replicas)."""
+
+    @staticmethod
+    def forward(ctx: Any, table: torch.Tensor, waits: ReplicaWaits) -> torch.Tensor:
+        ctx.waits = waits
+        return waits.sum(table.contiguous().clone(), "BatchNorm statistics across replicas")
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return ctx.waits.sum(grad.contiguous().clone(), "BatchNorm statistics' gradient across replicas"), None
 
 
 def _reduced_dims(input: torch.Tensor) -> list[int]:
@@ -249,20 +294,17 @@ class StageBuffers:
         self.failure = failure
         self.stage = stage
         modules = list({id(m): m for layer in layers for m in layer.modules()}.values())
+        for module in modules:
+            if isinstance(module, PipelineBatchNorm) and module.group is not None:
+                module.waits = ReplicaWaits(module.group, failure)  # statistics waited as every collective of the stage
+        self.waits = ReplicaWaits(group, failure)
         self.deferred = [m for m in modules if isinstance(m, PipelineBatchNorm) and m.deferred]
         self.exchange = group is not None and any(m.group is None for m in self.deferred)
         slots = buffer_slots(layers) if group is not None else []
         self.slots = [(module, name) for module, name in slots if not isinstance(module, PipelineBatchNorm)]
-        self._on_device: dict[torch.device, bool] = {}  # per device the buffers are on: waits on the GPU (NCCL)
 
     def _wait(self, works: list[Any], device: torch.device, what: str) -> None:
-        on_device = self._on_device.get(device)
-        if on_device is None:
-            on_device = self._on_device[device] = waits_on_device(device, self.group)
-        if on_device:
-            self.failure.wait_on_device(works, what, device.index)
-        else:
-            self.failure.wait_all(works, what)
+        self.waits.wait(works, device, what)
 
     def end_step(self) -> None:
         """Apply the deferred statistics, then make every replica's buffers the first one's."""

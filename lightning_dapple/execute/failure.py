@@ -44,11 +44,24 @@ and files a CUDA event recorded behind the wait with the watchdog, which ends th
 the event has not completed ``timeout_s`` later (a peer that never sends). Where the host
 must read a received value (a flag byte, a header, the step's loss) it blocks on an event
 behind the copy of that value alone (``block_on``), bounded by the watchdog the same way:
-no exception can interrupt a thread blocked in CUDA. The watchdog, rather than the process
-group's own timeout, because that one is the launcher's (Lightning's default is 30
-minutes), not this channel's ``timeout_s``, and it makes every stuck rank print its own
-NCCL report, where this channel publishes the root cause once and names silent peers. A
-device wait left incomplete counts as blocked for the grace and silence rules above.
+no exception can interrupt a thread blocked in CUDA. The strategy opens the default group
+with this same ``timeout_s`` (``DDPStrategy(timeout=...)``) and every subgroup takes it
+(``process_groups.py``), so NCCL's own watchdog would fire at the same time; this one
+bounds the waits instead because NCCL's makes every stuck rank print its own report, where
+this channel publishes the root cause once, names silent peers and ends a rank ``grace_s``
+after a peer's report. A device wait left incomplete counts as blocked for the grace and
+silence rules above.
+
+Code that blocks the host outside this channel's own waits marks the block with
+``watched`` (the process's open channel, ``current_channel``), so that the grace and
+silence rules apply there too: a process group being made (``process_groups.subgroup``:
+a communicator split under NCCL waits for every rank), a link's first message (NCCL
+connects a pair on it), a BatchNorm's statistics across replicas (``batchnorm.py``),
+Lightning's per-batch SIGTERM broadcast (``strategy/reporting.py``), and every device wait
+under ``TORCH_NCCL_BLOCKING_WAIT=1``, where ``Work.wait()`` blocks the host.
+
+The module is long because the waits and the watchdog's rules that bound them share one
+state (what the host waits for, the peer's report, the heartbeats) and read together.
 """
 from __future__ import annotations
 
@@ -60,6 +73,7 @@ import socket
 import sys
 import threading
 import time
+import weakref
 from collections import deque
 from contextlib import contextmanager
 from datetime import timedelta
@@ -132,6 +146,9 @@ class FailureChannel:
             world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         self.world_size = world_size
         self._store = store if store is not None else _default_store()
+        # the watchdog's own connection: a store client serves one call at a time, and the
+        # main thread may be blocked in one (a gloo group's set-up waits there for its peers)
+        self._watch_store = own_connection(self._store)
         self._reported = False
         self._peer_message: str | None = None
         self._peer_seen_at = 0.0
@@ -145,10 +162,16 @@ class FailureChannel:
         self._closed = threading.Event()
         self._watchdog = threading.Thread(target=self._watch, name="dapple-watchdog", daemon=True)
         self._watchdog.start()
+        _OPEN.append(weakref.ref(self))
         # A daemon thread still inside a store call when the interpreter finalizes is unwound
         # through C++ code that may not be unwound ("terminate called without an active
         # exception", SIGABRT at exit): stop and join it before finalization.
         atexit.register(self.close)
+
+    def _client(self) -> Any:
+        """The store connection of the calling thread (the watchdog has its own)."""
+        watchdog = getattr(self, "_watchdog", None)  # none yet while the channel starts
+        return self._watch_store if watchdog is not None and threading.current_thread() is watchdog else self._store
 
     @property
     def store(self) -> Any:
@@ -175,16 +198,16 @@ class FailureChannel:
     def _publish(self, message: str) -> None:
         """Make ``message`` the job's failure unless another rank published first."""
         try:
-            if int(self._store.add(TICKET_KEY, 1)) == 1:
-                self._store.set(FAILURE_KEY, message)
+            if int(self._client().add(TICKET_KEY, 1)) == 1:
+                self._client().set(FAILURE_KEY, message)
         except Exception:  # the store may already be gone at shutdown; nothing else to do
             pass
 
     def _read_report(self) -> str | None:
         if self._peer_message is None and not self._store_gone:
             try:
-                if self._store.check([FAILURE_KEY]):
-                    self._peer_message = self._store.get(FAILURE_KEY).decode()
+                if self._client().check([FAILURE_KEY]):
+                    self._peer_message = self._client().get(FAILURE_KEY).decode()
                     self._peer_seen_at = time.monotonic()
             except Exception:  # store unreachable: its host is gone (each failed call logs; ask no more)
                 self._store_gone = True
@@ -284,12 +307,24 @@ class FailureChannel:
     @contextmanager
     def _blocked(self, what: str, bounded_here: bool) -> Iterator[None]:
         """Mark the host as waiting for ``what``: the watchdog's grace and silence rules (and
-        its timeout, where ``bounded_here``) apply meanwhile."""
+        its timeout, where ``bounded_here``) apply meanwhile. Nested, the outer wait is
+        restored at the end of the inner one."""
+        outer = self._blocking
         self._blocking = Waiting(what, time.monotonic(), bounded_here)
         try:
             yield
         finally:
-            self._blocking = None
+            self._blocking = outer
+
+    def blocked(self, what: str, bounded_here: bool = False) -> Any:
+        """A context in which the host may block for ``what`` outside this channel's own
+        waits (see the module docstring): a peer's report ends the process ``grace_s`` later,
+        a silent peer ``unresponsive_s`` later, and, where ``bounded_here`` (a wait nothing
+        else bounds: CUDA, an NCCL communicator's set-up), ``timeout_s`` ends it regardless.
+        A peer's report known already raises ``PeerFailedError`` at once."""
+        if self._peer_message is not None:
+            self.check()
+        return self._blocked(what, bounded_here)
 
     # -- waiting on the GPU (NCCL; see the module docstring) ------------------------
     def wait_on_device(self, works: Sequence[Any], what: str, device: int | None) -> None:
@@ -301,8 +336,10 @@ class FailureChannel:
         if self._peer_message is not None:
             self.check()
         try:
-            for work in works:
-                work.wait()  # no timeout: the stream waits, the host goes on
+            # marked blocked: under TORCH_NCCL_BLOCKING_WAIT=1 this wait blocks the host
+            with self._blocked(what, bounded_here=True):
+                for work in works:
+                    work.wait()  # no timeout: the stream waits, the host goes on
         except Exception as exc:
             self._raise_for(exc, what)
         done = torch.cuda.Event()
@@ -355,7 +392,7 @@ class FailureChannel:
         it: a rank that raised prints its own error, and a death another rank published first
         was printed there, so the job says what failed once."""
         try:
-            self._store.check([FAILURE_KEY])
+            self._client().check([FAILURE_KEY])
         except Exception:
             return (
                 f"the job's store is unreachable, so its host died ({_store_host()}); "
@@ -377,7 +414,7 @@ class FailureChannel:
     def _announce(self) -> None:
         """Publish where this rank runs, so that a peer on its host can tell it died or end it."""
         try:
-            self._store.set(WHERE_KEY.format(rank=self.rank), f"{socket.gethostname()} {os.getpid()}")
+            self._client().set(WHERE_KEY.format(rank=self.rank), f"{socket.gethostname()} {os.getpid()}")
         except Exception:  # no store: peers fall back to heartbeats
             pass
 
@@ -389,7 +426,7 @@ class FailureChannel:
             self._last_beat = now
             try:
                 if not self._store_gone:
-                    self._store.add(HEARTBEAT_KEY.format(rank=self.rank), 1)
+                    self._client().add(HEARTBEAT_KEY.format(rank=self.rank), 1)
             except Exception:  # store gone: peers learn it from their own store calls
                 self._store_gone = True
 
@@ -401,8 +438,8 @@ class FailureChannel:
         keys = [HEARTBEAT_KEY.format(rank=r) for r in peers]
         try:
             # a peer that never beat yet has no key; counting from zero is the same silence
-            present = [key for key in keys if self._store.check([key])]
-            values = dict(zip(present, self._store.multi_get(present))) if present else {}
+            present = [key for key in keys if self._client().check([key])]
+            values = dict(zip(present, self._client().multi_get(present))) if present else {}
         except Exception:
             return
         now = time.monotonic()
@@ -449,9 +486,9 @@ class FailureChannel:
         """(host, pid) a rank announced, if it did."""
         key = WHERE_KEY.format(rank=rank)
         try:
-            if not self._store.check([key]):  # a get of a missing key waits for it
+            if not self._client().check([key]):  # a get of a missing key waits for it
                 return None
-            return self._store.get(key).decode().split()
+            return self._client().get(key).decode().split()
         except Exception:
             return None
 
@@ -566,9 +603,46 @@ class FailureChannel:
     def close(self) -> None:
         """Stop the watchdog and wait for it (the process group is going away)."""
         self._closed.set()
+        _OPEN[:] = [ref for ref in _OPEN if ref() is not None and ref() is not self]
         if self._watchdog.is_alive() and threading.current_thread() is not self._watchdog:
             self._watchdog.join(timeout=max(5.0, 4 * self.poll_s))
         atexit.unregister(self.close)
+
+
+_OPEN: list[weakref.ref] = []  # the open channels of this process (held weakly), oldest first
+
+
+def current_channel() -> FailureChannel | None:
+    """The channel opened last in this process and not closed yet (None: no channel)."""
+    for ref in reversed(_OPEN):
+        channel = ref()
+        if channel is not None and not channel.closed:
+            return channel
+    return None
+
+
+@contextmanager
+def watched(what: str, bounded_here: bool = False) -> Iterator[None]:
+    """``current_channel().blocked(what, bounded_here)``, or nothing where no channel is
+    open: for code that blocks the host without holding a channel (see the module
+    docstring)."""
+    channel = current_channel()
+    if channel is None:
+        yield
+        return
+    with channel.blocked(what, bounded_here):
+        yield
+
+
+def own_connection(store: Any) -> Any:
+    """A second client of ``store`` (``Store.clone``: a connection of its own), for a thread
+    that must reach the store while another thread of the process blocks in a store call on
+    the first (a TCP store client answers its calls one at a time); ``store`` itself where it
+    cannot be cloned (an older torch)."""
+    try:
+        return store.clone()
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return store
 
 
 def _default_store() -> Any:

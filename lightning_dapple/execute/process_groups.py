@@ -5,6 +5,14 @@
 strategy opens the default group with its ``timeout_s``. Every subgroup the package makes
 (replica groups, tied-parameter groups, the wires' link groups, the probes') is made here
 with the default group's timeout, so a dead peer ends every wait within the same bound.
+
+Making a group is itself a wait for every rank of the default group: under NCCL, with the
+default group bound to a device (Lightning binds it), ``new_group`` splits the new
+communicator from the default one at once, and ``ncclCommSplit`` blocks the host until
+every rank has called it, with no timeout of its own. So ``subgroup`` marks the host as
+blocked with the process's failure channel (``failure.watched``): a peer that failed
+before it got there ends this rank ``grace_s`` after its report, a silent one after
+``unresponsive_s``, and under NCCL the channel's ``timeout_s`` bounds the split.
 """
 from __future__ import annotations
 
@@ -13,6 +21,8 @@ from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
+
+from lightning_dapple.execute.failure import watched
 
 __all__ = ["default_timeout", "subgroup"]
 
@@ -38,4 +48,7 @@ def subgroup(ranks: Sequence[int] | None = None, backend: str | None = None) -> 
     the whole default group, as ``new_group`` is)."""
     timeout = default_timeout()
     options = {"timeout": timeout} if timeout is not None else {}
-    return dist.new_group(list(ranks) if ranks is not None else None, backend=backend, **options)
+    members = list(ranks) if ranks is not None else None
+    split = "nccl" in str(backend or dist.get_backend()).lower()  # a split has no timeout of its own
+    with watched(f"every rank to make the process group of ranks {members if members is not None else 'all'}", bounded_here=split):
+        return dist.new_group(members, backend=backend, **options)

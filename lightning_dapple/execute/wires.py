@@ -34,7 +34,10 @@ differs is how a message's bytes get from one rank to the other.
   compute. Sends are not waited: ProcessGroupNCCL records each sent tensor on its own
   stream, so the memory outlives the send. NCCL needs every receive to match its
   message's size (the flag byte travels on every activation), has no complex or bool type
-  (such lone tensors go as bytes), and receives are posted when due, not ahead.
+  (such lone tensors go as bytes), and receives are posted when due, not ahead. Torch
+  below 2.5 may split a two-rank group's first point-to-point communicator from the
+  default one, which every rank must join: the set-up would hang, so there the wire is
+  refused (``check_nccl_links_torch``).
 
 ``Transport(wire=...)`` forces a policy: ``nccl`` and ``staged`` also run over gloo with CPU
 tensors (the ``nccl`` wire's link groups and message order are the same there, its waits
@@ -48,6 +51,7 @@ from typing import Any, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.torch_version import TorchVersion
 
 from lightning_dapple.errors import require
 from lightning_dapple.execute.failure import FailureChannel
@@ -109,6 +113,7 @@ def choose_wire(wire: str, device: torch.device) -> str:
             "put the stages on GPUs, or use the gloo backend for CPU training",
         )
         if not gloo:
+            check_nccl_links_torch()
             return "nccl"
         return "gloo" if device.type == "cpu" else "staged"
     if wire in ("gloo", "staged"):
@@ -127,7 +132,30 @@ def choose_wire(wire: str, device: torch.device) -> str:
             f"this run has {backend} with {device.type} tensors",
             "use wire='auto'",
         )
+    if wire == "nccl" and not gloo:
+        check_nccl_links_torch()
     return wire
+
+
+#: the first torch whose unbatched point-to-point on a two-rank group does not wait for every rank
+NCCL_LINKS_TORCH = (2, 5)
+
+
+def check_nccl_links_torch() -> None:
+    """Refuse the ``nccl`` wire under real NCCL on torch below 2.5. There, the first
+    unbatched send on one of the wire's two-rank groups may create its communicator by
+    ``ncclCommSplit`` from the default one, a collective of every rank of the job, while
+    the link set-up reaches each pair's first message in turn (``link_groups``): the ranks
+    outside the pair never join, and the set-up hangs (fixed by pytorch PR 132900, in 2.5)."""
+    version = TorchVersion(torch.__version__)
+    require(
+        version >= NCCL_LINKS_TORCH,
+        "wire",
+        f"'nccl' (a two-rank NCCL communicator per link) on torch {version} would hang at the links' set-up "
+        "(a pair's first send may split from the default communicator and wait for every rank)",
+        "upgrade torch to 2.5 or later (pip install 'torch>=2.5'), or keep this torch and run the pipeline "
+        "over gloo (DappleStrategy(process_group_backend='gloo'): the staged wire)",
+    )
 
 
 class Wire:
@@ -265,7 +293,8 @@ class HostReader:
         """Host copies of ``tensors`` once ``works`` (their receives) have completed; without
         ``keep``, in pinned buffers reused by the next read (for values read at once, such as
         flag bytes: no allocation per receive)."""
-        with torch.cuda.stream(self.stream):
+        # marked blocked: under TORCH_NCCL_BLOCKING_WAIT=1 these waits block the host
+        with torch.cuda.stream(self.stream), self.failure.blocked(what, bounded_here=True):
             for work in works:
                 work.wait()  # this stream waits for the receive; the host does not
             hosts = [self._host(index, t, keep) for index, t in enumerate(tensors)]
@@ -320,9 +349,11 @@ def link_groups(
                 first.append((group, peer, rank == sender))
     if device.type == "cuda" and first:
         works = []
-        for group, peer, sends in first:
-            byte = torch.zeros(1, dtype=torch.uint8, device=device)
-            works.append((dist.isend if sends else dist.irecv)(byte, peer, group=group))
+        # a pair's first operation connects it and blocks the host until the peer gets there
+        with failure.blocked("the first message of every link", bounded_here=True):
+            for group, peer, sends in first:
+                byte = torch.zeros(1, dtype=torch.uint8, device=device)
+                works.append((dist.isend if sends else dist.irecv)(byte, peer, group=group))
         failure.wait_on_device(works, "the first message of every link", index)
         done = torch.cuda.Event()
         done.record()

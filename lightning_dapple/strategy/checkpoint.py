@@ -14,14 +14,24 @@ to a temporary name in the target directory, flushed, and renamed, so a crash le
 previous checkpoint intact. ``checkpoint="sharded"`` (``sharded_checkpoint.py``) writes
 the same entries, keyed the same way, from each stage leader into a directory instead, and
 reads them back through ``load_local_optimizer_states`` too.
+
+Rank 0 takes the parts in turn, so a leader's part waits for rank 0 to take every earlier
+leader's part first: with tens of GB that is far longer than ``timeout_s``, which bounds
+one transfer. So a leader does not offer its part until its turn has come
+(``PartTurns``): rank 0 says in the job's store which leader it takes next, and counts
+its progress there while it takes a part. The leader's wait for its turn ends with an
+error only when rank 0 has made no progress for ``timeout_s`` (or failed, or stopped
+beating: the failure channel's rules); each transfer of the part is then bounded by
+``timeout_s`` as before.
 """
 from __future__ import annotations
 
 import os
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from lightning.fabric.utilities.cloud_io import get_filesystem
@@ -30,6 +40,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_dapple.errors import DappleConfigError
+from lightning_dapple.execute.failure import LONG_WAIT_S, CommTimeoutError, FailureChannel
 from lightning_dapple.strategy.part_stream import PartLane, receive_part, send_part, to_host
 
 NAMED_MARKER = "dapple_keyed_by_name"
@@ -100,19 +111,112 @@ class CheckpointLayout:
         return sorted(set(self.stage_leaders) - {0})
 
 
+TURN_KEY = "lightning_dapple/checkpoint/turn/{rank}"  # parts rank 0 has begun to take from a rank
+OFFERED_KEY = "lightning_dapple/checkpoint/offered/{rank}"  # parts a rank has had to send
+PROGRESS_KEY = "lightning_dapple/checkpoint/progress"  # rank 0's progress through the parts
+PROGRESS_EVERY_S = 0.5  # rank 0 counts its progress at most this often (one store call)
+
+
+class PartTurns:
+    """The lane's wait (the failure channel's) and the order of the parts (module docstring).
+
+    Given to ``open_part_lane`` as the lane's ``wait``, so every lane made from it (the
+    sharded writers' too) carries it. A sender calls ``await_turn`` before it sends a part;
+    rank 0 calls ``begin`` before it takes a sender's part and takes the part through
+    ``counting(lane)``, which counts its progress in the store as tensors arrive.
+    """
+
+    def __init__(self, failure: FailureChannel, poll_s: float = 0.05) -> None:
+        self.failure = failure
+        self.poll_s = poll_s
+        self._counted_at = 0.0
+
+    def __call__(self, work: Any, what: str) -> None:
+        self.failure.wait(work, what)
+
+    @property
+    def _store(self) -> Any:
+        return self.failure.store
+
+    def begin(self, source: int) -> None:
+        """Rank 0: it takes ``source``'s next part now."""
+        self._store.add(TURN_KEY.format(rank=source), 1)
+        self._count(force=True)
+
+    def counting(self, lane: PartLane) -> PartLane:
+        """``lane`` whose every completed transfer counts as rank 0's progress."""
+
+        def wait(work: Any, what: str) -> None:
+            self(work, what)
+            self._count()
+
+        return PartLane(lane.group, wait)
+
+    def _count(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self._counted_at >= PROGRESS_EVERY_S:
+            self._counted_at = now
+            self._store.add(PROGRESS_KEY, 1)
+
+    def await_turn(self, rank: int) -> None:
+        """A sender: wait until rank 0 takes this rank's part, for as long as rank 0 makes
+        progress on the earlier parts; ``CommTimeoutError`` after ``timeout_s`` without any."""
+        store, limit = self._store, self.failure.timeout_s
+        wanted = int(store.add(OFFERED_KEY.format(rank=rank), 1))
+        seen = [int(store.add(PROGRESS_KEY, 0)), time.monotonic()]
+
+        def ready() -> bool:
+            if int(store.add(TURN_KEY.format(rank=rank), 0)) >= wanted:
+                return True
+            progress, now = int(store.add(PROGRESS_KEY, 0)), time.monotonic()
+            if progress != seen[0]:
+                seen[:] = [progress, now]
+            elif now - seen[1] > limit:
+                raise CommTimeoutError(
+                    f"rank {rank}: rank 0 took no checkpoint part for {limit:.0f} s while this rank waited to send its own; "
+                    "rank 0 may be stuck. Raise DappleStrategy(timeout_s=...) if one checkpoint tensor takes this long"
+                )
+            return False
+
+        self.failure.wait_until(ready, "rank 0 to take this rank's checkpoint part", limit_s=LONG_WAIT_S)
+
+
+def _turns(lane: PartLane) -> PartTurns | None:
+    return lane.wait if isinstance(lane.wait, PartTurns) else None
+
+
+def _send_in_turn(part: Any, lane: PartLane, rank: int) -> None:
+    """A sender's part, once its turn has come (at once where the lane keeps no turns)."""
+    turns = _turns(lane)
+    if turns is not None:
+        turns.await_turn(rank)
+    send_part(part, lane)
+
+
+def _receive_in_turn(sources: list[int], lane: PartLane) -> Iterator[Any]:
+    """Rank 0: each source's part, in order, each source told when its turn comes."""
+    turns = _turns(lane)
+    taking = turns.counting(lane) if turns is not None else lane
+    for source in sources:
+        if turns is not None:
+            turns.begin(source)
+        yield receive_part(source, taking)
+
+
 def consolidated_state_dict(module: nn.Module, layout: CheckpointLayout, lane: PartLane | None = None) -> dict[str, Any]:
     """The whole module's state dict on rank 0, on the CPU (original keys and order); {}
     elsewhere. Rank 0 contributes the entries outside the layers and, as a stage leader,
-    its stage's; the other leaders stream theirs to it (``part_stream.py``)."""
+    its stage's; the other leaders stream theirs to it (``part_stream.py``), each in its
+    turn (``PartTurns``)."""
     lane = lane if lane is not None else PartLane()
     mine = {key: value for key, value in module.state_dict().items() if layout.contributes(key)}
     if layout.global_rank != 0:
         if layout.stage_leader:
-            send_part(mine, lane)
+            _send_in_turn(mine, lane, layout.global_rank)
         return {}
     merged: dict[str, Any] = to_host(mine)
-    for source in layout.senders:
-        merged.update(receive_part(source, lane))
+    for part in _receive_in_turn(layout.senders, lane):
+        merged.update(part)
     for alias, key in layout.aliases.items():  # one tensor, every name of it
         if key in merged:
             merged[alias] = merged[key]
@@ -155,13 +259,13 @@ def consolidated_optimizer_state(
     named = named_optimizer_state(module, layout, optimizer) if layout.optimizer_contributor else None
     if layout.global_rank != 0:
         if named is not None:
-            send_part(named, lane)
+            _send_in_turn(named, lane, layout.global_rank)
         return {}
     merged: dict[str, Any] = {"state": {}, "param_groups": [], NAMED_MARKER: True}
     if named is not None:
         merge_optimizer_part(merged, to_host(named))
-    for source in layout.optimizer_senders:
-        merge_optimizer_part(merged, receive_part(source, lane))
+    for part in _receive_in_turn(layout.optimizer_senders, lane):
+        merge_optimizer_part(merged, part)
     return merged
 
 

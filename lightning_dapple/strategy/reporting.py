@@ -26,6 +26,11 @@ ranks, four tracebacks, three of them only saying that a peer failed. Here:
   message, and prints just that line if nothing catches it.
 
 ``DAPPLE_DEBUG=1`` in the environment restores the full tracebacks everywhere.
+
+A wait that Lightning itself makes between the strategy's steps is watched as well
+(``watch_lightning_waits``): the SIGTERM flag Lightning 2.6 broadcasts from rank 0 before
+every training batch. A rank blocked there while a peer has failed ends within the failure
+channel's grace, as in the strategy's own waits (``execute/failure.py``).
 """
 from __future__ import annotations
 
@@ -45,7 +50,8 @@ from torch.multiprocessing import ProcessRaisedException
 from typing_extensions import override
 
 from lightning_dapple.errors import DEBUG_ENV, DappleConfigError, debugging
-from lightning_dapple.execute.failure import FAILURE_KEY, TICKET_KEY, PeerFailedError
+from lightning_dapple.execute.failure import FAILURE_KEY, TICKET_KEY, PeerFailedError, own_connection, watched
+from lightning_dapple.execute.wires import waits_on_device
 
 PREFIX = "lightning_dapple: error:"
 HINT = f"(set {DEBUG_ENV}=1 for tracebacks)"
@@ -54,7 +60,7 @@ LINGER_S = 3.0  # longest a failing rank waits for its peers to see its report
 
 __all__ = [
     "DEBUG_ENV", "DappleRunError", "OneLineLauncher", "failure_known", "install_excepthook", "one_line", "publish_failure",
-    "stop_at_failure", "watch_for_peer_failures",
+    "stop_at_failure", "watch_for_lightning_waits", "watch_for_peer_failures",
 ]
 
 
@@ -161,10 +167,11 @@ def _peer_failure(exc: BaseException, rank: int) -> str | None:
     return None if message is None or message.startswith(f"rank {rank} raised") else message
 
 
-def _acknowledge() -> None:
-    """Count this rank, once, among the peers that have seen the job's failure."""
+def _acknowledge(store: Any = None) -> None:
+    """Count this rank, once, among the peers that have seen the job's failure (through
+    ``store``, a connection of the calling thread's, or the job's)."""
     global _ACKNOWLEDGED
-    store = _job_store()
+    store = store if store is not None else _job_store()
     with _ACK_LOCK:  # the watch thread and the failing main thread may both get here
         if _ACKNOWLEDGED or store is None:
             return
@@ -221,7 +228,7 @@ class _PeerWatch:
     store call) and counts itself in ``SEEN_KEY`` so that the failing rank can leave."""
 
     def __init__(self, store: Any, rank: int, poll_s: float = 0.25) -> None:
-        self.store = store
+        self.store = own_connection(store)  # the main thread may be blocked in a call on the job's
         self.rank = rank
         self.poll_s = poll_s
         self.peer_report: str | None = None
@@ -241,7 +248,7 @@ class _PeerWatch:
                     self.peer_report = message
                     for channel in _CHANNELS:  # its waits then need no store call once woken
                         channel.note_peer_report(message)
-                    _acknowledge()
+                    _acknowledge(self.store)
             except Exception:  # the store's host is gone
                 pass
             return
@@ -340,3 +347,27 @@ class OneLineLauncher(_MultiProcessingLauncher):
             if debugging():
                 raise
             raise DappleRunError(_rank_line(exc)) from None
+
+
+SIGTERM_BROADCAST = "_broadcast_sigterm_tensor"  # Lightning 2.6's training epoch loop, before every batch
+
+
+def watch_for_lightning_waits(trainer: Any) -> None:
+    """Have the failure channel watch the collective Lightning's training loop makes before
+    every batch: the SIGTERM flag broadcast from rank 0 over the default group (Lightning
+    2.6; absent in older releases, where there is nothing to watch). A rank blocked there
+    while a peer has failed or stopped ends by the channel's rules (grace, silence) rather
+    than the process group's timeout; under NCCL, where the host blocks in CUDA reading the
+    flag, the channel's ``timeout_s`` bounds it too. Wrapped once per loop."""
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    broadcast = getattr(type(loop), SIGTERM_BROADCAST, None)
+    if broadcast is None or getattr(loop, "_dapple_watched", False):
+        return
+    device = trainer.strategy.root_device
+
+    def watched_broadcast() -> None:
+        with watched("Lightning's per-batch SIGTERM broadcast from rank 0", bounded_here=waits_on_device(device)):
+            broadcast(loop)
+
+    setattr(loop, SIGTERM_BROADCAST, watched_broadcast)
+    loop._dapple_watched = True
