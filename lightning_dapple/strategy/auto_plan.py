@@ -17,12 +17,16 @@ trains in mixed precision, so the times are those of the precision that will run
 executor's own time per action is measured beside it (``execute/overhead_probe.py``), and
 so is one step of the run's optimizer over each layer (``strategy/optimizer_probe.py``),
 so the planner and the simulator that picks M and ``ooo="auto"`` price both.
+
+A model built on the meta device (``meta_build.py``) has no layer to run until its stages
+are made: rank 0 then makes one layer at a time, profiles it, and frees it before the next
+(``meta_profile.py``), so no rank ever holds the whole model.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager
 
 import torch
 import torch.distributed as dist
@@ -34,13 +38,15 @@ from lightning_dapple.errors import DappleConfigError
 from lightning_dapple.execute.collective_probe import with_measured_links
 from lightning_dapple.execute.overhead_probe import with_action_overhead
 from lightning_dapple.execute.slicing import batch_size_of, take_rows
+from lightning_dapple.plan.communicators import communicator_reserve_bytes
 from lightning_dapple.plan.plan import CHUNKED_SCHEDULES, Plan, PlanShape, atomic_write_text, load_plan, plan_from_dict
 from lightning_dapple.plan.schedule_choice import RUNNABLE_SCHEDULES, Finisher
 from lightning_dapple.plan.shape_plan import plan_shape
 from lightning_dapple.profile.model_profile import ModelProfile
 from lightning_dapple.profile.profiler import profile_layers
 from lightning_dapple.simulate.memory_fit import apply_ooo_recompute
-from lightning_dapple.simulate.plans import make_plan, simulate_plan
+from lightning_dapple.simulate.plan_and_schedule import make_plan, simulate_plan
+from lightning_dapple.strategy.meta_profile import profile_one_layer_at_a_time
 from lightning_dapple.strategy.module_adapter import LogRecorder, capture_input
 from lightning_dapple.strategy.ooo_choice import decide_ooo, with_ooo_choice
 from lightning_dapple.strategy.optimizer_probe import with_run_optimizer
@@ -126,13 +132,16 @@ def auto_plan(
     sample: Any,
     shape: PlanShape | None = None,
     share: Callable[[Any], Any] | None = None,
+    real: Callable[[nn.Module], ContextManager[Any]] | None = None,
 ) -> AutoPlan:
     """The run's plan: rank 0 profiles and plans, every rank receives the same plan. With
     ``shape`` (stages given by their devices) the planner only chooses the layer cut and,
     where the shape leaves it open, M (``plan.shape_plan``). ``share`` gives rank 0's
     result to every rank; the strategy's waits for as long as rank 0 lives
     (``execute/store_sync.py``), since profiling and planning may take longer than any
-    transfer timeout; without one, a broadcast on the process group."""
+    transfer timeout; without one, a broadcast on the process group. ``real(layer)`` makes
+    a layer of a model built on the meta device real for a while: each is then profiled
+    alone, made and freed in turn (``meta_profile.py``)."""
     saved = context.directory / "dapple_plan.json"
     if context.resuming and saved.is_file():
         return AutoPlan(load_plan(saved))  # resuming reuses the plan of the run
@@ -142,7 +151,7 @@ def auto_plan(
     inputs: PlanningInputs | None = None
     if context.global_rank == 0:
         try:
-            plan, inputs = _plan_on_rank_zero(context, module, container, sample, shape)
+            plan, inputs = _plan_on_rank_zero(context, module, container, sample, shape, real)
             data = plan.to_dict()
         except DappleConfigError as exc:  # shared with every rank so all stop with the same message
             data = {"__error__": [exc.field, exc.problem, exc.fix]}
@@ -175,28 +184,33 @@ def run_finisher(arguments: PlanArguments, profile: ModelProfile, cluster: Clust
     return finish
 
 
-def _plan_on_rank_zero(context: PlanningContext, module: LightningModule, container: nn.Module, sample: Any, shape: PlanShape | None) -> tuple[Plan, PlanningInputs]:
+def _profile(context: PlanningContext, module: LightningModule, container: nn.Module, x: Any, real: Callable[[nn.Module], ContextManager[Any]] | None) -> ModelProfile:
+    """Each layer's profile with the run's optimizer step, for the planner and simulator."""
+    options = {"device": context.device, "cache_dir": context.profile_cache, "name": type(module).__name__, "autocast_dtype": context.autocast_dtype}
+    if real is not None:  # built on the meta device: one layer real at a time
+        profile = profile_one_layer_at_a_time(list(container), x, real, module, **options)
+    else:
+        profile = profile_layers(container, x, **options)
+        profile = with_run_optimizer(profile, module, list(container), context.device)  # each stage's optimizer step
+    return with_action_overhead(profile, context.device)  # priced by the simulator that picks M and ooo
+
+
+def _plan_on_rank_zero(
+    context: PlanningContext, module: LightningModule, container: nn.Module, sample: Any, shape: PlanShape | None, real: Callable[[nn.Module], ContextManager[Any]] | None
+) -> tuple[Plan, PlanningInputs]:
     rows = batch_size_of(sample)
     per_device = max(1, rows // max(1, context.world_size))
     piece = take_rows(sample, 0, per_device)
     with LogRecorder().recording(module, 0.0):
         x = capture_input(module, lambda: getattr(module, context.step_name)(piece, 0))
-    profile = profile_layers(
-        container,
-        x,
-        device=context.device,
-        cache_dir=context.profile_cache,
-        name=type(module).__name__,
-        autocast_dtype=context.autocast_dtype,
-    )
-    profile = with_action_overhead(profile, context.device)  # priced by the simulator that picks M and ooo
-    profile = with_run_optimizer(profile, module, list(container), context.device)  # each stage's optimizer step
+    profile = _profile(context, module, container, x, real)
     cluster, arguments = context.cluster, context.arguments
     finish = run_finisher(arguments, profile, cluster)
     if shape is None:
         named = arguments.fixed_schedule is not None
         schedules, left_out = (RUNNABLE_SCHEDULES, "") if named else schedules_for_cores(context.device.type, context.local_processes, usable_cores())
-        plan = make_plan(profile, cluster, rows, num_devices=context.world_size, schedules=schedules, finish=finish, **arguments.planner_kwargs())
+        reserve = communicator_reserve_bytes(context.device.type, dist.get_backend() if dist.is_initialized() else None)  # NCCL's per communicator
+        plan = make_plan(profile, cluster, rows, num_devices=context.world_size, schedules=schedules, finish=finish, communicator_bytes=reserve, **arguments.planner_kwargs())
         if left_out:
             plan = replace(plan, reason=f"{plan.reason.rstrip()} {left_out}")
     else:

@@ -33,8 +33,9 @@ group set-up, cluster environments) and replaces what differs:
   optimizer state keyed by parameter name, written atomically (see ``checkpoint.py``);
   or, with ``checkpoint="sharded"``, a directory each stage leader writes its own part of
   through ``torch.distributed.checkpoint`` (``sharded_checkpoint.py``);
-* a model made in ``configure_model`` is built on the meta device and each rank makes only
-  its stage (``meta_build.py``).
+* a model made in ``configure_model`` (or under ``Trainer.init_module(empty_init=True)``) is
+  built on the meta device and each rank makes only its stage (``meta_build.py``), a
+  Hugging Face model's from a pretrained directory (``hf_weights.py``).
 """
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ from typing import Any, Callable, ContextManager, Generator, Literal, Sequence
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.fabric.utilities.distributed import _init_dist_connection
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -79,6 +81,7 @@ from lightning_dapple.execute.wires import WIRES, choose_wire
 from lightning_dapple.plan.console import make_console, render_text
 from lightning_dapple.plan.explain import plan_summary, plan_table
 from lightning_dapple.plan.plan import Plan, atomic_write_text
+from lightning_dapple.profile.hf_layers import is_hf_layer_list
 from lightning_dapple.profile.ties import TiedParameter, tied_parameters
 from lightning_dapple.profile.traced_layers import TracedLayers
 from lightning_dapple.strategy import checkpoint as ckpt
@@ -89,6 +92,7 @@ from lightning_dapple.strategy.ddp_options import refuse_ddp_options
 from lightning_dapple.strategy.handles import Detached, LayerTensors
 from lightning_dapple.strategy.layer_rows import check_regrouped_cuts, rows_elsewhere
 from lightning_dapple.strategy.loss_check import LossWatch
+from lightning_dapple.strategy.hf_weights import PretrainedWeights, pretrained_weights
 from lightning_dapple.strategy.meta_build import MetaBuild, built_on_meta
 from lightning_dapple.strategy.module_adapter import (
     FreedLayer,
@@ -123,6 +127,7 @@ from lightning_dapple.strategy.reporting import (
     install_excepthook,
     publish_failure,
     stop_at_failure,
+    watch_for_lightning_waits,
     watch_for_peer_failures,
 )
 from lightning_dapple.strategy.resolve import PlanArguments, given_plan, resolve_plan, shape_with_arguments
@@ -423,10 +428,17 @@ class DappleStrategy(DDPStrategy):
             micro-batch over all replicas of its stage.
         zero: 1 shards a replicated stage's optimizer state over its replicas (ZeRO-1,
             ``zero.py``): each keeps its share's state, steps it, and sends the parameters it
-            stepped to the others; 0 (default) keeps the whole state on every replica.
+            stepped to the others; 2 also reduces each gradient to its owner only (ZeRO-2),
+            so each replica keeps its share of the gradients; 0 (default) keeps the whole
+            state on every replica, unless the plan's stages say otherwise; "auto" lets
+            plan="auto" choose per stage (``plan/zero_choice.py``) and keeps a given plan's.
         meta_init: build a model made in ``configure_model`` on the meta device and make only
             this rank's stage, with the values of the whole model built on the CPU
             (``meta_build.py``); off, every rank builds the whole model on the CPU first.
+            ``Trainer.init_module(empty_init=True)`` builds on the meta device the same way.
+        pretrained: a ``save_pretrained`` directory whose weights the Hugging Face model
+            built on the meta device takes (``{attribute path: directory}`` for several):
+            each rank reads only its stage's tensors (``hf_weights.py``).
         checkpoint: "consolidated" (one file, gathered on rank 0 from the stage leaders,
             ``checkpoint.py``) or "sharded" (a directory: each stage leader writes its own
             stage through ``torch.distributed.checkpoint``, rank 0 the rest in ``meta.pt``;
@@ -438,6 +450,7 @@ class DappleStrategy(DDPStrategy):
     """
 
     strategy_name = "dapple"
+    _weights: PretrainedWeights | None = None  # DappleStrategy(pretrained)'s directories, until this rank's stage is made
 
     def __init__(
         self,
@@ -456,7 +469,8 @@ class DappleStrategy(DDPStrategy):
         wire: str = "auto",
         deferred_batchnorm: bool = False,
         meta_init: bool = True,
-        zero: int = 0,
+        pretrained: Any = None,
+        zero: int | str = 0,
         checkpoint: Literal["consolidated", "sharded"] = "consolidated",
         gather_after_fit: bool | None = None,
         accelerator: Any = None,
@@ -473,7 +487,7 @@ class DappleStrategy(DDPStrategy):
             precision_plugin=precision_plugin, process_group_backend=process_group_backend, start_method=start_method, timeout=timedelta(seconds=timeout_s),
         )
         require(loss_reduction in LOSS_REDUCTIONS, "loss_reduction", f"is {loss_reduction!r}", "use 'mean', 'sum' or 'micro_batch_mean'")
-        self.plan_arguments = PlanArguments(micro_batches, schedule, policy, recompute, ooo)
+        self.plan_arguments = PlanArguments(micro_batches, schedule, policy, recompute, ooo, zero)
         require(
             recompute != "auto" or plan == "auto",
             "recompute",
@@ -483,8 +497,8 @@ class DappleStrategy(DDPStrategy):
         require(wire in WIRES, "wire", f"is {wire!r}", f"use one of {', '.join(WIRES)}")
         self.wire = wire
         self.deferred_batchnorm = deferred_batchnorm
-        self.meta_init = meta_init
-        require(zero in (0, 1), "zero", f"is {zero!r}", "use 0 (every replica keeps the whole optimizer state) or 1 (ZeRO-1: each keeps its share)")
+        self.meta_init, self.pretrained = meta_init, pretrained
+        require(zero in (0, 1, 2, "auto"), "zero", f"is {zero!r}", "use 'auto' (the planner chooses per stage), 0 (every replica keeps the whole optimizer state), 1 (ZeRO-1: each keeps its share) or 2 (ZeRO-2: also its share of the gradients)")
         self.zero = zero
         self._zero: ZeroShards | None = None  # this rank's share of a replicated stage's optimizer state (zero.py)
         self._meta_build: MetaBuild | None = None  # configure_model's record, until this rank's stage is made
@@ -536,17 +550,29 @@ class DappleStrategy(DDPStrategy):
         """Modules made in ``configure_model`` are made on the meta device and recorded
         (``meta_build.py``): the plan is not known yet, and the whole model may not fit one
         process. Each rank materializes only its stage's layers in ``setup``, with the values
-        the whole model built on the CPU would have. With ``meta_init=False``, and under
-        ``Trainer.init_module`` (before the run starts), they are made on the CPU as before."""
-        if not self.meta_init or self.lightning_module is None:
+        the whole model built on the CPU would have. ``Trainer.init_module(empty_init=True)``
+        (before the run starts: what Lightning asks for a model too large to initialise
+        whole, which FSDP makes on the meta device too) records the same way; the module is
+        known at ``connect``. With ``meta_init=False``, and under ``Trainer.init_module()``
+        without ``empty_init=True``, they are made on the CPU as before."""
+        if not self.meta_init or (self.lightning_module is None and not empty_init):
             with self.precision_plugin.tensor_init_context():
                 yield
             return
-        build = MetaBuild()
+        build = self._meta_build if self._meta_build is not None else MetaBuild()  # configure_model adds to init_module's
         with self.precision_plugin.tensor_init_context(), build.recording():
             yield
-        build.finish(self.lightning_module)
         self._meta_build = build
+        if self.lightning_module is not None:
+            build.finish(self.lightning_module)
+
+    @override
+    def connect(self, model: LightningModule) -> None:
+        """A module built under ``Trainer.init_module(empty_init=True)`` is named to its
+        record here, before any conversion replaces its buffers (``meta_build.py``)."""
+        super().connect(model)
+        if self._meta_build is not None:
+            self._meta_build.finish(model)
 
     @override
     @property
@@ -685,6 +711,7 @@ class DappleStrategy(DDPStrategy):
         # the module's own transfer hooks define what a batch on the device is: they then
         # move whole batches, as in Lightning (see batch_to_device)
         self._stages_move_slices = not any(is_overridden(hook, module) for hook in ("transfer_batch_to_device", "on_after_batch_transfer"))
+        watch_for_lightning_waits(trainer)  # Lightning's per-batch SIGTERM broadcast, by the failure channel (reporting.py)
 
     def _stepped_parameters(self) -> set[int]:
         """The parameters the optimizers step (by id), ZeRO-1's other shares included: the
@@ -698,9 +725,9 @@ class DappleStrategy(DDPStrategy):
         self._zero = None
         assert self.plan is not None and self.failure is not None
         stage = self.plan.stages[self.stages[0]]
-        if not self.zero or stage.replicas == 1 or self.groups is None:
+        if not stage.zero or stage.replicas == 1 or self.groups is None:  # the plan's level (resolve.py sets the user's)
             return
-        self._zero = ZeroShards(stage.devices, self.global_rank, self.groups.replicas[self.stages[0]], self.failure.wait)
+        self._zero = ZeroShards(stage.devices, self.global_rank, self.groups.replicas[self.stages[0]], self.failure.wait, level=stage.zero)
         self._zero.shard(self.optimizers)
 
     @override
@@ -774,7 +801,8 @@ class DappleStrategy(DDPStrategy):
         group = self.groups.plan if self.groups else None
         tied = self.runner.tied if self.runner is not None else None  # tied copies count once
         copies = tied.copies if tied is not None else None
-        clip_grad_norm_global(params, max_norm, replicas, self.failure, group=group, device=self.root_device, copies=copies)
+        shares = self._zero.shares if self._zero is not None else None  # each owner counts its share
+        clip_grad_norm_global(params, max_norm, replicas, self.failure, group=group, device=self.root_device, copies=copies, shares=shares)
 
     def _agree_found_inf(self, scaler: Any, optimizer: Any) -> torch.Tensor:
         """fp16: every rank of the plan skips or takes the step together (precision.py)."""
@@ -792,8 +820,9 @@ class DappleStrategy(DDPStrategy):
         so the whole model never has to fit on one device (DAPPLE 4: stages exist because
         it need not).
         """
+        self._weights = pretrained_weights(module, self.pretrained, built_on_meta(module))  # headers only, every rank
         if self._meta_build is not None:  # a build on the meta device that cannot be replayed stops here
-            self._meta_build.check(type(module).__name__)
+            self._meta_build.check(type(module).__name__, self._weights.loads if self._weights is not None else lambda name: False)
         sample = self._sample_batch(trainer, module)
         container = self._find_layers(trainer, module, sample)
         self._traced_inputs = container.inputs if isinstance(container, TracedLayers) else None
@@ -822,7 +851,7 @@ class DappleStrategy(DDPStrategy):
             global_rank=self.global_rank,
             aliases=aliases,
             layers=tuple((plan.stages[s].start, plan.stages[s].end) for s in self.stages),
-            optimizer_ranks=tuple(sorted({rank for each in plan.stages for rank in (each.devices if self.zero and each.replicas > 1 else each.devices[:1])})),
+            optimizer_ranks=tuple(sorted({rank for each in plan.stages for rank in (each.devices if each.zero and each.replicas > 1 else each.devices[:1])})),
         )
         self._layer_tensors = LayerTensors.of(module, container, keep_transient=self.global_rank == 0)
         # handles and traced layers' own paths first, while every tensor is still the original
@@ -883,7 +912,15 @@ class DappleStrategy(DDPStrategy):
             for tensor in (*layer.parameters(), *layer.buffers()):
                 holders.setdefault(id(tensor), set()).add(index)
         mine = set(held)
-        build.materialize(module, lambda tensor: id(tensor) not in holders or bool(holders[id(tensor)] & mine))
+        transient: set[int] = set()
+        if self.global_rank == 0 and self.gather_after_fit:  # rank 0 rebuilds every layer after fit; buffers outside the state come from here
+            saved = {id(tensor) for tensor in module.state_dict(keep_vars=True).values()}
+            transient = {id(buffer) for buffer in module.buffers() if id(buffer) not in saved}
+        owned = lambda tensor: id(tensor) not in holders or bool(holders[id(tensor)] & mine) or id(tensor) in transient  # noqa: E731
+        build.materialize(module, owned, self._weights)
+        if self._weights is not None:
+            self._weights.close()
+            self._weights = None
 
     def _free_other_stages(self, container: nn.Module, held: Sequence[int]) -> None:
         """Free every layer but ``held`` (this rank's) to the meta device (structure kept,
@@ -919,7 +956,8 @@ class DappleStrategy(DDPStrategy):
         # Where the module lives (not yet this rank's device: nothing is there before the
         # other stages are freed), through the user's transfer hooks, and converted as the
         # loops do before a step (e.g. 64-true turns float inputs into float64).
-        return self.precision_plugin.convert_input(self.batch_to_device(batch, device=module_home(module)))
+        home = module_home(module)  # a model built on the meta device computes on the CPU once its layers are made
+        return self.precision_plugin.convert_input(self.batch_to_device(batch, device=torch.device("cpu") if home.type == "meta" else home))
 
     def _find_layers(self, trainer: Trainer, module: LightningModule, batch: Any) -> nn.Module:
         """The layer sequence at ``layers``, or the layer list traced from ``forward``
@@ -945,6 +983,10 @@ class DappleStrategy(DDPStrategy):
         layers run on one row too, to find outputs that hold the rows elsewhere than in
         their first dimension (``layer_rows.py``).
         """
+        if built_on_meta(module) and is_hf_layer_list(container):
+            return  # Hugging Face's mask code reads values, which the meta device has none of; the list is its own forward cut at its blocks
+        if built_on_meta(module):  # shapes only: the sample goes where the layers are
+            batch = move_data_to_device(batch, torch.device("meta"))
         step_name = _step_name(trainer)
         rows = min(2, batch_size_of(batch))
         args = _forward_args(module, take_rows(batch, 0, rows), step_name)
@@ -1025,16 +1067,10 @@ class DappleStrategy(DDPStrategy):
         if isinstance(given, Plan):
             plan = given
         else:  # "auto", or a shape whose layer cut the planner chooses
-            require(
-                not built_on_meta(module),
-                "plan",
-                "is 'auto' or a shape, whose cut the planner chooses from the layers' profiled compute, but the model was "
-                "built on the meta device in configure_model (no layer holds values to run yet)",
-                "give a plan with each stage's layers ([start, end) ranges; dapple-plan writes one), or build without the "
-                "meta device: DappleStrategy(meta_init=False)",
-            )
             shape = shape_with_arguments(given, self.plan_arguments) if given is not None else None
-            planned = auto_plan(self.planning_context(trainer), module, container, sample, shape, share=self._share_from_rank_zero)
+            # built on the meta device: the planner profiles one layer made real at a time (meta_profile.py)
+            real = self._meta_build.layer_by_layer(module, self._weights) if self._meta_build is not None and built_on_meta(module) else None
+            planned = auto_plan(self.planning_context(trainer), module, container, sample, shape, share=self._share_from_rank_zero, real=real)
             plan, self._planning_inputs = planned.plan, planned.inputs
         plan = resolve_plan(plan, self.plan_arguments)
         if self._planning_inputs is not None:  # one simulated step per plan: the one that runs
@@ -1123,6 +1159,8 @@ class DappleStrategy(DDPStrategy):
         callbacks = _TrainCallbacks(module, batch_idx, recorder, transfers, batch_size_of(batch), context, scale_backward, watch, self._traced_inputs)
         scale = 1.0 / self.lightning_module.trainer.accumulate_grad_batches
         self.runner.refresh_trainable()  # a callback may have frozen or unfrozen layers since the last step
+        if self._zero is not None:  # ZeRO-2: the (rebuilt) buckets reduce to the owners
+            self._zero.route_gradients(self.runner)
         params = self.runner.parameters
         # Under Trainer(accumulate_grad_batches) the gradients of earlier batches are still
         # in .grad; the runner starts from none, so they are put back after the step. Where
@@ -1246,7 +1284,7 @@ class DappleStrategy(DDPStrategy):
         first save: every rank saves at the same point, as opening a group requires."""
         if self._part_lane is None:
             assert self.failure is not None
-            lane = open_part_lane(self.failure.wait, timedelta(seconds=self.timeout_s))
+            lane = open_part_lane(ckpt.PartTurns(self.failure), timedelta(seconds=self.timeout_s))  # parts in turn (checkpoint.py)
             if self._sharded:
                 assert self.checkpoint_layout is not None
                 lane = sharded.open_writer_lane(lane, self.checkpoint_layout, self.timeout_s)
