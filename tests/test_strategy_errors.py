@@ -185,7 +185,7 @@ def test_stochastic_weight_averaging_is_refused_on_a_pipeline_and_kept_on_one_st
     from lightning.pytorch.callbacks import StochasticWeightAveraging
 
     from lightning_dapple.plan.plan import plan_from_dict
-    from lightning_dapple.strategy.dapple_strategy import _check_callbacks
+    from lightning_dapple.strategy.setup_checks import _check_callbacks
 
     trainer = SimpleNamespace(callbacks=[StochasticWeightAveraging(swa_lrs=0.05)])
     two = plan_from_dict({"global_batch_size": 4, "micro_batches": 2, "stages": [{"layers": [0, 2], "devices": [0]}, {"layers": [2, 5], "devices": [1]}]})

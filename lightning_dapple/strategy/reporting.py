@@ -35,7 +35,6 @@ channel's grace, as in the strategy's own waits (``execute/failure.py``).
 from __future__ import annotations
 
 import atexit
-import os
 import re
 import signal
 import sys
