@@ -1,6 +1,6 @@
 """Bytes the executor's sends keep alive: the buffers of sends issued and not yet waited.
 
-A send hands its buffer to the wire (``execute/transport.py``: an activation packed into one
+A send hands its buffer to the wire (``execute/transfer/transport.py``: an activation packed into one
 message, a gradient's rows) and keeps it until the send is waited -- by a settle point
 (``schedule/settle.py``) or at the end of the step. ``PendingSendBytes`` wraps one
 transport's issue calls for the length of a ``with`` block and keeps the peak of the bytes

@@ -7,11 +7,11 @@ compares them under the same machine load. The ``gloo`` wire is what a CPU run u
 forced ``staged`` and ``nccl`` wires show what the staging code and the per-link, flagged
 messages cost on CPU (their GPU costs are in the CUDA copies and NCCL, not measured here).
 ``--baseline FILE`` adds another transport module's ``Transport`` (e.g. an earlier
-``execute/transport.py``) as the first variant, to check that the steady-state fast path
+``execute/transfer/transport.py``) as the first variant, to check that the steady-state fast path
 did not get slower:
 
     python benchmarks/bench_transport.py --width 512 --rows 8 --rounds 40
-    git show REV:lightning_dapple/execute/transport.py > /tmp/transport_rev.py
+    git show REV:lightning_dapple/execute/transfer/transport.py > /tmp/transport_rev.py
     python benchmarks/bench_transport.py --baseline /tmp/transport_rev.py gloo --rounds 60
 
 On a loaded machine gloo's thread hand-offs dominate a round trip and swing by tens of
@@ -42,7 +42,7 @@ WIRES = ("gloo", "staged", "nccl")
 def _factory(name: str, baseline: str | None) -> Any:
     import torch
 
-    from lightning_dapple.execute.transport import Transport
+    from lightning_dapple.execute.transfer.transport import Transport
 
     if name == "baseline":
         spec = importlib.util.spec_from_file_location("baseline_transport", baseline)
@@ -72,7 +72,7 @@ def _rank_main(rank: int, world: int, cfg: dict) -> dict[str, list[float]]:
     import torch
 
     from lightning_dapple.execute.failure import FailureChannel
-    from lightning_dapple.execute.transport import Peer
+    from lightning_dapple.execute.transfer.transport import Peer
 
     torch.set_num_threads(1)
     failure = FailureChannel(rank, timeout_s=120)
@@ -104,7 +104,7 @@ def _python_only(cfg: dict) -> dict[str, list[float]]:
     import torch.distributed as dist
     from torch.utils import _pytree as pytree
 
-    from lightning_dapple.execute.transport import LeafMeta, Peer
+    from lightning_dapple.execute.transfer.transport import LeafMeta, Peer
 
     torch.set_num_threads(1)
     dist.isend = dist.irecv = lambda *args, **kwargs: _Done()  # this process only runs the benchmark

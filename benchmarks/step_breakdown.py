@@ -46,7 +46,7 @@ def _rank_main(rank: int, world: int, cfg: dict) -> dict[str, dict[str, float]]:
 
     import _schedules_worker as worker
     import lightning_dapple.execute.results as results_module
-    import lightning_dapple.execute.transport as transport_module
+    import lightning_dapple.execute.transfer.transport as transport_module
     from lightning_dapple.execute.failure import FailureChannel
 
     torch.set_num_threads(1)

@@ -13,7 +13,7 @@ from conftest import shared_profiles
 from lightning_dapple.cluster import Cluster
 from lightning_dapple.errors import DappleConfigError
 from lightning_dapple.execute.overhead_probe import LoopbackWire, measure_action_overhead, with_action_overhead
-from lightning_dapple.execute.transport import Peer, Transport
+from lightning_dapple.execute.transfer.transport import Peer, Transport
 from lightning_dapple.plan.costs import StageCost, dapple_latency, pipeline_phases, stage_costs
 from lightning_dapple.plan.plan import Plan, plan_from_dict
 from lightning_dapple.profile.action_overhead import NO_OVERHEAD, OVERHEAD_KINDS, ActionOverhead

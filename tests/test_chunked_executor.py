@@ -30,7 +30,7 @@ from dist_harness import run_ranks
 from lightning_dapple.errors import DappleConfigError
 from lightning_dapple.execute.failure import FailureChannel
 from lightning_dapple.execute.groups import PlanGroups
-from lightning_dapple.execute.links import check_stream_orders
+from lightning_dapple.execute.transfer.links import check_stream_orders
 from lightning_dapple.execute.runner import StageRunner
 from lightning_dapple.execute.tied import build_tied_sync
 from lightning_dapple.plan.plan import plan_from_dict

@@ -1,13 +1,13 @@
 """NCCL communicators per rank (``plan/communicators.py``) for the shapes that make many:
 replicated stages with a tied embedding, interleaved chunks, a fan-out from one device to
 seven; each count is the one the executor's group builders make (the link pairs are checked
-against ``execute/links.py``), within the stated cap, and priced as memory where asked."""
+against ``execute/transfer/links.py``), within the stated cap, and priced as memory where asked."""
 from __future__ import annotations
 
 import pytest
 
 from lightning_dapple.cluster import GIB, Cluster
-from lightning_dapple.execute.links import plan_links, plan_streams
+from lightning_dapple.execute.transfer.links import plan_links, plan_streams
 from lightning_dapple.plan.communicators import (
     NCCL_COMMUNICATOR_BYTES,
     communicator_cap,

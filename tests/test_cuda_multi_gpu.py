@@ -49,7 +49,7 @@ def _crossing_under_load(rank: int, world: int, port: int) -> dict[str, Any]:
     runs matmuls that fill the GPU. Returns how many receives held what was sent, and the
     seconds taken with and without the load."""
     from lightning_dapple.execute.failure import FailureChannel
-    from lightning_dapple.execute.transport import Peer, Transport
+    from lightning_dapple.execute.transfer.transport import Peer, Transport
 
     device = _use_nccl(rank, world, port)
     failure = FailureChannel(rank, timeout_s=120)
@@ -152,7 +152,7 @@ def _blocked_under_nccl(rank: int, world: int, port: int, mode: str, blocking: s
     from lightning_dapple.execute.batchnorm import StageBuffers, convert_batchnorm
     from lightning_dapple.execute.failure import FailureChannel
     from lightning_dapple.execute.process_groups import subgroup
-    from lightning_dapple.execute.transport import Peer, Transport
+    from lightning_dapple.execute.transfer.transport import Peer, Transport
 
     device = _use_nccl(rank, world, port)
     failure = FailureChannel(rank, timeout_s=100, grace_s=GRACE_S, poll_s=0.1)
@@ -245,7 +245,7 @@ def _communicator_memory(rank: int, world: int, port: int) -> dict[str, Any]:
     """A 1:1 plan's groups under NCCL (the default, two link groups), each used once: the
     device memory the links' communicators took, per communicator."""
     from lightning_dapple.execute.failure import FailureChannel
-    from lightning_dapple.execute.transport import Transport
+    from lightning_dapple.execute.transfer.transport import Transport
 
     device = _use_nccl(rank, world, port)
     failure = FailureChannel(rank, timeout_s=120)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lightning_dapple.execute.overhead_probe import LoopbackWire, measure_action_overhead
-from lightning_dapple.execute.transport import Peer, Transport
+from lightning_dapple.execute.transfer.transport import Peer, Transport
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

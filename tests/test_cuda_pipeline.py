@@ -1,4 +1,4 @@
-"""A pipeline on one GPU: three ranks share it through the staged wire (execute/wires.py).
+"""A pipeline on one GPU: three ranks share it through the staged wire (execute/transfer/wires.py).
 
 Three processes on ``cuda:0`` joined by gloo: CUDA tensors cross every stage boundary
 through pinned host buffers, so one GPU runs the strategy's multi-rank CUDA paths that a

@@ -1,6 +1,6 @@
 """The transport's wires on real GPUs: pinned staging over gloo with ranks sharing one GPU,
 and NCCL with one communicator per link and direction and its waits on the GPU
-(execute/wires.py, execute/staging.py, execute/failure.py).
+(execute/transfer/wires.py, execute/transfer/staging.py, execute/failure.py).
 
 Skipped where torch sees no CUDA device (CI runs the same code paths forced over gloo on
 CPU: tests/test_transport_backends.py, tests/test_wire_ordering.py); NCCL between ranks
@@ -119,7 +119,7 @@ def _middle_stage_worker(rank: int, world: int, port: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     from lightning_dapple.execute.failure import FailureChannel
-    from lightning_dapple.execute.transport import Peer, Transport
+    from lightning_dapple.execute.transfer.transport import Peer, Transport
 
     device = _use_nccl(rank, world, port)
     failure = FailureChannel(rank, timeout_s=90)
@@ -197,8 +197,8 @@ def _host_free_receive_worker(rank: int, world: int, port: int) -> dict[str, Any
     import torch.distributed as dist
 
     from lightning_dapple.execute.failure import FailureChannel
-    from lightning_dapple.execute.transport import FLAG_SAME_LAYOUT, pack
-    from lightning_dapple.execute.wires import Incoming, NcclWire
+    from lightning_dapple.execute.transfer.transport import FLAG_SAME_LAYOUT, pack
+    from lightning_dapple.execute.transfer.wires import Incoming, NcclWire
 
     device = _use_nccl(rank, world, port)
     failure = FailureChannel(rank, timeout_s=60)
@@ -244,7 +244,7 @@ def _silent_peer_worker(rank: int, world: int, port: int, out: str) -> dict[str,
     (the compute stream waits), then its host blocks in a CUDA read that no wait of the
     transport marks: only the watchdog can end it, after ``timeout_s``."""
     from lightning_dapple.execute.failure import FailureChannel
-    from lightning_dapple.execute.transport import Peer, Transport
+    from lightning_dapple.execute.transfer.transport import Peer, Transport
 
     device = _use_nccl(rank, world, port)
     failure = FailureChannel(rank, timeout_s=5.0, poll_s=0.1)

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_dapple.execute import groups as groups_module
-from lightning_dapple.execute import wires
+from lightning_dapple.execute.transfer import wires
 from lightning_dapple.execute.groups import build_groups, collective_device
 from lightning_dapple.execute.process_groups import default_timeout, subgroup
 from lightning_dapple.plan.plan import plan_from_dict
@@ -145,7 +145,7 @@ def test_new_group_is_called_only_by_subgroup_and_the_checkpoint_lanes() -> None
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "new_group":
                 callers.add(str(path.relative_to(PACKAGE)))
     assert callers == {"execute/process_groups.py", "strategy/part_stream.py", "strategy/sharded_checkpoint.py"}
-    strategy = (PACKAGE / "strategy" / "dapple_strategy.py").read_text()
+    strategy = (PACKAGE / "strategy" / "checkpoint_hooks.py").read_text()
     assert "open_part_lane(ckpt.PartTurns(self.failure), timedelta(seconds=self.timeout_s))" in strategy
 
 

@@ -76,7 +76,7 @@ def test_every_rank_gets_the_summed_loss_and_objects_and_the_source_does_not_wai
 def test_receives_are_posted_ahead_only_under_gloo_with_a_core_to_spare(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch.distributed as dist
 
-    from lightning_dapple.execute import transport
+    from lightning_dapple.execute.transfer import transport
 
     cpu = torch.device("cpu")
     assert not transport.receives_ahead_pay(cpu, local_ranks=1, threads=1)  # no process group

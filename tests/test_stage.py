@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_dapple.execute.keys import Direction, TransferKey, transfer_key
+from lightning_dapple.execute.transfer.keys import Direction, TransferKey, transfer_key
 from lightning_dapple.execute.stage import Stage
 from lightning_dapple.execute.stash_ledger import KnownSizes, MeasuringSizes, StashLedger, StashSizes
 from lightning_dapple.schedule.actions import Kind

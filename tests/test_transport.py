@@ -1,5 +1,5 @@
 """Activation transfers: one message per transfer once the layout is known, and a correct
-hand-over whenever the layout changes (execute/transport.py, DAPPLE 5.2.2 split-concat).
+hand-over whenever the layout changes (execute/transfer/transport.py, DAPPLE 5.2.2 split-concat).
 
 Three ranks: rank 0 holds all rows of a micro-batch, ranks 1 and 2 hold half each (an
 uneven-width boundary, so every transfer is split). Rank 0 sends a sequence whose layout
@@ -46,7 +46,7 @@ def worker(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
     from lightning_dapple.execute.failure import FailureChannel
-    from lightning_dapple.execute.transport import short_messages_match
+    from lightning_dapple.execute.transfer.transport import short_messages_match
 
     failure = FailureChannel(rank, timeout_s=60)
     out: dict[str, Any] = {"short_default": short_messages_match()}
@@ -66,7 +66,7 @@ def worker(rank: int, world: int) -> dict:
 
 def _gradients(rank: int, failure: Any) -> int:
     """Ranks 1 and 2 (half the rows each) send gradients of one and of two leaves to rank 0."""
-    from lightning_dapple.execute.transport import Peer, Transport
+    from lightning_dapple.execute.transfer.transport import Peer, Transport
 
     transport = Transport(failure, torch.device("cpu"))
     checked = 0
@@ -87,7 +87,7 @@ def _gradients(rank: int, failure: Any) -> int:
 
 def _activations(rank: int, failure: Any, short: bool) -> dict:
     from lightning_dapple.execute.slicing import flatten
-    from lightning_dapple.execute.transport import Peer, Transport
+    from lightning_dapple.execute.transfer.transport import Peer, Transport
 
     transport = Transport(failure, torch.device("cpu"), short_messages=short)
     out: dict[str, Any] = {"messages": [], "checked": 0}
@@ -143,7 +143,7 @@ def test_structures_travel_as_pytree_json_and_namedtuples_by_pickle() -> None:
 
     from torch.utils import _pytree as pytree
 
-    from lightning_dapple.execute.transport import _spec_from_bytes, _spec_to_bytes
+    from lightning_dapple.execute.transfer.transport import _spec_from_bytes, _spec_to_bytes
 
     t = torch.zeros(2, 1)
     for value, kind in [(t, b"J"), ((t, t), b"J"), ({"hidden": t, "extra": [t, t]}, b"J"), (HiddenAndMask(t, t), b"P")]:
@@ -159,7 +159,7 @@ def test_awkward_layouts_pack_and_lone_tensors_go_as_they_are() -> None:
     """Leaves whose flattened view is not a dense byte range (an expanded, stride-0 gradient;
     a column slice; a transpose) pack and unpack exactly; a lone tensor is sent as itself
     (contiguous) unless it is complex, which travels as bytes (NCCL has no complex type)."""
-    from lightning_dapple.execute.transport import _meta_of, as_message, pack, unpack
+    from lightning_dapple.execute.transfer.transport import _meta_of, as_message, pack, unpack
 
     base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     leaves = [torch.ones(3, 1).expand(3, 4), base[:, 0], base.t().contiguous().t(), base.double()]

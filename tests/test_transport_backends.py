@@ -1,4 +1,4 @@
-"""Every wire policy of the transport, forced over gloo on CPU (execute/wires.py).
+"""Every wire policy of the transport, forced over gloo on CPU (execute/transfer/wires.py).
 
 The ``nccl`` wire's code (a process group per link and direction, the flag byte on every
 message, bool and complex as bytes, no receives posted ahead) and the ``staged`` wire's
@@ -60,7 +60,7 @@ def _activations(rank: int, transport: Any, senders: tuple[int, ...] = SENDERS, 
     from torch.utils import _pytree as pytree
 
     from lightning_dapple.execute.slicing import flatten
-    from lightning_dapple.execute.transport import Peer
+    from lightning_dapple.execute.transfer.transport import Peer
 
     device = transport.device
     out: dict[str, Any] = {"checked": 0, "bytes": [], "posted": []}
@@ -106,7 +106,7 @@ GRADIENTS = [
 
 def _gradients(rank: int, transport: Any, senders: tuple[int, ...] = SENDERS, receivers: tuple[int, ...] = RECEIVERS) -> dict[str, Any]:
     """Receivers (width 3) send gradients back to the senders (width 2), who check them."""
-    from lightning_dapple.execute.transport import Peer
+    from lightning_dapple.execute.transfer.transport import Peer
 
     device = transport.device
     out: dict[str, Any] = {"checked": 0, "allocated": []}
@@ -155,7 +155,7 @@ def worker(
     rank: int, world: int, wires: tuple[str, ...] = WIRES, device: str = "cpu", senders: tuple[int, ...] = SENDERS, receivers: tuple[int, ...] = RECEIVERS
 ) -> dict[str, Any]:
     from lightning_dapple.execute.failure import FailureChannel
-    from lightning_dapple.execute.transport import Transport
+    from lightning_dapple.execute.transfer.transport import Transport
 
     failure = FailureChannel(rank, timeout_s=60)
     _count_batches()
@@ -228,7 +228,7 @@ def train_worker(rank: int, world: int, device: str = "cpu", wires: tuple[str, .
     from lightning_dapple.execute.failure import FailureChannel
     from lightning_dapple.execute.groups import build_groups
     from lightning_dapple.execute.runner import StageRunner
-    from lightning_dapple.execute.transport import Transport
+    from lightning_dapple.execute.transfer.transport import Transport
     from lightning_dapple.plan.plan import plan_from_dict
 
     failure = FailureChannel(rank, timeout_s=60)
@@ -275,7 +275,7 @@ def test_training_over_every_wire_gives_the_default_wires_parameters() -> None:
 
 def test_the_wire_follows_backend_and_device_and_refuses_what_cannot_work(monkeypatch: pytest.MonkeyPatch) -> None:
     from lightning_dapple.errors import DappleConfigError
-    from lightning_dapple.execute import wires
+    from lightning_dapple.execute.transfer import wires
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     # no process group counts as gloo (what run_ranks and the CPU tests use)
@@ -302,8 +302,8 @@ def test_the_wire_follows_backend_and_device_and_refuses_what_cannot_work(monkey
 def test_nccl_sends_bool_and_complex_lone_tensors_as_bytes() -> None:
     """NCCL has no bool or complex type: such a lone tensor goes packed (uint8) on that wire;
     gloo sends bool as it is. A lone gradient's receive buffer follows the same rule."""
-    from lightning_dapple.execute.transport import _meta_of, _typed_gradient, as_message, unpack
-    from lightning_dapple.execute.wires import NcclWire, Wire
+    from lightning_dapple.execute.transfer.transport import _meta_of, _typed_gradient, as_message, unpack
+    from lightning_dapple.execute.transfer.wires import NcclWire, Wire
 
     flags = torch.tensor([[True, False], [False, True], [True, True]])
     half = torch.randn(3, 2).to(torch.bfloat16)
@@ -319,7 +319,7 @@ def test_host_buffers_are_reused_and_flag_bytes_come_back_zeroed() -> None:
     """The staging pool lends one buffer per key at a time and reuses it; a flagged
     (activation) buffer's last byte is zero again when it is lent (a short message leaves it
     as it was, and the receiver must read "same layout" then)."""
-    from lightning_dapple.execute.staging import Stager
+    from lightning_dapple.execute.transfer.staging import Stager
 
     stager = Stager(torch.device("cpu"))
     key = ("recv", 1, 9, True)
@@ -344,7 +344,7 @@ def test_short_messages_cannot_be_forced_on_the_nccl_wire() -> None:
     from dist_harness import free_port
     from lightning_dapple.errors import DappleConfigError
     from lightning_dapple.execute.failure import FailureChannel
-    from lightning_dapple.execute.transport import Transport
+    from lightning_dapple.execute.transfer.transport import Transport
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     failure = FailureChannel(0, timeout_s=10)

@@ -1,6 +1,6 @@
 """Values that are not per-sample: rotary tables of shape (1, T, n), masks of shape
 (1, 1, T, T) and 0-d tensors pass between stages whole (profile/sample_rows.py,
-execute/transport.py), and the planner prices them once per micro-batch.
+execute/transfer/transport.py), and the planner prices them once per micro-batch.
 
 * the transport's round trip over every wire, forced over gloo on CPU: which sender's copy
   a receiver gets, what each sender gets back as the gradient, the bytes a sender leaves
@@ -73,7 +73,7 @@ SCENARIOS = [
 def _round_trip(rank: int, transport: Any, index: int, scenario: tuple) -> dict[str, Any]:
     """One activation transfer and its gradient; every side checks what it got and reports
     what differs (rather than raising, so every rank stays in step with its peers)."""
-    from lightning_dapple.execute.transport import Peer
+    from lightning_dapple.execute.transfer.transport import Peer
 
     problems: list[str] = []
 
@@ -138,7 +138,7 @@ def _contradiction(rank: int, transport: Any) -> str | None:
     """Two senders of two rows each, one marking the table whole and one per-sample: the
     receiver refuses it with a clear error."""
     from lightning_dapple.errors import DappleConfigError
-    from lightning_dapple.execute.transport import Peer
+    from lightning_dapple.execute.transfer.transport import Peer
 
     senders, total = (0, 1), 4
     if rank in senders:
@@ -155,7 +155,7 @@ def _contradiction(rank: int, transport: Any) -> str | None:
 
 def transport_worker(rank: int, world: int) -> dict[str, Any]:
     from lightning_dapple.execute.failure import FailureChannel
-    from lightning_dapple.execute.transport import Transport
+    from lightning_dapple.execute.transfer.transport import Transport
 
     failure = FailureChannel(rank, timeout_s=60)
     out: dict[str, Any] = {}
@@ -188,7 +188,7 @@ def test_whole_values_round_trip_over_every_wire() -> None:
 
 def test_a_tensor_neither_batch_first_nor_whole_is_refused_with_the_fix() -> None:
     from lightning_dapple.errors import DappleConfigError
-    from lightning_dapple.execute.transport import _meta_of
+    from lightning_dapple.execute.transfer.transport import _meta_of
 
     assert _meta_of(torch.zeros(1, 4, 2), 3).whole and _meta_of(torch.zeros(()), 1).whole
     assert not _meta_of(torch.zeros(1, 4, 2), 1).whole and not _meta_of(torch.zeros(3, 4, 2), 3).whole

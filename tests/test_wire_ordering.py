@@ -3,7 +3,7 @@
 NCCL runs a communicator's operations in issue order on one stream and matches a pair's
 sends and receives by that order alone. The ``nccl`` wire gives every link (two ranks of
 adjacent stages that share rows, DAPPLE 5.2.2) one communicator per direction
-(``execute/wires.py``, ``execute/links.py``), so each communicator carries one sender's
+(``execute/transfer/wires.py``, ``execute/transfer/links.py``), so each communicator carries one sender's
 messages to one receiver, and the rule becomes: per communicator, the sender issues its
 transfers in the order the receiver issues the receives.
 
@@ -31,8 +31,8 @@ import pytest
 import torch
 
 from dist_harness import run_ranks
-from lightning_dapple.execute.keys import Direction
-from lightning_dapple.execute.links import link_orders, mismatched_links, plan_links
+from lightning_dapple.execute.transfer.keys import Direction
+from lightning_dapple.execute.transfer.links import link_orders, mismatched_links, plan_links
 from lightning_dapple.execute.slicing import overlap, row_range
 from lightning_dapple.plan.plan import plan_from_dict
 from lightning_dapple.schedule.actions import Kind
@@ -132,7 +132,7 @@ def _values(stage: int, mb: int, rows: tuple[int, int], layout: int, sign: float
 
 def _peers(plan: Any, stage: int, mb: int, batch: int) -> list[Any]:
     from lightning_dapple.execute.slicing import slice_rows
-    from lightning_dapple.execute.transport import Peer
+    from lightning_dapple.execute.transfer.transport import Peer
 
     devices = plan.stages[stage].devices
     return [Peer(rank, slice_rows(batch, plan.micro_batches, mb, len(devices), index)) for index, rank in enumerate(devices)]
@@ -142,7 +142,7 @@ def run_action_list(rank: int, plan: Any, transport: Any, layout: int, device: s
     """This rank's sends and receives of one step, in its action list's order, through
     ``transport``; compute actions only pause a little (a random 0-1 ms, to vary how the
     ranks interleave). Every received tensor is checked against what its senders sent."""
-    from lightning_dapple.execute.keys import transfer_key
+    from lightning_dapple.execute.transfer.keys import transfer_key
     from lightning_dapple.execute.slicing import slice_rows
     from lightning_dapple.schedule.settle import settle_points
 
@@ -207,7 +207,7 @@ def crossing_worker(rank: int, world: int, device: str = "cpu") -> list[dict[str
     """Every schedule of every shape that fits the world, on one transport per shape (the
     layout changes from one schedule to the next); per case, what this rank checked."""
     from lightning_dapple.execute.failure import FailureChannel
-    from lightning_dapple.execute.transport import Transport
+    from lightning_dapple.execute.transfer.transport import Transport
 
     failure = FailureChannel(rank, timeout_s=30, poll_s=0.1)
     routes = _Routes()
@@ -270,8 +270,8 @@ def streams_worker(rank: int, world: int) -> dict[str, Any]:
     boundary and direction) must have a communicator of its own, or the first receive meets
     the other boundary's message."""
     from lightning_dapple.execute.failure import FailureChannel
-    from lightning_dapple.execute.keys import TransferKey
-    from lightning_dapple.execute.transport import Peer, Transport
+    from lightning_dapple.execute.transfer.keys import TransferKey
+    from lightning_dapple.execute.transfer.transport import Peer, Transport
 
     failure = FailureChannel(rank, timeout_s=30, poll_s=0.1)
     routes = _Routes()

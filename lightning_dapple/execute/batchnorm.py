@@ -48,7 +48,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from lightning_dapple.errors import DappleConfigError
 from lightning_dapple.execute.failure import FailureChannel
 from lightning_dapple.execute.replay import buffer_slots
-from lightning_dapple.execute.wires import waits_on_device
+from lightning_dapple.execute.transfer.wires import waits_on_device
 
 __all__ = ["PipelineBatchNorm", "StageBuffers", "convert_batchnorm"]
 

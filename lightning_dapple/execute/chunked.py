@@ -46,7 +46,7 @@ from torch import nn
 
 from lightning_dapple.errors import DappleConfigError
 from lightning_dapple.execute.failure import PeerFailedError
-from lightning_dapple.execute.keys import TransferKey, transfer_key
+from lightning_dapple.execute.transfer.keys import TransferKey, transfer_key
 from lightning_dapple.execute.replay import restore_rng, save_rng, step_key
 from lightning_dapple.execute.results import ResultChannel
 from lightning_dapple.execute.slicing import batch_size_of
@@ -54,7 +54,7 @@ from lightning_dapple.execute.spans import span_clock
 from lightning_dapple.execute.stash_ledger import StashLedger
 from lightning_dapple.execute.stats import StageStats
 from lightning_dapple.execute.tied import TiedSync
-from lightning_dapple.execute.transport import Transport
+from lightning_dapple.execute.transfer.transport import Transport
 from lightning_dapple.plan.plan import Plan
 from lightning_dapple.schedule.actions import Action, Schedule
 from lightning_dapple.schedule.settle import group_settle_points

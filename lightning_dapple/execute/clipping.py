@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from lightning_dapple.execute.failure import FailureChannel
 from lightning_dapple.execute.groups import collective_device
-from lightning_dapple.execute.wires import waits_on_device
+from lightning_dapple.execute.transfer.wires import waits_on_device
 
 
 def _grouped(grads: list[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:

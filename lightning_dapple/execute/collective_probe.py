@@ -144,7 +144,7 @@ def with_measured_links(cluster: Cluster, device: torch.device) -> Cluster:
     if not dist.is_initialized() or dist.get_world_size() < 2:
         return cluster
     # gloo moves host memory (ranks sharing a GPU run it; their stage boundaries are staged
-    # through the host, ``execute/wires.py``), NCCL device memory
+    # through the host, ``execute/transfer/wires.py``), NCCL device memory
     fit = measure_links(device if dist.get_backend() == "nccl" else torch.device("cpu"))
     out = replace(
         cluster,

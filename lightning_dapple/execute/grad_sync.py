@@ -42,7 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_dapple.execute.failure import FailureChannel
-from lightning_dapple.execute.wires import waits_on_device
+from lightning_dapple.execute.transfer.wires import waits_on_device
 
 __all__ = ["FlatBucket", "GradientSync", "OwnerBucket"]
 

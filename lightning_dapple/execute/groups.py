@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_dapple.execute.process_groups import subgroup
-from lightning_dapple.execute.wires import waits_on_device
+from lightning_dapple.execute.transfer.wires import waits_on_device
 from lightning_dapple.plan.plan import Plan
 
 

@@ -31,10 +31,10 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from lightning_dapple.execute.keys import transfer_key
+from lightning_dapple.execute.transfer.keys import transfer_key
 from lightning_dapple.execute.stage import Stage
-from lightning_dapple.execute.transport import Peer, Transport
-from lightning_dapple.execute.wires import Incoming, Wire, _with_flags
+from lightning_dapple.execute.transfer.transport import Peer, Transport
+from lightning_dapple.execute.transfer.wires import Incoming, Wire, _with_flags
 from lightning_dapple.profile.action_overhead import ActionOverhead
 from lightning_dapple.profile.model_profile import ModelProfile
 from lightning_dapple.profile.profiler import profile_layers, timed_ms

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_dapple.execute.failure import FailureChannel
-from lightning_dapple.execute.wires import HostReader, backend_for, waits_on_device
+from lightning_dapple.execute.transfer.wires import HostReader, backend_for, waits_on_device
 from lightning_dapple.plan.plan import Plan
 
 RESULT_TAG = 7  # the schedule's transfers use tag 0; results never match them under gloo

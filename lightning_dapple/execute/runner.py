@@ -6,7 +6,7 @@ simulator times) and hands each action to the collaborator that does it:
 * F, B, W and recomputation to the rank's ``Stage`` (``execute/stage.py``: the layers and
   each micro-batch's autograd state, DAPPLE 3.2 and 5.2.3, ooo-backprop sec. 3, gpipe.txt
   2.3);
-* send/receive to the ``Transport`` (``execute/transport.py``): split-concat transfers to
+* send/receive to the ``Transport`` (``execute/transfer/transport.py``): split-concat transfers to
   adjacent stages (DAPPLE 5.2.2), named by ``keys.TransferKey``. Sends are asynchronous; a
   receive, once its data is in, also waits for the earlier sends ``schedule.settle`` names
   (those the peer has already posted receives for; on a rank holding several stages, those
@@ -54,8 +54,8 @@ from lightning_dapple.execute.chunked import ChunkedRunner, RankShared, chunk_se
 from lightning_dapple.execute.failure import FailureChannel, PeerFailedError
 from lightning_dapple.execute.grad_sync import GradientSync
 from lightning_dapple.execute.groups import PlanGroups, build_groups
-from lightning_dapple.execute.keys import TransferKey, transfer_key
-from lightning_dapple.execute.links import check_stream_orders, plan_links, plan_streams
+from lightning_dapple.execute.transfer.keys import TransferKey, transfer_key
+from lightning_dapple.execute.transfer.links import check_stream_orders, plan_links, plan_streams
 from lightning_dapple.execute.replay import detached, restore_rng, save_rng, step_key
 from lightning_dapple.execute.results import ResultChannel
 from lightning_dapple.execute.slicing import batch_size_of, slice_rows, take_rows
@@ -64,7 +64,7 @@ from lightning_dapple.execute.stage import EvalCallbacks, Stage, StageCallbacks
 from lightning_dapple.execute.stats import StageStats
 from lightning_dapple.execute.stash_ledger import KnownSizes, StageSlots, StashLedger, StashSizes, StepSizes
 from lightning_dapple.execute.tied import TiedSync, build_tied_sync, tied_groups
-from lightning_dapple.execute.transport import Peer, Transport, receives_ahead_pay
+from lightning_dapple.execute.transfer.transport import Peer, Transport, receives_ahead_pay
 from lightning_dapple.plan.buckets import BUCKET_BYTES, bucket_layers
 from lightning_dapple.plan.plan import Plan
 from lightning_dapple.profile.stash import StashMeter

@@ -80,9 +80,9 @@ from torch.utils import _pytree as pytree
 
 from lightning_dapple.errors import DappleConfigError, require
 from lightning_dapple.execute.failure import FailureChannel
-from lightning_dapple.execute.keys import TransferKey, stream_tag
+from lightning_dapple.execute.transfer.keys import TransferKey, stream_tag
 from lightning_dapple.execute.slicing import flatten, overlap, unflatten
-from lightning_dapple.execute.wires import Incoming, Wire, make_wire
+from lightning_dapple.execute.transfer.wires import Incoming, Wire, make_wire
 from lightning_dapple.profile.sample_rows import is_whole
 
 HEADER_INTS = 512
@@ -359,7 +359,7 @@ def _settle_pieces(pieces: list[list[torch.Tensor | None]], layouts: list[Sequen
 class Transport:
     """Sends and receives boundary tensors of one rank, with bounded waits.
 
-    ``wire`` picks how messages travel (``lightning_dapple.execute.wires``): ``"auto"``
+    ``wire`` picks how messages travel (``lightning_dapple.execute.transfer.wires``): ``"auto"``
     chooses from the backend and device (gloo with CPU tensors: ``gloo``; gloo with CUDA
     tensors: ``staged`` through pinned host buffers; NCCL: ``nccl``, one communicator per
     link and direction); a forced ``"nccl"`` or ``"staged"`` also runs over gloo with CPU

@@ -55,9 +55,9 @@ from torch.torch_version import TorchVersion
 
 from lightning_dapple.errors import require
 from lightning_dapple.execute.failure import FailureChannel
-from lightning_dapple.execute.keys import Direction, stream_tag
+from lightning_dapple.execute.transfer.keys import Direction, stream_tag
 from lightning_dapple.execute.process_groups import subgroup
-from lightning_dapple.execute.staging import Stager
+from lightning_dapple.execute.transfer.staging import Stager
 
 WIRES = ("auto", "gloo", "staged", "nccl")
 DIRECTIONS = ("activation", "gradient")

@@ -36,7 +36,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from lightning_dapple.errors import DappleConfigError
-from lightning_dapple.execute.keys import Direction, transfer_key
+from lightning_dapple.execute.transfer.keys import Direction, transfer_key
 from lightning_dapple.execute.slicing import overlap, slice_rows
 from lightning_dapple.plan.plan import Plan
 from lightning_dapple.schedule.actions import Action, Kind, Schedule
