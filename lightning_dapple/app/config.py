@@ -129,7 +129,7 @@ class StrategyConfig:
     schedule: Optional[Schedule] = None
     policy: Optional[Policy] = None
     ooo: Any = "auto"  # true | false | auto
-    wire: str = "auto"  # auto | gloo | staged | nccl (execute/wires.py)
+    wire: str = "auto"  # auto | gloo | staged | nccl (execute/transfer/wires.py)
     recompute: Optional[Recompute] = None
     timeout_s: float = 120.0
     layers: str = "layers"

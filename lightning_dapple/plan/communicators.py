@@ -9,7 +9,7 @@ memory; ``communicator_memory`` prices them for the memory model, where the run 
 (``communicator_reserve_bytes``: 0 on CPU processes and gloo groups).
 
 The groups, exactly as the executor makes them (``execute/groups.py``, ``execute/tied.py``,
-``execute/wires.py``, ``execute/links.py``), each counted on its members only (under NCCL a
+``execute/transfer/wires.py``, ``execute/transfer/links.py``), each counted on its members only (under NCCL a
 subgroup is split from the default communicator; ranks outside it get none):
 
 * ``default``: the job's default group, on every rank of the world;
@@ -88,7 +88,7 @@ def communicator_groups(plan: Plan, ties: Sequence[Any] = (), world_size: int | 
     member ranks). ``ties``: the model's tied parameters (``ModelProfile.tied``,
     ``profile.ties.TiedParameter``, or tuples of layer indices); ``world_size``: the job's
     (default: the plan's); ``wire``: the stage boundaries' wire, whose ``nccl`` alone makes
-    link groups (``execute/wires.py``)."""
+    link groups (``execute/transfer/wires.py``)."""
     world = plan.world_size if world_size is None else world_size
     groups: list[Group] = [("default", tuple(range(world)))]
     ranks = tuple(sorted({rank for stage in plan.stages for rank in stage.devices}))

@@ -3,7 +3,7 @@
 A layer profile (PipeDream 3.2, DAPPLE 4.1) times the layers alone. The executor does more
 per action: it looks up the micro-batch's state, reseeds the RNG, records timeline spans,
 files stash sizes, and for a transfer slices rows, packs messages and unpacks them (DAPPLE
-5.2.2's split-concat, ``execute/transport.py``). On small stages that fixed cost is a large
+5.2.2's split-concat, ``execute/transfer/transport.py``). On small stages that fixed cost is a large
 share of a step: deferred weight gradients (ooo-backprop sec. 3) add one W action per
 micro-batch, and when the simulator ignores what each W costs the executor it expects a
 saving that the run does not get.

@@ -14,7 +14,7 @@ The rule, beside ``rows`` rows of per-sample data:
   error to report).
 
 With ``rows`` == 1 a first dimension of 1 fits both readings; the rule calls it per-sample
-and the transport settles what the receiver makes of it (``execute/transport.py``). The
+and the transport settles what the receiver makes of it (``execute/transfer/transport.py``). The
 profiler, the batch slicing and the transport all decide with this module, so a cut's
 fixed bytes in a profile are the bytes the executor sends whole.
 """

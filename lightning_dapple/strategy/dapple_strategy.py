@@ -69,7 +69,7 @@ from lightning_dapple.execute.groups import PlanGroups
 from lightning_dapple.execute.runner import StageRunner
 from lightning_dapple.execute.shutdown import destroy_groups_at_exit
 from lightning_dapple.execute.store_sync import StoreSync
-from lightning_dapple.execute.wires import WIRES, choose_wire
+from lightning_dapple.execute.transfer.wires import WIRES, choose_wire
 from lightning_dapple.plan.plan import Plan
 from lightning_dapple.profile.ties import TiedParameter
 from lightning_dapple.strategy import checkpoint as ckpt
@@ -142,7 +142,7 @@ class DappleStrategy(PipelineSetup, PipelineSteps, CheckpointHooks, DDPStrategy)
             ``strategy/ooo_choice.py``; the choice and its reason are in the plan JSON).
         recompute: "never", "always", "except_last", one mode per stage, or "auto"
             (chosen by the memory model under plan="auto").
-        wire: how stage boundaries travel (``execute/wires.py``): "auto" (gloo for CPU
+        wire: how stage boundaries travel (``execute/transfer/wires.py``): "auto" (gloo for CPU
             tensors, pinned host staging for CUDA tensors over gloo, a communicator per
             link and direction under NCCL), or one of them forced.
         kwargs: Lightning's ``accelerator``, ``parallel_devices``, ``cluster_environment``,

@@ -50,7 +50,7 @@ from typing_extensions import override
 
 from lightning_dapple.errors import DEBUG_ENV, DappleConfigError, debugging
 from lightning_dapple.execute.failure import FAILURE_KEY, TICKET_KEY, PeerFailedError, own_connection, watched
-from lightning_dapple.execute.wires import waits_on_device
+from lightning_dapple.execute.transfer.wires import waits_on_device
 
 PREFIX = "lightning_dapple: error:"
 HINT = f"(set {DEBUG_ENV}=1 for tracebacks)"
