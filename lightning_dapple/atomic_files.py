@@ -15,12 +15,21 @@ import tempfile
 from pathlib import Path
 from typing import BinaryIO, Callable
 
-__all__ = ["atomic_write", "atomic_write_text", "fsync_directory", "remove_stale_temporaries"]
+__all__ = ["atomic_write", "atomic_write_text", "file_mode", "fsync_directory", "remove_stale_temporaries"]
 
 
-def _file_mode() -> int:
-    """What ``open(path, "w")`` creates: 0o666 less the process's umask."""
-    mask = os.umask(0)
+def file_mode() -> int:
+    """The mode ``open()`` would give a new file: 0666 less the umask (0644 under the usual
+    022), as Lightning's own checkpoints get; ``mkstemp`` creates 0600, unreadable to the
+    group that may share the directory. The umask is read from ``/proc`` where it can be
+    (setting it to read it is not safe while other threads create files)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return 0o666 & ~int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
     os.umask(mask)
     return 0o666 & ~mask
 
@@ -54,7 +63,7 @@ def atomic_write(path: str | Path, write: Callable[[BinaryIO], None]) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     handle, temp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
-        os.fchmod(handle, _file_mode())
+        os.fchmod(handle, file_mode())
         with os.fdopen(handle, "wb") as stream:
             write(stream)
             stream.flush()

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_dapple import atomic_files
 from lightning_dapple.strategy import checkpoint
 from lightning_dapple.strategy.checkpoint import AtomicCheckpointIO
 from lightning_toys import single_device_run
@@ -49,11 +50,11 @@ def _die_at(point: str) -> None:
     if point == "mid-write":
         checkpoint.torch.save = half_save
     elif point == "before-fsync":
-        checkpoint.os.fsync = die
+        atomic_files.os.fsync = die
     elif point == "before-rename":
-        checkpoint.os.replace = die
+        atomic_files.os.replace = die
     elif point == "after-rename":
-        checkpoint._fsync_directory = die
+        atomic_files.fsync_directory = die
 
 
 def _lightning_last_candidates(directory: Path) -> list[str]:

@@ -39,7 +39,8 @@ from lightning_dapple.execute.collective_probe import with_measured_links
 from lightning_dapple.execute.overhead_probe import with_action_overhead
 from lightning_dapple.execute.slicing import batch_size_of, take_rows
 from lightning_dapple.plan.communicators import communicator_reserve_bytes
-from lightning_dapple.plan.plan import CHUNKED_SCHEDULES, Plan, PlanShape, atomic_write_text, load_plan, plan_from_dict
+from lightning_dapple.atomic_files import atomic_write_text
+from lightning_dapple.plan.plan import CHUNKED_SCHEDULES, Plan, PlanShape, load_plan, plan_from_dict
 from lightning_dapple.plan.schedule_choice import RUNNABLE_SCHEDULES, Finisher
 from lightning_dapple.plan.shape_plan import plan_shape
 from lightning_dapple.profile.model_profile import ModelProfile

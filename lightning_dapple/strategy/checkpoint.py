@@ -26,8 +26,6 @@ beating: the failure channel's rules); each transfer of the part is then bounded
 """
 from __future__ import annotations
 
-import os
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +37,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from torch import nn
 from typing_extensions import override
 
+from lightning_dapple.atomic_files import atomic_write, remove_stale_temporaries
 from lightning_dapple.errors import DappleConfigError
 from lightning_dapple.execute.failure import LONG_WAIT_S, CommTimeoutError, FailureChannel
 from lightning_dapple.strategy.part_stream import PartLane, receive_part, send_part, to_host
@@ -334,46 +333,9 @@ def _index_keyed_to_named(layout: CheckpointLayout, saved: dict[str, Any]) -> di
     }
 
 
-def _file_mode() -> int:
-    """The mode ``open()`` would give a new file: 0666 less the umask (0644 under the usual
-    022), as Lightning's own checkpoints get. ``mkstemp`` creates 0600, unreadable to the
-    group that may share the checkpoint directory."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return 0o666 & ~int(line.split()[1], 8)
-    except OSError:
-        pass
-    mask = os.umask(0o022)  # no /proc: read the umask by setting it (and putting it back)
-    os.umask(mask)
-    return 0o666 & ~mask
-
-
-def _remove_stale_temporaries(target: Path) -> None:
-    """Temporary files of ``target`` left by a writer that was killed mid-write."""
-    for stale in target.parent.glob(f".{target.name}.*.tmp"):
-        try:
-            stale.unlink()
-        except OSError:
-            pass
-
-
-def _fsync_directory(directory: Path) -> None:
-    """Make the rename itself durable (a power loss right after it keeps the new name)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """``torch.save`` to a temporary file beside the target, fsync, then rename over it.
+    """``torch.save`` through the package's atomic writer (``atomic_files.py``): a temporary
+    file beside the target, fsync, then a rename over it.
 
     A process killed at any point of the write leaves the target as it was (the previous
     checkpoint, complete) plus at most a hidden ``.<name>.<random>.tmp`` file, which is not
@@ -389,17 +351,5 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             return super().save_checkpoint(checkpoint, path, storage_options)
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
-        _remove_stale_temporaries(target)
-        handle, temp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-        try:
-            os.fchmod(handle, _file_mode())
-            with os.fdopen(handle, "wb") as stream:
-                torch.save(checkpoint, stream)
-                stream.flush()
-                os.fsync(stream.fileno())
-            os.replace(temp, target)
-        except BaseException:
-            if os.path.exists(temp):
-                os.unlink(temp)
-            raise
-        _fsync_directory(target.parent)
+        remove_stale_temporaries(target)
+        atomic_write(target, lambda stream: torch.save(checkpoint, stream))

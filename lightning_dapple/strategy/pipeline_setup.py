@@ -27,7 +27,8 @@ from lightning_dapple.execute.store_sync import StoreSync
 from lightning_dapple.execute.topology import report_placement
 from lightning_dapple.plan.console import make_console, render_text
 from lightning_dapple.plan.explain import plan_summary, plan_table
-from lightning_dapple.plan.plan import Plan, atomic_write_text
+from lightning_dapple.atomic_files import atomic_write_text
+from lightning_dapple.plan.plan import Plan
 from lightning_dapple.profile.hf_layers import is_hf_layer_list
 from lightning_dapple.profile.ties import tied_parameters
 from lightning_dapple.profile.traced_layers import TracedLayers

@@ -55,6 +55,7 @@ from lightning.fabric.utilities.cloud_io import _load as pl_load
 from lightning.fabric.utilities.load import _METADATA_FILENAME
 from torch import nn
 
+from lightning_dapple.atomic_files import file_mode, fsync_directory
 from lightning_dapple.errors import DappleConfigError
 from lightning_dapple.strategy import checkpoint as ckpt
 from lightning_dapple.strategy.part_stream import PartLane, to_host
@@ -194,7 +195,7 @@ def publish(staging: str, target: str) -> None:
     place in one step where the file system allows it (the previous checkpoint stays whole
     until then), and remove the previous one."""
     staged, final = Path(staging), Path(target)
-    ckpt._fsync_directory(staged)
+    fsync_directory(staged)
     if not final.exists() and not final.is_symlink():
         os.replace(staged, final)
     elif _exchange(staged, final):  # atomic: the previous checkpoint is now at ``staged``
@@ -204,7 +205,7 @@ def publish(staging: str, target: str) -> None:
         os.replace(final, old)
         os.replace(staged, final)
         _remove(old)
-    ckpt._fsync_directory(final.parent)
+    fsync_directory(final.parent)
 
 
 def _exchange(a: Path, b: Path) -> bool:
@@ -239,7 +240,7 @@ def _remove_stale(target: Path) -> None:
 
 def _directory_mode() -> int:
     """The mode ``mkdir`` would give (0755 under the usual umask), not ``mkdtemp``'s 0700."""
-    mode = ckpt._file_mode()
+    mode = file_mode()
     return mode | ((mode & 0o444) >> 2)
 
 

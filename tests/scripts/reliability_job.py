@@ -153,6 +153,7 @@ def write_topology(trainer, path: Path) -> None:
 
 def arm_crash(save_number: int, point: str) -> None:
     """Kill every rank (the job's process group) at ``point`` of the n-th checkpoint write."""
+    from lightning_dapple import atomic_files
     from lightning_dapple.strategy import checkpoint
 
     state = {"count": 0, "armed": False}
@@ -185,7 +186,7 @@ def arm_crash(save_number: int, point: str) -> None:
 
     checkpoint.AtomicCheckpointIO.save_checkpoint = write
     checkpoint.torch.save = save
-    checkpoint.os.replace = replace
+    atomic_files.os.replace = replace
 
 
 def main() -> None:
