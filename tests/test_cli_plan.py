@@ -72,3 +72,13 @@ def test_pipedream_json_and_out(tmp_path: Path, capsys: pytest.CaptureFixture) -
     plan = load_plan(out)
     assert plan.schedule == "gpipe" and plan.world_size == 4 and plan.num_layers == 8
     assert str(out) in text
+
+
+def test_zero_shards_every_replicated_stage_and_needs_dapples_planner(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    good = _graph(tmp_path, "model-pbs-4.txt")
+    assert main(["--profile", good, "--cluster", "1x4", "--global-batch-size", "64", "--zero", "1", "--json"]) == 0
+    stages = json.loads(capsys.readouterr().out)["stages"]
+    assert any(len(stage["devices"]) > 1 for stage in stages)
+    assert [stage.get("zero", 0) for stage in stages] == [1 if len(stage["devices"]) > 1 else 0 for stage in stages]
+    assert main(["--profile", good, "--cluster", "1x4", "--global-batch-size", "64", "--zero", "1", "--planner", "pipedream"]) == 2
+    assert "--zero: is 1 with --planner pipedream. Fix: use --zero with DAPPLE's planner" in _one_error_line(capsys)

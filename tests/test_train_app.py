@@ -91,6 +91,7 @@ def test_a_resumed_run_ends_where_a_straight_run_ends(tmp_path: Path) -> None:
         (["+strategy.plan=auto"], "An item is already at 'strategy.plan'. Fix: drop the +"),
         (["ckpt_path=nowhere/last.ckpt"], "ckpt_path: 'nowhere/last.ckpt' is not a file. Fix: "),
         (["cluster=nowhere/mine.yaml"], "cluster: 'nowhere/mine.yaml' is not a file. Fix: give the path of a cluster YAML"),
+        (["strategy.zero=3"], "zero: is 3. Fix: use"),
     ],
 )
 def test_bad_command_lines_are_one_line_with_a_fix(args, message, tmp_path, monkeypatch, capsys) -> None:

@@ -119,7 +119,8 @@ class StrategyConfig:
     ``plan``: ``auto`` (profile + DAPPLE planner at the first fit), a plan JSON path, or
     an inline plan mapping. ``micro_batches``/``schedule``/``policy`` override the plan's
     M, schedule and K_i policy; ``ooo`` (out-of-order backprop: true, false or auto) and
-    ``recompute`` are handed to the strategy. ``timeout_s`` bounds every wait for a
+    ``recompute`` are handed to the strategy, and so is ``zero`` (0, 1, 2 or auto: ZeRO over a
+    replicated stage's replicas, docs/user-guide.md). ``timeout_s`` bounds every wait for a
     peer; ``layers`` is the attribute path of the model's layer sequence.
     """
 
@@ -129,6 +130,7 @@ class StrategyConfig:
     schedule: Optional[Schedule] = None
     policy: Optional[Policy] = None
     ooo: Any = "auto"  # true | false | auto
+    zero: Any = 0  # 0 | 1 | 2 | auto: optimizer state (and gradients under 2) sharded over a stage's replicas
     wire: str = "auto"  # auto | gloo | staged | nccl (execute/transfer/wires.py)
     recompute: Optional[Recompute] = None
     timeout_s: float = 120.0

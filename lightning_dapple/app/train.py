@@ -370,6 +370,7 @@ def prepare(cfg: DictConfig, run_dir: Path) -> Job:
             policy=arguments.policy,
             recompute=arguments.recompute,
             ooo=arguments.ooo,
+            zero=arguments.zero if arguments.zero is not None else 0,
             wire=cfg.strategy.wire,
             cluster=None if where.detected else where.cluster,  # None: the strategy detects it and measures its AllReduce
             layers=layers_path,
@@ -459,7 +460,15 @@ def _plan_arguments(cfg: DictConfig, batch: int) -> PlanArguments:
         policy=enum_value(cfg.strategy.policy),
         recompute=enum_value(cfg.strategy.recompute),
         ooo=check_ooo(cfg.strategy.ooo),
+        zero=_zero_setting(cfg.strategy.zero),
     )
+
+
+def _zero_setting(value: Any) -> int | str:
+    """``strategy.zero`` as the strategy takes it: 0, 1, 2 or "auto" (YAML gives ints or strings)."""
+    if isinstance(value, str) and value.strip().isdigit():
+        return int(value)
+    return value
 
 
 def _model_and_data(cfg: DictConfig, model_cls: Any, model_kwargs: dict, data_cls: Any, data_kwargs: dict, notes: list[str]) -> tuple[Any, Any]:

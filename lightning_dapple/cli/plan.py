@@ -65,6 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_ooo(parser, "default: auto with --planner dapple, false with --planner pipedream")
     parser.add_argument(
+        "--zero", choices=("0", "1", "2", "auto"), default="0",
+        help="ZeRO over a replicated stage's replicas, as DappleStrategy(zero=...) takes it: 1 shards the optimizer state, "
+        "2 also the gradients, auto lets the planner choose per stage (default: 0)",
+    )
+    parser.add_argument(
         "--profile-batch-size", type=int, metavar="N",
         help="batch size of a graph-text profile without pbs-N in its name; with --model, the samples it is profiled on",
     )
@@ -107,7 +112,11 @@ def _run(args: argparse.Namespace) -> int:
     cluster = load_cluster(args.cluster, device_memory_gib=args.memory_gib)
     schedule = args.schedule or (AUTO_SCHEDULE if args.planner == "dapple" else "dapple")
     ooo = ooo_setting(args.ooo or ("auto" if args.planner == "dapple" else "false"))
-    kwargs = {"schedule": schedule, "policy": args.policy}
+    kwargs: dict[str, Any] = {"schedule": schedule, "policy": args.policy}
+    if args.zero != "0":
+        if args.planner != "dapple":
+            raise DappleConfigError("--zero", f"is {args.zero} with --planner {args.planner}", "use --zero with DAPPLE's planner (--planner dapple)")
+        kwargs["zero"] = args.zero if args.zero == "auto" else int(args.zero)
     if args.micro_batches is not None:
         kwargs["micro_batches"] = args.micro_batches
     plan = make_plan(profile, cluster, global_batch, planner=args.planner, finish=ooo_finisher(ooo, profile, cluster), **kwargs)

@@ -390,7 +390,7 @@ def _raise_nothing_valid(request: PlanRequest) -> None:
             f"no valid plan puts {profile.num_layers} layers on {cluster.num_devices} devices with micro-batch slices of at least {_setting_floor(request)} samples",
             "use a larger global batch, fewer devices (num_devices), or a smaller slice floor (min_slice)",
         )
-    raise_no_memory(profile, cluster, need, what)
+    raise_no_memory(profile, cluster, need, what, zero_tried=max(request.zero_levels) > 0)
 
 
 def _simulate(request: PlanRequest, pool: list[Scored], known: dict[tuple[int, tuple[StagePlan, ...]], PolicyChoice]) -> dict[int, PolicyChoice]:

@@ -259,13 +259,16 @@ def raise_no_memory(
     cluster: Cluster,
     smallest_bytes: float,
     what: str,
+    zero_tried: bool = False,
 ) -> None:
+    """One line: the smallest plan's memory against the budget, and what would make room
+    (sharding the optimizer state only where the search did not try it already)."""
+    shard = "" if zero_tried else ", or let replicated stages shard their optimizer state (zero='auto', DappleStrategy(zero='auto'))"
     raise DappleConfigError(
         "cluster.device_memory_gib",
         f"no plan fits in {cluster.device_memory_gib:g} GiB per device: the smallest plan ({what}) needs "
         f"{smallest_bytes / GIB:.2f} GiB per device for {profile.name}",
         "use more devices (--cluster), smaller micro-batches (more --micro-batches or a smaller global batch), "
-        "devices with more memory (--memory-gib), or let replicated stages shard their optimizer state (zero='auto', "
-        "DappleStrategy(zero='auto')); the planner sizes every stash without recomputation, so an "
+        f"devices with more memory (--memory-gib){shard}; the planner sizes every stash without recomputation, so an "
         "explicit plan whose stages recompute (recompute='always') may still fit",
     )
