@@ -185,10 +185,10 @@ def test_stochastic_weight_averaging_is_refused_on_a_pipeline_and_kept_on_one_st
     from lightning.pytorch.callbacks import StochasticWeightAveraging
 
     from lightning_dapple.plan.plan import plan_from_dict
-    from lightning_dapple.strategy.setup_checks import _check_callbacks
+    from lightning_dapple.strategy.setup_checks import check_callbacks
 
     trainer = SimpleNamespace(callbacks=[StochasticWeightAveraging(swa_lrs=0.05)])
     two = plan_from_dict({"global_batch_size": 4, "micro_batches": 2, "stages": [{"layers": [0, 2], "devices": [0]}, {"layers": [2, 5], "devices": [1]}]})
     with pytest.raises(DappleConfigError, match=r"StochasticWeightAveraging: averages a copy of the whole model.*2-stage plan.*Fix: train on a single-stage plan"):
-        _check_callbacks(trainer, two)
-    _check_callbacks(trainer, plan_from_dict({"global_batch_size": 4, "micro_batches": 2, "stages": [{"layers": [0, 5], "devices": [0, 1]}]}))
+        check_callbacks(trainer, two)
+    check_callbacks(trainer, plan_from_dict({"global_batch_size": 4, "micro_batches": 2, "stages": [{"layers": [0, 5], "devices": [0, 1]}]}))

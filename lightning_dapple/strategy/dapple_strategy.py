@@ -101,7 +101,7 @@ from lightning_dapple.strategy.tied_layers import retie
 from lightning_dapple.strategy.zero import ZeroShards
 from lightning_dapple.strategy.checkpoint_hooks import CheckpointHooks
 from lightning_dapple.strategy.pipeline_setup import PipelineSetup
-from lightning_dapple.strategy.setup_checks import _check_module
+from lightning_dapple.strategy.setup_checks import check_module
 from lightning_dapple.strategy.step_hooks import PipelineSteps
 
 
@@ -408,7 +408,7 @@ class DappleStrategy(PipelineSetup, PipelineSteps, CheckpointHooks, DDPStrategy)
         self._check_precision()
         module = self.lightning_module
         assert module is not None
-        _check_module(module)
+        check_module(module)
         self.precision_plugin.convert_module(module)
         if self.plan is None:
             with random_streams_kept():  # the first epoch's shuffle and draws are plain Lightning's

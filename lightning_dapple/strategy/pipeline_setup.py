@@ -62,11 +62,11 @@ from lightning_dapple.strategy.resolve import (
     shape_with_arguments,
 )
 from lightning_dapple.strategy.setup_checks import (
-    _check_callbacks,
-    _output_leaves,
-    _run_or_explain,
+    check_callbacks,
+    output_leaves,
+    run_or_explain,
 )
-from lightning_dapple.strategy.step_callbacks import _forward_args, _step_name
+from lightning_dapple.strategy.step_callbacks import forward_args, current_step_name
 from lightning_dapple.strategy.tied_layers import KeptTensors, free_layer
 from lightning_dapple.strategy.zero import ZeroShards
 
@@ -150,7 +150,7 @@ class PipelineSetup:
         plan = self._resolve_plan(trainer, module, container, sample)
         plan = plan.validate(num_layers=len(container), world_size=self.world_size).with_warmups()
         check_regrouped_cuts(plan, self._rows_elsewhere)
-        _check_callbacks(trainer, plan)
+        check_callbacks(trainer, plan)
         self.plan = plan
         self._save_plan(trainer)
         report_placement(self.cluster_environment, self.num_nodes, self.num_processes, plan)  # every rank: the launch's nodes agree with the plan; rank 0 prints them
@@ -277,11 +277,11 @@ class PipelineSetup:
         """The layer sequence at ``layers``, or the layer list traced from ``forward``
         (``layers="auto"``, or a module without the default ``layers``): traced on the
         arguments ``self(...)`` gets for one and two rows of the sample batch, and printed."""
-        step_name = _step_name(trainer)
+        step_name = current_step_name(trainer)
 
         def samples() -> list[tuple]:
             counts = sorted({1, min(2, batch_size_of(batch))})
-            return [_forward_args(module, take_rows(batch, 0, count), step_name) for count in counts]
+            return [forward_args(module, take_rows(batch, 0, count), step_name) for count in counts]
 
         container = find_layers(module, self.layers_path, samples)
         if isinstance(container, TracedLayers):
@@ -301,25 +301,25 @@ class PipelineSetup:
             return  # Hugging Face's mask code reads values, which the meta device has none of; the list is its own forward cut at its blocks
         if built_on_meta(module):  # shapes only: the sample goes where the layers are
             batch = move_data_to_device(batch, torch.device("meta"))
-        step_name = _step_name(trainer)
+        step_name = current_step_name(trainer)
         rows = min(2, batch_size_of(batch))
-        args = _forward_args(module, take_rows(batch, 0, rows), step_name)
+        args = forward_args(module, take_rows(batch, 0, rows), step_name)
         state = torch.random.get_rng_state()
         was_training = module.training
         module.eval()
         try:
             with torch.no_grad():
-                expected = _run_or_explain(lambda: module(*args), f"{type(module).__name__}.forward", args, step_name, self.layers_path)
+                expected = run_or_explain(lambda: module(*args), f"{type(module).__name__}.forward", args, step_name, self.layers_path)
                 outputs = self._layer_outputs(container, args, step_name)
                 actual = outputs[-1]
                 self._rows_elsewhere = {}
                 if rows == 2:
-                    one = self._layer_outputs(container, _forward_args(module, take_rows(batch, 0, 1), step_name), step_name)
+                    one = self._layer_outputs(container, forward_args(module, take_rows(batch, 0, 1), step_name), step_name)
                     self._rows_elsewhere = rows_elsewhere([one, outputs], [1, 2])
         finally:
             module.train(was_training)
             torch.random.set_rng_state(state)
-        left, right = _output_leaves(expected), _output_leaves(actual)
+        left, right = output_leaves(expected), output_leaves(actual)
         same = len(left) == len(right) and all(
             (a.shape == b.shape and (a.is_meta or b.is_meta or torch.allclose(a, b, atol=1e-5, rtol=1e-4)))
             if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
@@ -345,7 +345,7 @@ class PipelineSetup:
         """Each layer's output, the layers applied in order to what ``self(*args)`` passes."""
         outputs, value = [], args[0] if len(args) == 1 else args
         for index, layer in enumerate(container):
-            value = _run_or_explain(lambda: layer(value), f"{self.layers_path}[{index}] ({type(layer).__name__})", args, step_name, self.layers_path)
+            value = run_or_explain(lambda: layer(value), f"{self.layers_path}[{index}] ({type(layer).__name__})", args, step_name, self.layers_path)
             outputs.append(value)
         return outputs
 
@@ -372,7 +372,7 @@ class PipelineSetup:
             autocast_dtype=self.autocast_dtype(),
             local_processes=max(1, self.num_processes),
             measure_links=self.cluster_spec is None,
-            step_name=_step_name(trainer),
+            step_name=current_step_name(trainer),
         )
 
     def _resolve_plan(self, trainer: Trainer, module: LightningModule, container: nn.Module, sample: Any) -> Plan:

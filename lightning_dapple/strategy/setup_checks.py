@@ -14,7 +14,7 @@ from lightning_dapple.errors import DappleConfigError, require
 from lightning_dapple.plan.plan import Plan
 
 
-def _run_or_explain(call: Callable[[], Any], what: str, args: tuple, step_name: str, path: str) -> Any:
+def run_or_explain(call: Callable[[], Any], what: str, args: tuple, step_name: str, path: str) -> Any:
     """Run one part of the forward check; a failure becomes one line naming what broke."""
     try:
         return call()
@@ -33,7 +33,7 @@ def _run_or_explain(call: Callable[[], Any], what: str, args: tuple, step_name: 
         ) from None
 
 
-def _output_leaves(value: Any) -> list[Any]:
+def output_leaves(value: Any) -> list[Any]:
     """The values in a forward output, in order, through tuples, lists, mappings (a Hugging
     Face ``ModelOutput`` is an OrderedDict) and dataclasses, which pytree leaves whole. A
     Hugging Face key/value cache (``past_key_values`` when ``config.use_cache``) is state for
@@ -41,15 +41,15 @@ def _output_leaves(value: Any) -> list[Any]:
     if type(value).__module__.startswith("transformers.cache_utils"):
         return []
     if isinstance(value, (tuple, list)):
-        return [leaf for item in value for leaf in _output_leaves(item)]
+        return [leaf for item in value for leaf in output_leaves(item)]
     if isinstance(value, Mapping):
-        return [leaf for key in value for leaf in _output_leaves(value[key])]
+        return [leaf for key in value for leaf in output_leaves(value[key])]
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return [leaf for field in dataclasses.fields(value) for leaf in _output_leaves(getattr(value, field.name))]
+        return [leaf for field in dataclasses.fields(value) for leaf in output_leaves(getattr(value, field.name))]
     return [value]
 
 
-def _check_callbacks(trainer: Trainer, plan: Plan) -> None:
+def check_callbacks(trainer: Trainer, plan: Plan) -> None:
     """Callbacks that need the whole model on every rank: ``StochasticWeightAveraging`` copies
     the module when it is set up, before the stages are freed, and then pairs the copy's
     parameters with ``self.parameters()``, which on a pipeline are one stage's."""
@@ -65,7 +65,7 @@ def _check_callbacks(trainer: Trainer, plan: Plan) -> None:
         )
 
 
-def _check_module(module: LightningModule) -> None:
+def check_module(module: LightningModule) -> None:
     """What the pipeline cannot run as the module asks, refused before anything is set up."""
     require(
         module.automatic_optimization,

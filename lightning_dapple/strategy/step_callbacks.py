@@ -30,7 +30,7 @@ from lightning_dapple.strategy.module_adapter import (
 from lightning_dapple.strategy.slice_transfer import StepTransfers
 
 
-class _TrainCallbacks:
+class TrainCallbacks:
     """Enter the user's training_step on the first and last stages (module_adapter), with
     the fields of each slice that the step reads on the device (slice_transfer)."""
 
@@ -79,7 +79,7 @@ class _TrainCallbacks:
         return self.scale_backward(loss) if self.scale_backward is not None else loss
 
 
-class _EvalCallbacks:
+class EvalCallbacks:
     def __init__(
         self, module: LightningModule, step_name: str, args: tuple, recorder: LogRecorder, transfers: StepTransfers, traced_inputs: tuple[str, ...] | None = None
     ) -> None:
@@ -114,17 +114,17 @@ def _to_cpu(value: Any) -> Any:
     return pytree.tree_map(lambda x: x.detach().cpu() if isinstance(x, torch.Tensor) else x, value)
 
 
-def _combine_outputs(parts: list[Any]) -> Any:
+def combine_outputs(parts: list[Any]) -> Any:
     if parts and all(isinstance(p, torch.Tensor) and p.dim() > 0 for p in parts):
         return torch.cat(parts)
     if parts and all(isinstance(p, dict) for p in parts):
-        return {key: _combine_outputs([p[key] for p in parts]) for key in parts[0]}
+        return {key: combine_outputs([p[key] for p in parts]) for key in parts[0]}
     if parts and all(isinstance(p, (tuple, list)) for p in parts):
-        return type(parts[0])(_combine_outputs(list(items)) for items in zip(*parts))
+        return type(parts[0])(combine_outputs(list(items)) for items in zip(*parts))
     return parts
 
 
-def _step_name(trainer: Trainer) -> str:
+def current_step_name(trainer: Trainer) -> str:
     """The step function the Trainer runs now (it calls ``self(...)``); a Trainer not
     running yet is taken to fit."""
     return {
@@ -134,13 +134,13 @@ def _step_name(trainer: Trainer) -> str:
     }.get(trainer.state.fn, "training_step")
 
 
-def _forward_args(module: LightningModule, batch: Any, step_name: str) -> tuple:
+def forward_args(module: LightningModule, batch: Any, step_name: str) -> tuple:
     """The positional arguments the step passes to ``self(...)`` for ``batch``."""
     with LogRecorder().recording(module, 0.0):
         return capture_call(module, lambda: getattr(module, step_name)(batch, 0))
 
 
-def _merge_logs(per_replica: list[Logs | None]) -> Logs:
+def merge_logs(per_replica: list[Logs | None]) -> Logs:
     merged: Logs = {}
     for logs in per_replica:
         for name, (total, weight, kwargs) in (logs or {}).items():
@@ -151,7 +151,7 @@ def _merge_logs(per_replica: list[Logs | None]) -> Logs:
     return merged
 
 
-def _grads_zeroed_after_step(trainer: Trainer, batch_idx: int, params: Sequence[torch.Tensor], stepped: set[int]) -> bool:
+def grads_zeroed_after_step(trainer: Trainer, batch_idx: int, params: Sequence[torch.Tensor], stepped: set[int]) -> bool:
     """Whether Lightning's automatic optimization sets every one of ``params``' gradients to
     None right after this training step, before anything can read them: the first batch of
     an accumulation window, the default ``optimizer_zero_grad``, no ``on_before_zero_grad``
@@ -166,10 +166,10 @@ def _grads_zeroed_after_step(trainer: Trainer, batch_idx: int, params: Sequence[
     return all(id(p) in stepped for p in params)
 
 
-def _check_rates_kept(optimizers: Sequence[Any], before: list[Any]) -> None:
-    """The step left every learning rate as it found it (``_learning_rates`` before it)."""
+def check_rates_kept(optimizers: Sequence[Any], before: list[Any]) -> None:
+    """The step left every learning rate as it found it (``learning_rates`` before it)."""
     require(
-        _learning_rates(optimizers) == before,
+        learning_rates(optimizers) == before,
         "training_step",
         "changes a learning rate (a scheduler's step(), or param_groups[...]['lr'] set in the step), but the step runs "
         "once per micro-batch, and past self(...) only on the last stage's ranks: the stages would train at other rates",
@@ -178,7 +178,7 @@ def _check_rates_kept(optimizers: Sequence[Any], before: list[Any]) -> None:
     )
 
 
-def _learning_rates(optimizers: Sequence[Any]) -> list[Any]:
+def learning_rates(optimizers: Sequence[Any]) -> list[Any]:
     """Every group's learning rate; a tensor one by its in-place version (no device read)."""
     return [
         (id(lr), lr._version) if isinstance(lr, torch.Tensor) else lr
@@ -187,7 +187,7 @@ def _learning_rates(optimizers: Sequence[Any]) -> list[Any]:
     ]
 
 
-def _value_dtype(module: LightningModule) -> torch.dtype:
+def value_dtype(module: LightningModule) -> torch.dtype:
     """The dtype the step's loss and logged values reach Lightning in: the module's
     parameters' (frozen ones count: a stage may train none), as one device's would be."""
     return next((p.dtype for p in module.parameters() if p.is_floating_point()), module.dtype)

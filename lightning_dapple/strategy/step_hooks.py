@@ -30,14 +30,14 @@ from lightning_dapple.strategy.precision import (
 )
 from lightning_dapple.strategy.slice_transfer import StepTransfers
 from lightning_dapple.strategy.step_callbacks import (
-    _check_rates_kept,
-    _combine_outputs,
-    _EvalCallbacks,
-    _grads_zeroed_after_step,
-    _learning_rates,
-    _merge_logs,
-    _TrainCallbacks,
-    _value_dtype,
+    check_rates_kept,
+    combine_outputs,
+    EvalCallbacks,
+    grads_zeroed_after_step,
+    learning_rates,
+    merge_logs,
+    TrainCallbacks,
+    value_dtype,
 )
 
 
@@ -130,7 +130,7 @@ class PipelineSteps:
         sliced = self.plan.micro_batches * self.plan.stages[-1].replicas > 1  # else each loss is the whole batch's
         watch = LossWatch() if self.loss_reduction == "mean" and sliced and not self._loss_checked else None
         self._loss_checked = True
-        callbacks = _TrainCallbacks(module, batch_idx, recorder, transfers, batch_size_of(batch), context, scale_backward, watch, self._traced_inputs)
+        callbacks = TrainCallbacks(module, batch_idx, recorder, transfers, batch_size_of(batch), context, scale_backward, watch, self._traced_inputs)
         scale = 1.0 / self.lightning_module.trainer.accumulate_grad_batches
         self.runner.refresh_trainable()  # a callback may have frozen or unfrozen layers since the last step
         if self._zero is not None:  # ZeRO-2: the (rebuilt) buckets reduce to the owners
@@ -140,17 +140,17 @@ class PipelineSteps:
         # in .grad; the runner starts from none, so they are put back after the step. Where
         # Lightning zeroes them right after this step anyway, they go now: the stage would
         # otherwise hold two sets of gradients while the step runs.
-        if _grads_zeroed_after_step(self.lightning_module.trainer, batch_idx, params, self._stepped_parameters()):
+        if grads_zeroed_after_step(self.lightning_module.trainer, batch_idx, params, self._stepped_parameters()):
             for param in params:
                 param.grad = None
         previous = [p.grad for p in params]
-        rates = _learning_rates(self.optimizers)
+        rates = learning_rates(self.optimizers)
         try:
             check_training_batch(self, batch, batch_idx)  # a bad batch is named before any rank runs it
             with nullcontext() if mixed is not None else self.precision_plugin.train_step_context():
                 loss, logs = self.runner.train_step(batch, callbacks, extras=lambda: recorder.summary(on_host=self._logs_travel))
             check_training_loss(self, loss, batch_idx)  # before the optimizer takes it in
-            _check_rates_kept(self.optimizers, rates)
+            check_rates_kept(self.optimizers, rates)
         except BaseException as exc:
             self.failure.report(exc)
             raise
@@ -161,8 +161,8 @@ class PipelineSteps:
         self._saved_grads = [p.grad for p in params]
         for p, grad in zip(params, previous):
             p.grad = grad
-        dtype = _value_dtype(module)
-        replay_logs(module, self._noticed(_merge_logs(logs)), callbacks.batch_rows, dtype)
+        dtype = value_dtype(module)
+        replay_logs(module, self._noticed(merge_logs(logs)), callbacks.batch_rows, dtype)
         # on the device, as Lightning's loops expect (fp16: its loss scaling stays there too)
         return {"loss": loss.to(device=self.root_device, dtype=dtype, non_blocking=True)}
 
@@ -198,7 +198,7 @@ class PipelineSteps:
         module = self.lightning_module
         batch = args[0]
         recorder = LogRecorder()
-        callbacks = _EvalCallbacks(module, step_name, tuple(args[1:]), recorder, self._transfers_for(step_name), self._traced_inputs)
+        callbacks = EvalCallbacks(module, step_name, tuple(args[1:]), recorder, self._transfers_for(step_name), self._traced_inputs)
         try:
             with torch.no_grad():
                 outputs = self.runner.forward_step(batch, callbacks)
@@ -206,9 +206,9 @@ class PipelineSteps:
         except BaseException as exc:
             self.failure.report(exc)
             raise
-        dtype = _value_dtype(module)
-        replay_logs(module, self._noticed(_merge_logs(logs)), batch_size_of(batch), dtype)
-        return _combine_outputs(outputs) if step_name == "predict_step" else None
+        dtype = value_dtype(module)
+        replay_logs(module, self._noticed(merge_logs(logs)), batch_size_of(batch), dtype)
+        return combine_outputs(outputs) if step_name == "predict_step" else None
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
