@@ -187,19 +187,28 @@ def _main_hf() -> None:
             "pretrained= on meta": _run("hf", str(large), "1", label="from_config in configure_model + pretrained="),
             "from_pretrained in __init__": _run("hf", str(large), "0", label="from_pretrained in __init__"),
         }
+    print(f"one block: {block_mib:.1f} MiB")
+    _report(rows, stage_mib, "meta_build_hf.json", {"hidden": 1024, "blocks": LAYERS, "world": WORLD, "block_mib": block_mib})
+
+
+def _report(rows: dict[str, list[float]], stage_mib: float, file_name: str, setting: dict) -> None:
+    """Write each run's peak per rank, and its peak above the baseline's over the stage's
+    weights plus gradients, to ``results/file_name``, and print both."""
+    baseline = rows["baseline"]
     result = {
-        "hidden": 1024, "blocks": LAYERS, "world": WORLD, "block_mib": block_mib, "stage_weights_and_grads_mib": stage_mib, "peak_mib": rows,
+        **setting, "stage_weights_and_grads_mib": stage_mib, "peak_mib": rows,
         "above_baseline_over_stage": {
             name: [round((peak - base) / stage_mib, 3) for peak, base in zip(peaks, baseline)] for name, peaks in rows.items() if name != "baseline"
         },
     }
     (HERE / "results").mkdir(exist_ok=True)
-    (HERE / "results" / "meta_build_hf.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(f"one block: {block_mib:.1f} MiB; two blocks' weights + gradients: {stage_mib:.0f} MiB")
+    (HERE / "results" / file_name).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"stage weights + gradients: {stage_mib:.0f} MiB")
+    width = max(len(name) for name in rows)
     for name, peaks in rows.items():
-        print(f"{name:>28}: " + "  ".join(f"rank {r} {p:6.0f} MiB" for r, p in enumerate(peaks)))
+        print(f"{name:>{width}}: " + "  ".join(f"rank {r} {p:6.0f} MiB" for r, p in enumerate(peaks)))
     for name, ratios in result["above_baseline_over_stage"].items():
-        print(f"{name:>28}: peak above baseline / stage = " + ", ".join(f"{r:.2f}" for r in ratios))
+        print(f"{name:>{width}}: peak above baseline / stage = " + ", ".join(f"{r:.2f}" for r in ratios))
 
 
 def main() -> None:
@@ -226,20 +235,7 @@ def main() -> None:
         "meta_init=True": _run(str(args.width), "1", label=f"width {args.width} meta_init=True"),
         "meta_init=False": _run(str(args.width), "0", label=f"width {args.width} meta_init=False"),
     }
-    result = {
-        "width": args.width, "layers": LAYERS, "world": WORLD, "stage_weights_and_grads_mib": stage_mib,
-        "peak_mib": rows,
-        "above_baseline_over_stage": {
-            name: [round((peak - base) / stage_mib, 3) for peak, base in zip(peaks, baseline)] for name, peaks in rows.items() if name != "baseline"
-        },
-    }
-    (HERE / "results").mkdir(exist_ok=True)
-    (HERE / "results" / "meta_build.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(f"stage weights + gradients: {stage_mib:.0f} MiB")
-    for name, peaks in rows.items():
-        print(f"{name:>16}: " + "  ".join(f"rank {r} {p:6.0f} MiB" for r, p in enumerate(peaks)))
-    for name, ratios in result["above_baseline_over_stage"].items():
-        print(f"{name:>16}: peak above baseline / stage = " + ", ".join(f"{r:.2f}" for r in ratios))
+    _report(rows, stage_mib, "meta_build.json", {"width": args.width, "layers": LAYERS, "world": WORLD})
 
 
 if __name__ == "__main__":

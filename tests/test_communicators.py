@@ -72,7 +72,7 @@ def test_interleaved_eight_groups_of_four_chunks() -> None:
 
 def test_a_fan_out_from_one_device_to_seven() -> None:
     """One rank feeds seven replicas: it shares rows with every one of them (14 groups), and
-    its memory holds 15 communicators, 8.2 GB at NVIDIA/nccl issue 964's 544 MB each."""
+    its memory holds 15 communicators, 8.2 GB at NVIDIA/nccl#964's 544 MB each."""
     plan = Plan(56, 2, (StagePlan((0, 1), (0,)), StagePlan((1, 4), tuple(range(1, 8))))).validate()
     counts = _check(plan)
     assert counts == {0: 15, **dict.fromkeys(range(1, 8), 4)}

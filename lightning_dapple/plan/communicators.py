@@ -2,7 +2,7 @@
 
 Every process group the executor makes over NCCL is a communicator on each of its members,
 and each communicator reserves device memory of its own (buffers per peer and channel):
-NVIDIA/nccl issue 964 measured about 544 MB per two-GPU communicator on A100 with NCCL's
+NVIDIA/nccl#964 measured about 544 MB per two-GPU communicator on A100 with NCCL's
 default settings (``NCCL_COMMUNICATOR_BYTES``). A DAPPLE plan (sec. 4) makes several per
 rank, so a plan that fits by weights and activations alone (5.3) can still run out of
 memory; ``communicator_memory`` prices them for the memory model, where the run uses NCCL
@@ -51,7 +51,7 @@ __all__ = [
 ]
 
 #: Device memory one NCCL communicator reserves: about 544 MB per two-GPU communicator on
-#: A100 with NCCL's default settings, as measured in NVIDIA/nccl issue 964 ("NCCL uses a lot
+#: A100 with NCCL's default settings, as measured in NVIDIA/nccl#964 ("NCCL uses a lot
 #: of GPU memory per communicator"). It varies with the GPU, the NCCL version and settings
 #: such as NCCL_BUFFSIZE and NCCL_NCHANNELS; a stated estimate, not a measurement of this run.
 NCCL_COMMUNICATOR_BYTES = 544e6
