@@ -318,3 +318,38 @@ def test_sweep_runs_four_plans_and_summarises(tmp_path: Path) -> None:
     # policy auto the planner may buy speed with P_B's deeper warm-up)
     stash = {(r["schedule"], int(r["micro_batches"])): int(r["peak_stash_bytes"]) for r in rows}
     assert stash[("gpipe", 8)] > stash[("dapple", 8)]
+
+
+@pytest.mark.timeout(600)
+def test_a_sweep_over_two_recipes_writes_one_summary(tmp_path: Path) -> None:
+    """``-m recipe=a,b`` with the configured sweep layout (no ``hydra.sweep.dir`` given): both
+    jobs land in one ``multirun/<time>/`` and its one summary lists both, each with its
+    measured and simulated step."""
+    from lightning_dapple.app.summary import ranking_note
+
+    assert APP is not None, "dapple-train is not installed (pip install -e .)"
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    env.pop("MASTER_PORT", None)
+    result = subprocess.run(
+        [APP, "-m", "recipe=bert_tiny,gnmt_tiny", "trainer.devices=2", "trainer.max_steps=3", "outputs.warmup_steps=1",
+         "trainer.limit_val_batches=0", "trainer.enable_progress_bar=false", "outputs.measured_timeline=false", "outputs.plan_table=false"],
+        check=False, capture_output=True, text=True, timeout=420, env=env, cwd=str(tmp_path),
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    sweeps = list((tmp_path / "multirun").iterdir())
+    assert len(sweeps) == 1, sweeps
+    sweep = sweeps[0]
+    assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0_bert_tiny", "1_gnmt_tiny"]
+    rows = list(csv.DictReader((sweep / "summary.csv").read_text().splitlines()))
+    assert [(row["job"], row["overrides"], row["status"]) for row in rows] == [("0", "recipe=bert_tiny", "ok"), ("1", "recipe=gnmt_tiny", "ok")]
+    for row in rows:
+        assert Path(row["run_dir"]).parent.resolve() == sweep.resolve()
+        measured, simulated = float(row["median_step_ms"]), float(row["simulated_step_ms"])
+        assert measured > 0 and simulated > 0
+        assert float(row["measured_over_simulated"]) == pytest.approx(measured / simulated, abs=0.01, rel=0.01)  # of the unrounded figures
+    # the sentence under the table follows the rule on the figures the table shows
+    typed = [{**row, "median_step_ms": float(row["median_step_ms"]), "simulated_step_ms": float(row["simulated_step_ms"])} for row in rows]
+    note = ranking_note(typed)
+    text = (sweep / "summary.txt").read_text()
+    assert "step ms (simulated)" in text
+    assert (note is not None) == ("The simulator ranks" in text)

@@ -39,11 +39,13 @@ def read_json(path: Path) -> Any:
 
 
 def plan_record(path: Path) -> dict[str, Any] | None:
+    """The plan that ran, as the run's result records it; with ``tuning`` where the strategy
+    chose between candidate plans by measuring them (its ``extra["tuning"]`` record)."""
     data = read_json(path)
     if data is None:
         return None
     plan = plan_from_dict(data)
-    return {
+    record = {
         "kind": plan.kind(),
         "micro_batches": plan.micro_batches,
         "schedule": plan.schedule,
@@ -51,6 +53,9 @@ def plan_record(path: Path) -> dict[str, Any] | None:
         "stages": [{"layers": list(s.layers), "devices": list(s.devices), "warmup": s.warmup} for s in plan.stages],
         "reason": plan.reason,
     }
+    if plan.extra.get("tuning") is not None:
+        record["tuning"] = plan.extra["tuning"]
+    return record
 
 
 def loss_curve(path: Path) -> list[float]:
