@@ -121,7 +121,10 @@ class StrategyConfig:
     M, schedule and K_i policy; ``ooo`` (out-of-order backprop: true, false or auto) and
     ``recompute`` are handed to the strategy, and so is ``zero`` (0, 1, 2 or auto: ZeRO over a
     replicated stage's replicas, docs/user-guide.md). ``timeout_s`` bounds every wait for a
-    peer; ``layers`` is the attribute path of the model's layer sequence.
+    peer; ``layers`` is the attribute path of the model's layer sequence. ``tune_steps``
+    (with ``plan: auto``) measures the simulator's best ``tune_candidates`` plans for that many
+    steps each and keeps the fastest (``strategy/plan_tuning.py``); ``profile_cache`` keeps
+    profiles and measured choices between runs.
     """
 
     name: StrategyName = StrategyName.dapple
@@ -137,6 +140,9 @@ class StrategyConfig:
     layers: str = "layers"
     loss_reduction: str = "mean"
     launcher: Launcher = Launcher.auto
+    tune_steps: int = 0  # >0: measure the simulator's best few plans for this many steps each and keep the fastest (plan: auto)
+    tune_candidates: int = 3  # how many plans tune_steps measures
+    profile_cache: Optional[str] = None  # directory for cached profiles and measured plan choices
 
 
 @dataclass

@@ -5,14 +5,14 @@
     dapple-train recipe=bert_tiny strategy=single                  # plain Lightning, 1 device
     dapple-train -m recipe=vgg_tiny strategy.schedule=dapple,gpipe strategy.micro_batches=4,8
 
-Each run directory (``outputs/<recipe>/<time>``, or ``multirun/<recipe>/<time>/<job>``) gets:
+Each run directory (``outputs/<recipe>/<time>``, or ``multirun/<time>/<job>_<recipe>``) gets:
 ``config.yaml`` (resolved config; Hydra's own copies are in ``.hydra/``), ``dapple_plan.json``
 and ``dapple_plan.txt`` (the plan and its table: the strategy writes them into Lightning's
 log dir, which is the run dir), ``dapple_profile.json`` (the measured layer profile),
 ``timeline_simulated.png`` (the plan simulated with that profile), ``timeline_measured.png`` (every rank's F/B/W spans of the last step),
 ``metrics.csv`` (Lightning's CSVLogger), ``step_times.json`` and ``result.json``. After a
-sweep, a table of median step time and peak stashed memory per run is printed and written
-as ``summary.csv`` in the sweep directory.
+sweep, a table of measured and simulated step time and peak stashed memory per run is
+printed and written as ``summary.csv`` and ``summary.txt`` in the sweep directory.
 
 Launching the worker processes. Lightning's default launcher for multi-process CPU/GPU
 runs (``strategy="dapple"``: the subprocess launcher) starts the other ranks by
@@ -377,6 +377,9 @@ def prepare(cfg: DictConfig, run_dir: Path) -> Job:
             loss_reduction=str(cfg.strategy.loss_reduction),
             timeout_s=float(cfg.strategy.timeout_s),
             start_method=launcher,
+            tune_steps=int(cfg.strategy.tune_steps),
+            tune_candidates=int(cfg.strategy.tune_candidates),
+            profile_cache=cfg.strategy.profile_cache,
         )
     try:
         trainer = Trainer(strategy=strategy, logger=_logger(cfg, run_dir), callbacks=callbacks, default_root_dir=str(run_dir), **tcfg)

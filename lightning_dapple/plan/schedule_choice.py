@@ -50,7 +50,7 @@ from lightning_dapple.plan.plan import POLICIES, SCHEDULES, Plan
 from lightning_dapple.plan.schedule_table import DEFAULT_SCHEDULE, schedule_spec
 from lightning_dapple.profile.model_profile import ModelProfile
 
-__all__ = ["AUTO_SCHEDULE", "RUNNABLE_SCHEDULES", "Candidate", "choose_schedule", "schedule_candidates"]
+__all__ = ["AUTO_SCHEDULE", "RUNNABLE_SCHEDULES", "Candidate", "Pricing", "choose_schedule", "price_candidate", "schedule_candidates"]
 
 AUTO_SCHEDULE = "auto"
 #: simulated steps closer than this fraction are a tie, reported as such
@@ -142,7 +142,7 @@ def schedule_candidates(
     for name in straight_names if len(groups) > 1 else [DEFAULT_SCHEDULE]:  # one group has no pipeline: DP or one device
         if name in schedules:
             bare = plan if name == plan.schedule else _rescheduled(plan, name)
-            yield _priced(Candidate(name, 1, False, bare), pricing)
+            yield price_candidate(Candidate(name, 1, False, bare), pricing)
     if len(groups) < 2:
         return
     shapes = [(groups, False)]
@@ -192,7 +192,7 @@ def _chunked(
     tried = []
     for policy in policies:
         bare = Plan(plan.global_batch_size, plan.micro_batches, stages, schedule=schedule, policy=policy, planner=plan.planner, reason=plan.reason)
-        tried.append(_priced(Candidate(schedule, chunks, straight, bare.with_warmups()), pricing))
+        tried.append(price_candidate(Candidate(schedule, chunks, straight, bare.with_warmups()), pricing))
     fitting = [candidate for candidate in tried if candidate.fits]
     return min(fitting, key=lambda candidate: candidate.latency_ms) if fitting else tried[0]  # type: ignore[arg-type, return-value]
 
@@ -214,7 +214,7 @@ class Pricing:
     communicator_bytes: float = 0.0  # each NCCL communicator's device memory (plan.communicators)
 
 
-def _priced(candidate: Candidate, pricing: Pricing) -> Candidate:
+def price_candidate(candidate: Candidate, pricing: Pricing) -> Candidate:
     """``candidate`` finished, validated, its device memory and step simulated; a candidate
     the run could not execute or that needs more memory than the devices have says why."""
     assert candidate.plan is not None

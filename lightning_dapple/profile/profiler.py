@@ -54,7 +54,7 @@ import time
 from dataclasses import replace
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -66,7 +66,7 @@ from lightning_dapple.profile.sample_rows import batch_rows, is_whole, split_byt
 from lightning_dapple.profile.stash import StashMeter, parameter_storages, whole_input_storages
 from lightning_dapple.profile.ties import first_use_param_bytes, tied_params_records, tied_parameters
 
-__all__ = ["profile_layers", "tensor_bytes", "iter_tensors", "map_tensors", "timed_ms"]
+__all__ = ["model_key", "profile_layers", "tensor_bytes", "iter_tensors", "map_tensors", "timed_ms"]
 
 _CACHE_VERSION = 3  # 3: stash and input split into per-sample and whole parts
 _CONVENTION_FIX = (
@@ -198,6 +198,16 @@ def _call(layer: nn.Module, index: int, x: Any, autocast: torch.dtype | None = N
             f"forward failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
             _CONVENTION_FIX,
         ) from exc
+
+
+def model_key(layers: Sequence[nn.Module], sample_input: Any, device: str | torch.device, autocast_dtype: torch.dtype | None = None) -> str:
+    """A hash of what makes two runs' models alike to the profiler: the layers' reprs,
+    parameter and buffer shapes and ties, the input's structure and rows, the device and the
+    autocast dtype (the profile cache's key without its repetition counts). Measured choices
+    kept beside the profile (``strategy/plan_tuning.py``) are filed under it."""
+    layer_list = list(layers)
+    rows = _check_inputs(sample_input, 1, 0)
+    return _cache_key(layer_list, sample_input, _device(device), rows, 0, 0, autocast_dtype)
 
 
 def _cache_key(

@@ -101,14 +101,16 @@ from lightning_dapple.strategy.tied_layers import retie
 from lightning_dapple.strategy.zero import ZeroShards
 from lightning_dapple.strategy.checkpoint_hooks import CheckpointHooks
 from lightning_dapple.strategy.pipeline_setup import PipelineSetup
+from lightning_dapple.strategy.plan_tuning import PlanTuning, check_tune_settings
 from lightning_dapple.strategy.setup_checks import check_module
 from lightning_dapple.strategy.step_hooks import PipelineSteps
+from lightning_dapple.strategy.tune_candidates import DEFAULT_TUNE_CANDIDATES
 
 
 LOSS_REDUCTIONS = ("mean", "sum", "micro_batch_mean")
 
 
-class DappleStrategy(PipelineSetup, PipelineSteps, CheckpointHooks, DDPStrategy):
+class DappleStrategy(PipelineSetup, PlanTuning, PipelineSteps, CheckpointHooks, DDPStrategy):
     """Hybrid pipeline/data-parallel training (DAPPLE) behind ``Trainer(strategy=...)``.
 
     Args:
@@ -136,7 +138,14 @@ class DappleStrategy(PipelineSetup, PipelineSteps, CheckpointHooks, DDPStrategy)
             gradient AllReduces); waits for one rank's own work (rank 0 planning, writing a
             checkpoint) last as long as it lives (``execute/store_sync.py``). A failure on
             one rank stops all ranks.
-        profile_cache: directory for cached layer profiles.
+        profile_cache: directory for cached layer profiles (and measured plan choices).
+        tune_steps: with plan="auto", measure the simulator's best few plans for this many
+            steps each on the first training batch and keep the fastest measured
+            (``plan_tuning.py``: exact, training continues as if tuning never ran; the
+            choice is cached beside the profiles, so the next run with the same model,
+            cluster and batch does not tune again). 0 (default): the simulator decides.
+        tune_candidates: how many plans ``tune_steps`` measures (the simulator's choice
+            and the best of its rivals, ``tune_candidates.py``).
         ooo: out-of-order backprop (weight gradients deferred into idle time): True, False
             or "auto" (on where the simulator says it helps this plan, see
             ``strategy/ooo_choice.py``; the choice and its reason are in the plan JSON).
@@ -199,6 +208,8 @@ class DappleStrategy(PipelineSetup, PipelineSteps, CheckpointHooks, DDPStrategy)
         meta_init: bool = True,
         pretrained: Any = None,
         zero: int | str = 0,
+        tune_steps: int = 0,
+        tune_candidates: int = DEFAULT_TUNE_CANDIDATES,
         checkpoint: Literal["consolidated", "sharded"] = "consolidated",
         gather_after_fit: bool | None = None,
         accelerator: Any = None,
@@ -216,18 +227,15 @@ class DappleStrategy(PipelineSetup, PipelineSteps, CheckpointHooks, DDPStrategy)
         )
         require(loss_reduction in LOSS_REDUCTIONS, "loss_reduction", f"is {loss_reduction!r}", "use 'mean', 'sum' or 'micro_batch_mean'")
         self.plan_arguments = PlanArguments(micro_batches, schedule, policy, recompute, ooo, zero)
-        require(
-            recompute != "auto" or plan == "auto",
-            "recompute",
-            "is 'auto' but the plan is given explicitly; 'auto' needs the profile that plan='auto' measures",
-            "use plan='auto', or name a mode per stage (never/always/except_last)",
-        )
+        require(recompute != "auto" or plan == "auto", "recompute", "is 'auto' but the plan is given explicitly; 'auto' needs the profile that plan='auto' measures",
+                "use plan='auto', or name a mode per stage (never/always/except_last)")
         require(wire in WIRES, "wire", f"is {wire!r}", f"use one of {', '.join(WIRES)}")
-        self.wire = wire
-        self.deferred_batchnorm = deferred_batchnorm
+        self.wire, self.deferred_batchnorm = wire, deferred_batchnorm
         self.meta_init, self.pretrained = meta_init, pretrained
         require(zero in (0, 1, 2, "auto"), "zero", f"is {zero!r}", "use 'auto' (the planner chooses per stage), 0 (every replica keeps the whole optimizer state), 1 (ZeRO-1: each keeps its share) or 2 (ZeRO-2: also its share of the gradients)")
         self.zero = zero
+        check_tune_settings(tune_steps, tune_candidates, plan)
+        self.tune_steps, self.tune_candidates = tune_steps, tune_candidates
         self._zero: ZeroShards | None = None  # this rank's share of a replicated stage's optimizer state (zero.py)
         self._meta_build: MetaBuild | None = None  # configure_model's record, until this rank's stage is made
         require(checkpoint in sharded.MODES, "checkpoint", f"is {checkpoint!r}", "use 'consolidated' or 'sharded'")

@@ -389,6 +389,8 @@ class PipelineSetup:
         plan = resolve_plan(plan, self.plan_arguments)
         if self._planning_inputs is not None:  # one simulated step per plan: the one that runs
             plan = simulated_as_run(plan, self._planning_inputs)
+        if self.tune_steps and given is None and trainer.state.fn == TrainerFn.FITTING:  # every rank alike
+            plan = self._tuned_plan(trainer, module, container, sample, plan)
         batch_rows = batch_size_of(sample)
         # evaluation cuts any batch into the plan's micro-batches (fewer where it is short);
         # only the training batch is the plan's global batch of one optimizer step

@@ -1,0 +1,336 @@
+"""``DappleStrategy(tune_steps=N)``: keep the fastest measured of the simulator's best few plans.
+
+``plan="auto"`` ranks plans by simulating them; where the simulator is off, its first plan
+can run slower than its second. With ``tune_steps`` the strategy runs the best few
+(``tune_candidates.py``: the simulator's choice and its rivals along schedule, shape,
+out-of-order backprop and M) for N steps each on the real processes, and keeps the fastest
+measured, as DeepSpeed's Autotuner keeps the fastest of its short trial runs.
+
+**What a trial is.** Each candidate gets its own process groups and executor over this
+rank's layers of that plan, and runs ``WARMUP_STEPS + N`` training steps of the schedule
+(forward, backward, gradient sync: the executor's ``train_step``) on the first training
+batch; the first ones are not timed. A candidate's measured step is the slowest rank's median step plus the
+optimizer step of that rank's parameters as profiled (``LayerProfile.optimizer_ms``, the
+run's own optimizer timed per layer): the trial does not step any optimizer, so that it
+changes no parameter.
+
+**Exact.** Training afterwards is the training the kept plan gives without tuning, bit for
+bit: no optimizer steps during trials; every layer's buffers (BatchNorm's running
+statistics) are copied before a trial and put back after it, and so are the gradients;
+the executor reseeds every forward from the job's seed and the step number and restores
+the caller's random stream after each step (``execute/runner.py``), and the run's own
+executor starts again at step 0; the user's ``self.log`` calls in trials are recorded and
+dropped; the trials' process groups are destroyed and their gradient hooks removed. What a
+``training_step`` changes outside tensors Lightning knows (a counter of its own) would see
+the trial steps; the docs say so.
+
+**Cached.** The outcome is kept beside the profile cache (``DappleStrategy(profile_cache=)``,
+else ``$XDG_CACHE_HOME/lightning_dapple``), under a key of the model as the profiler sees it
+(``profile.profiler.model_key``: layers, shapes, the batch's structure and rows), the
+cluster, the world size, the user's plan arguments and the tuning settings. A second run
+with the same model, cluster and batch reads the kept plan and does not tune again.
+
+Trials need every rank to hold the whole model while they run (each plan puts other
+layers on a rank), so a model built on the meta device is refused with tuning.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import time
+from contextlib import nullcontext
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from rich.table import Table
+from torch import nn
+
+from lightning_dapple.atomic_files import atomic_write_text
+from lightning_dapple.cluster import Cluster
+from lightning_dapple.errors import DappleConfigError, require
+from lightning_dapple.execute.groups import build_groups
+from lightning_dapple.execute.random_layers import draws_random
+from lightning_dapple.execute.runner import StageRunner
+from lightning_dapple.execute.slicing import batch_size_of
+from lightning_dapple.execute.tied import tied_groups
+from lightning_dapple.plan.communicators import communicator_reserve_bytes
+from lightning_dapple.plan.console import make_console
+from lightning_dapple.plan.costs import stage_costs
+from lightning_dapple.plan.plan import Plan
+from lightning_dapple.profile.model_profile import ModelProfile
+from lightning_dapple.profile.profiler import model_key
+from lightning_dapple.profile.ties import tied_parameters
+from lightning_dapple.strategy.auto_plan import PlanningInputs
+from lightning_dapple.strategy.meta_build import built_on_meta
+from lightning_dapple.strategy.module_adapter import LogRecorder
+from lightning_dapple.strategy.slice_transfer import StepTransfers
+from lightning_dapple.strategy.step_callbacks import TrainCallbacks
+from lightning_dapple.strategy.tune_candidates import TuneCandidate, tuning_candidates
+
+__all__ = ["WARMUP_STEPS", "PlanTuning", "check_tune_settings", "default_tuning_cache", "measured_choice"]
+
+#: untimed steps before each candidate's timed ones: its first steps pay for first use (the
+#: new process groups' connections, allocations, lazily built caches)
+WARMUP_STEPS = 2
+
+
+def check_tune_settings(tune_steps: Any, tune_candidates: Any, plan: Any) -> None:
+    """Refuse bad tuning arguments when the strategy is made, before any process starts."""
+    for name, value, least in (("tune_steps", tune_steps, 0), ("tune_candidates", tune_candidates, 1)):
+        require(
+            isinstance(value, int) and not isinstance(value, bool) and value >= least,
+            name,
+            f"is {value!r}",
+            "use 0 (no tuning) or the number of measured steps per candidate plan, e.g. 3" if name == "tune_steps" else "use how many plans to measure, e.g. 3",
+        )
+    require(
+        not tune_steps or (isinstance(plan, str) and plan == "auto"),
+        "tune_steps",
+        f"is {tune_steps} but the plan is given ({type(plan).__name__}); tuning measures the planner's candidates",
+        "use plan='auto' with tune_steps, or leave tune_steps at 0 to run the given plan",
+    )
+
+
+def default_tuning_cache() -> Path:
+    """Where measured choices are kept without a ``profile_cache``: the user's cache directory."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lightning_dapple"
+
+
+def measured_choice(candidates: Sequence[TuneCandidate], measured_ms: Sequence[float]) -> dict[str, Any]:
+    """The record of a tuning: every candidate's simulated and measured step, the kept one
+    (fastest measured; the simulator's on a tie) and the simulator's."""
+    kept = min(range(len(candidates)), key=lambda index: (measured_ms[index], index))
+    return {
+        "chosen": candidates[kept].label,
+        "chosen_index": kept,
+        "simulator_choice": candidates[0].label,
+        "candidates": [
+            {"label": each.label, "simulated_ms": round(each.simulated_ms, 3), "measured_ms": round(ms, 3)} for each, ms in zip(candidates, measured_ms)
+        ],
+    }
+
+
+def tuning_sentence(record: dict[str, Any]) -> str:
+    """One sentence: what was kept, and whether the simulator ranked it first."""
+    rows = {row["label"]: row for row in record["candidates"]}
+    chosen, simulated = rows[record["chosen"]], rows[record["simulator_choice"]]
+    source = " (kept from an earlier run's measurement)" if record.get("cached") else ""
+    if record["chosen"] == record["simulator_choice"]:
+        return (
+            f"Tuning{source}: the simulator's choice {record['chosen']} was also the fastest measured "
+            f"({chosen['measured_ms']:.2f} ms, {len(rows)} plans, {record['steps']} steps each)."
+        )
+    return (
+        f"Tuning{source}: measured {record['chosen']} {chosen['measured_ms']:.2f} ms against {simulated['measured_ms']:.2f} ms for the "
+        f"simulator's choice {record['simulator_choice']} (simulated {chosen['simulated_ms']:.2f} ms against {simulated['simulated_ms']:.2f} ms): "
+        "the simulator ranks them the other way."
+    )
+
+
+def tuning_table(record: dict[str, Any]) -> Table:
+    table = Table(title=f"tune_steps={record['steps']}: simulated against measured step")
+    for column in ("plan", "simulated ms", "measured ms", "measured / simulated", ""):
+        table.add_column(column)
+    for row in record["candidates"]:
+        ratio = row["measured_ms"] / row["simulated_ms"] if row["simulated_ms"] > 0 else float("nan")
+        marks = [mark for mark, label in (("kept", record["chosen"]), ("simulator's", record["simulator_choice"])) if label == row["label"]]
+        table.add_row(row["label"], f"{row['simulated_ms']:.2f}", f"{row['measured_ms']:.2f}", f"{ratio:.2f}", ", ".join(marks))
+    return table
+
+
+def _optimizer_ms_per_rank(plan: Plan, profile: ModelProfile, inputs: PlanningInputs) -> list[float]:
+    """Each rank's profiled optimizer step under ``plan`` (``plan.costs.StageCost.optimizer_ms``)."""
+    costs = stage_costs(profile, inputs.cluster, plan.stages, plan.micro_batch_size)
+    return [sum(costs[stage].optimizer_ms for stage in plan.stages_of_rank(rank)) for rank in range(plan.world_size)]
+
+
+def _cluster_identity(cluster: Cluster) -> dict[str, Any]:
+    """The cluster as the tuning cache tells runs apart: its devices and their memory, not the
+    link costs measured afresh by each run on a detected machine (``collective_probe.py``)."""
+    return {
+        "name": cluster.name, "machines": cluster.machines, "devices_per_machine": cluster.devices_per_machine,
+        "device_memory_gib": round(cluster.device_memory_gib, 1), "shared_cores": cluster.shared_cores,
+    }
+
+
+class _LayerState:
+    """The buffers (copied) and gradients of some layers, to be put back after a trial."""
+
+    def __init__(self, layers: Sequence[nn.Module]) -> None:
+        params = {id(p): p for layer in layers for p in layer.parameters()}
+        buffers = {id(b): b for layer in layers for b in layer.buffers()}
+        self.grads = [(p, p.grad) for p in params.values()]
+        self.buffers = [(b, b.detach().clone()) for b in buffers.values()]
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for buffer, saved in self.buffers:
+                buffer.copy_(saved.to(buffer.device))
+        for param, grad in self.grads:
+            param.grad = grad
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _destroy(groups: Sequence[Any]) -> None:
+    seen: set[int] = set()
+    for group in groups:
+        if group is None or id(group) in seen:
+            continue
+        seen.add(id(group))
+        dist.destroy_process_group(group)
+
+
+class PlanTuning:
+    """Part of :class:`~lightning_dapple.strategy.dapple_strategy.DappleStrategy` (module docstring);
+    its methods read the strategy's state, set up in ``DappleStrategy.__init__``."""
+
+    def _tuned_plan(self, trainer: Trainer, module: LightningModule, container: nn.Module, sample: Any, plan: Plan) -> Plan:
+        """``plan`` (the simulator's choice, on every rank), or the fastest measured of the
+        simulator's best few (module docstring)."""
+        require(
+            not built_on_meta(module),
+            "tune_steps",
+            "needs every rank to hold the whole model while it measures plans, but this model is built on the meta device",
+            "leave tune_steps at 0 for a model built on the meta device, or build it whole",
+        )
+        inputs: PlanningInputs | None = self._planning_inputs
+        payload: Any = None
+        if self.global_rank == 0:
+            try:
+                payload = self._tuning_payload(module, container, sample, plan, inputs)
+            except DappleConfigError as exc:
+                payload = {"__error__": [exc.field, exc.problem, exc.fix]}
+        payload = self._share_from_rank_zero(payload)
+        if "__error__" in payload:
+            raise DappleConfigError(*payload["__error__"])
+        if "skip" in payload:
+            return plan
+        if "cached" in payload:
+            record = payload["cached"]
+            chosen = TuneCandidate.from_dict(record["kept"]).plan
+            return self._with_record(chosen, {key: value for key, value in record.items() if key != "kept"} | {"cached": True})
+        candidates = [TuneCandidate.from_dict(each) for each in payload["candidates"]]
+        seed = self._sync.broadcast(torch.initial_seed(), "the job's seed") if self.world_size > 1 else torch.initial_seed()
+        medians = [self._trial(trainer, module, container, sample, each.plan, seed) for each in candidates]
+        per_rank = self._sync.gather(medians, "the tuning trials' step times") if self.world_size > 1 else [medians]
+        result: Any = None
+        if self.global_rank == 0:
+            assert inputs is not None
+            measured = []
+            for index, each in enumerate(candidates):
+                optimizer = _optimizer_ms_per_rank(each.plan, inputs.profile, inputs)
+                measured.append(max(times[index] + optimizer[rank] for rank, times in enumerate(per_rank)))
+            result = measured_choice(candidates, measured) | {"steps": self.tune_steps, "cached": False}
+            self._keep_tuning(payload["cache_file"], payload["key"], result, candidates[result["chosen_index"]])
+        result = self._share_from_rank_zero(result)
+        return self._with_record(candidates[result["chosen_index"]].plan, result)
+
+    def _tuning_payload(self, module: LightningModule, container: nn.Module, sample: Any, plan: Plan, inputs: PlanningInputs | None) -> dict[str, Any]:
+        """Rank 0: what every rank does next: nothing (no planner ran), read the cache, or
+        measure these candidates."""
+        if inputs is None:  # the plan came from an earlier run's directory (a resumed fit)
+            return {"skip": True}
+        settings = {
+            "model": model_key(list(container), sample, self.root_device, self.autocast_dtype()),
+            "cluster": _cluster_identity(inputs.cluster),
+            "world_size": self.world_size,
+            "arguments": repr(self.plan_arguments),
+            "tune_steps": self.tune_steps,
+            "tune_candidates": self.tune_candidates,
+            "wire": self.wire,
+        }
+        key = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()
+        directory = Path(self.profile_cache) if self.profile_cache is not None else default_tuning_cache()
+        cache_file = directory / f"tuning-{key[:32]}.json"
+        try:
+            cached = json.loads(cache_file.read_text())
+        except (OSError, json.JSONDecodeError):
+            cached = None
+        if isinstance(cached, dict) and cached.get("key") == key and "kept" in cached:
+            rank_zero_info(f"dapple: tune_steps: the plan measured fastest before is kept ({cache_file}; delete it to measure again)")
+            return {"cached": cached}
+        reserve = communicator_reserve_bytes(self.root_device.type, dist.get_backend() if dist.is_initialized() else None)
+        candidates = tuning_candidates(plan, inputs.profile, inputs.cluster, self.plan_arguments, self.tune_candidates, reserve)
+        rank_zero_info(f"dapple: tune_steps={self.tune_steps}: measuring {len(candidates)} plans: " + "; ".join(c.label for c in candidates))
+        return {"candidates": [each.to_dict() for each in candidates], "key": key, "cache_file": str(cache_file)}
+
+    def _trial(self, trainer: Trainer, module: LightningModule, container: nn.Module, sample: Any, plan: Plan, seed: int) -> float:
+        """This rank's median step (ms) of ``plan`` over ``tune_steps`` steps after ``WARMUP_STEPS``."""
+        assert self.failure is not None
+        plan = plan.validate(num_layers=len(container), world_size=self.world_size).with_warmups()
+        held = [index for stage in plan.stages_of_rank(self.global_rank) for index in range(plan.stages[stage].start, plan.stages[stage].end)]
+        layers = [container[index] for index in held]
+        state = _LayerState(layers)
+        home = next((t.device for layer in layers for t in (*layer.parameters(), *layer.buffers())), self.root_device)
+        ties = tied_parameters(container)
+        groups = build_groups(plan)
+        tie_groups = tied_groups(plan, ties) if ties else {}
+        runner: Any = None
+        mixed = self._mixed()
+        context = mixed.forward_context if mixed is not None else nullcontext
+        scale_backward = mixed.scale_backward if mixed is not None else None
+        transfers = StepTransfers(self.root_device)
+        rows, times = batch_size_of(sample), []
+        try:
+            for layer in layers:
+                layer.to(self.root_device)
+            runner = StageRunner.for_plan(
+                plan, self.global_rank, layers, self.root_device, self.failure, groups=groups, ties=ties, tie_groups=tie_groups,
+                loss_reduction="sum" if self.loss_reduction == "sum" else "mean", forward_context=self._forward_context(), wire=self.wire,
+            )
+            upstream = draws_random(container[index] for index in range(plan.stages[-1].start))
+            for unit in getattr(runner, "units", [runner]):
+                unit.pipeline_stage.upstream_draws = upstream and unit.is_last and not unit.is_first
+            runner.job_seed = seed
+            for step in range(WARMUP_STEPS + self.tune_steps):
+                recorder = LogRecorder()
+                callbacks = TrainCallbacks(module, 0, recorder, transfers, rows, context, scale_backward, None, self._traced_inputs)
+                _synchronize(self.root_device)
+                start = time.perf_counter()
+                with nullcontext() if mixed is not None else self.precision_plugin.train_step_context():
+                    runner.train_step(sample, callbacks, extras=lambda: recorder.summary(on_host=plan.world_size > 1))
+                _synchronize(self.root_device)
+                if step >= WARMUP_STEPS:
+                    times.append((time.perf_counter() - start) * 1e3)
+            runner.finish()
+        except BaseException as exc:
+            self.failure.report(exc)
+            raise
+        finally:
+            for unit in getattr(runner, "units", [runner]) if runner is not None else []:
+                if getattr(unit, "sync", None) is not None:
+                    unit.sync.close()  # its gradient hooks sit on the model's own parameters
+            if getattr(runner, "sync", None) is not None:
+                runner.sync.close()
+            state.restore()
+            for layer in layers:
+                layer.to(home)
+            if not self.failure.failed:
+                _destroy([*groups.replicas.values(), groups.plan, *tie_groups.values()])
+        return statistics.median(times)
+
+    def _keep_tuning(self, cache_file: str, key: str, result: dict[str, Any], kept: TuneCandidate) -> None:
+        """Rank 0: print the trials and keep the outcome for the next run (module docstring)."""
+        console = make_console()
+        console.print(tuning_table(result))
+        console.print(tuning_sentence(result))
+        atomic_write_text(Path(cache_file), json.dumps({**result, "key": key, "kept": kept.to_dict()}, indent=1) + "\n")
+
+    def _with_record(self, plan: Plan, record: dict[str, Any]) -> Plan:
+        """``plan`` carrying the tuning's record (``extra["tuning"]``) and sentence (``reason``)."""
+        record = {key: value for key, value in record.items() if key not in ("key", "kept")}
+        base = plan.reason.rstrip()
+        sentence = tuning_sentence(record)
+        reason = f"{base}{'' if not base or base.endswith('.') else '.'} {sentence}".strip()
+        return replace(plan, reason=reason, extra={**plan.extra, "tuning": record})

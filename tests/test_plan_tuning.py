@@ -1,0 +1,90 @@
+"""``DappleStrategy(tune_steps=N)`` on 2 processes: training after the trials is exactly the
+kept plan's untuned training (float64; BatchNorm statistics and dropout draws included), and
+the next run with the same model, cluster and batch reads the kept plan from the cache."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule, Trainer
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_dapple  # noqa: F401  (registers the strategies)
+from lightning_dapple.strategy import DappleStrategy
+from lightning_toys import MLPModule, mlp_loader, single_device_run
+
+class NormDropModule(LightningModule):
+    """BatchNorm (running statistics a trial would move) and dropout (random draws a trial
+    would consume) in a four-layer MLP."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(7)
+        self.layers = nn.Sequential(
+            nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.Tanh()),
+            nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.2), nn.Tanh()),
+            nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.Tanh()),
+            nn.Linear(16, 2),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+
+def norm_loader() -> DataLoader:
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(36, 6, generator=generator, dtype=torch.float64)
+    return DataLoader(TensorDataset(x, x[:, :2].sin()), batch_size=12, shuffle=False)
+
+
+def fit(root: Path, model: LightningModule, loader: DataLoader, **strategy) -> dict:
+    trainer = Trainer(
+        strategy=DappleStrategy(start_method="spawn", timeout_s=60, **strategy), accelerator="cpu", devices=2, precision="64-true", max_steps=3,
+        logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(root),
+        gradient_clip_val=0.5,
+    )
+    trainer.fit(model, loader)
+    return json.loads(next(root.rglob("dapple_plan.json")).read_text())
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(900)
+def test_tuned_training_equals_one_device_and_the_next_run_reads_the_cache(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    reference, _ = single_device_run(3, clip=0.5)
+    for attempt in ("measured", "cached"):
+        model = MLPModule().double()
+        plan = fit(tmp_path / attempt, model, mlp_loader(3), plan="auto", tune_steps=2, profile_cache=str(cache))
+        record = plan["extra"]["tuning"]
+        assert record["cached"] is (attempt == "cached")
+        assert len(record["candidates"]) >= 2 and all(row["measured_ms"] > 0 for row in record["candidates"])
+        assert record["chosen"] == min(record["candidates"], key=lambda row: row["measured_ms"])["label"]
+        state = model.state_dict()
+        assert max(float((state[k] - reference[k]).abs().max()) for k in reference) < 1e-10
+    assert len(list(cache.glob("tuning-*.json"))) == 1
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(900)
+def test_trials_leave_no_trace_in_batchnorm_statistics_or_dropout_draws(tmp_path: Path) -> None:
+    tuned_model = NormDropModule().double()
+    tuned = fit(tmp_path / "tuned", tuned_model, norm_loader(), plan="auto", tune_steps=2, tune_candidates=4, profile_cache=str(tmp_path / "cache"))
+    assert len(tuned["extra"]["tuning"]["candidates"]) >= 2
+    kept = {key: value for key, value in tuned.items() if key not in ("extra", "reason", "predicted", "planner")}
+    plain_model = NormDropModule().double()
+    fit(tmp_path / "plain", plain_model, norm_loader(), plan=kept)
+    tuned_state, plain_state = tuned_model.state_dict(), plain_model.state_dict()
+    assert set(tuned_state) == set(plain_state)
+    assert any("running_mean" in key for key in tuned_state)
+    assert max(float((tuned_state[k].double() - plain_state[k].double()).abs().max()) for k in plain_state) == 0.0
