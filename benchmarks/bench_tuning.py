@@ -76,9 +76,9 @@ def main(argv: list[str] | None = None) -> int:
         for recipe in args.recipes:
             result = recipe_tuning(recipe, Path(scratch), args.steps, args.rounds, args.tune_steps)
             results.append(result)
-            same = result["kept"] == result["simulator_choice"]
+            source = "the simulator's choice" if result["kept"] == result["simulator_choice"] else f"simulator: {result['simulator_choice']}"
             print(
-                f"{recipe}: kept {result['kept']} ({'the simulator\'s choice' if same else 'simulator: ' + result['simulator_choice']}); "
+                f"{recipe}: kept {result['kept']} ({source}); "
                 f"{result['kept_ms']:.2f} ms against {result['simulator_ms']:.2f} ms, ratio {result['ratio']:.3f} "
                 f"(rounds {', '.join(f'{r:.3f}' for r in result['ratios'])}), noise {result['noise']:.3f}, "
                 f"{'within' if result['ratio'] <= 1 + result['noise'] else 'OVER'} 1 + noise",

@@ -11,7 +11,7 @@ from lightning_dapple.profile.model_profile import LayerProfile, ModelProfile
 from lightning_dapple.simulate.plan_and_schedule import make_plan
 from lightning_dapple.strategy import DappleStrategy
 from lightning_dapple.strategy.auto_plan import PlanningInputs, run_finisher, simulated_as_run
-from lightning_dapple.strategy.plan_tuning import measured_choice, tuning_sentence
+from lightning_dapple.strategy.plan_tuning import MIN_TUNE_GAIN, measured_choice, tuning_sentence
 from lightning_dapple.strategy.resolve import PlanArguments, resolve_plan
 from lightning_dapple.strategy.tune_candidates import candidate_label, tuning_candidates
 
@@ -66,6 +66,10 @@ def test_kept_is_the_fastest_measured_and_the_sentence_says_when_the_simulator_d
     agree = measured_choice(candidates, [5.0, 5.0, *[20.0] * (len(candidates) - 2)]) | {"steps": 2}
     assert agree["chosen"] == candidates[0].label  # a tie keeps the simulator's choice
     assert "was also the fastest measured" in tuning_sentence(agree)
+    close = [10.0, 10.0 * (1 - MIN_TUNE_GAIN / 2), *[20.0] * (len(candidates) - 2)]
+    assert measured_choice(candidates, close)["chosen_index"] == 0  # within the margin: not a measured win
+    assert measured_choice(candidates, [10.0, 8.0, *[20.0] * (len(candidates) - 2)], noise=0.25)["chosen_index"] == 0  # within the trials' noise
+    assert measured_choice(candidates, [10.0, 8.0, *[20.0] * (len(candidates) - 2)], noise=0.1)["chosen_index"] == 1
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,10 @@
 can run slower than its second. With ``tune_steps`` the strategy runs the best few
 (``tune_candidates.py``: the simulator's choice and its rivals along schedule, shape,
 out-of-order backprop and M) for N steps each on the real processes, and keeps the fastest
-measured, as DeepSpeed's Autotuner keeps the fastest of its short trial runs.
+measured, as DeepSpeed's Autotuner keeps the fastest of its short trial runs. A rival
+replaces the simulator's choice only when it measures faster by more than ``MIN_TUNE_GAIN``
+or the choice's own step-to-step spread: a difference the trials cannot tell from noise
+keeps the simulator's plan.
 
 **What a trial is.** Each candidate gets its own process groups and executor over this
 rank's layers of that plan, and runs ``WARMUP_STEPS + N`` training steps of the schedule
@@ -74,8 +77,11 @@ from lightning_dapple.strategy.slice_transfer import StepTransfers
 from lightning_dapple.strategy.step_callbacks import TrainCallbacks
 from lightning_dapple.strategy.tune_candidates import TuneCandidate, tuning_candidates
 
-__all__ = ["WARMUP_STEPS", "PlanTuning", "check_tune_settings", "default_tuning_cache", "measured_choice"]
+__all__ = ["MIN_TUNE_GAIN", "WARMUP_STEPS", "PlanTuning", "check_tune_settings", "default_tuning_cache", "measured_choice"]
 
+#: a rival must measure faster than the simulator's choice by more than this share (or the
+#: choice's own step-to-step spread, if larger) to replace it
+MIN_TUNE_GAIN = 0.03
 #: untimed steps before each candidate's timed ones: its first steps pay for first use (the
 #: new process groups' connections, allocations, lazily built caches)
 WARMUP_STEPS = 2
@@ -103,14 +109,20 @@ def default_tuning_cache() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lightning_dapple"
 
 
-def measured_choice(candidates: Sequence[TuneCandidate], measured_ms: Sequence[float]) -> dict[str, Any]:
-    """The record of a tuning: every candidate's simulated and measured step, the kept one
-    (fastest measured; the simulator's on a tie) and the simulator's."""
-    kept = min(range(len(candidates)), key=lambda index: (measured_ms[index], index))
+def measured_choice(candidates: Sequence[TuneCandidate], measured_ms: Sequence[float], noise: float = 0.0) -> dict[str, Any]:
+    """The record of a tuning: every candidate's simulated and measured step, the kept one and
+    the simulator's. The kept one is the fastest measured, unless it beats the simulator's
+    choice by no more than ``MIN_TUNE_GAIN`` or ``noise`` (the relative spread of the
+    simulator's choice's own timed steps): a difference the trials cannot tell from their
+    noise keeps the plan the simulator ranked first."""
+    fastest = min(range(len(candidates)), key=lambda index: (measured_ms[index], index))
+    margin = max(MIN_TUNE_GAIN, noise)
+    kept = fastest if measured_ms[fastest] < measured_ms[0] * (1.0 - margin) else 0
     return {
         "chosen": candidates[kept].label,
         "chosen_index": kept,
         "simulator_choice": candidates[0].label,
+        "margin": round(margin, 4),
         "candidates": [
             {"label": each.label, "simulated_ms": round(each.simulated_ms, 3), "measured_ms": round(ms, 3)} for each, ms in zip(candidates, measured_ms)
         ],
@@ -149,6 +161,11 @@ def _optimizer_ms_per_rank(plan: Plan, profile: ModelProfile, inputs: PlanningIn
     """Each rank's profiled optimizer step under ``plan`` (``plan.costs.StageCost.optimizer_ms``)."""
     costs = stage_costs(profile, inputs.cluster, plan.stages, plan.micro_batch_size)
     return [sum(costs[stage].optimizer_ms for stage in plan.stages_of_rank(rank)) for rank in range(plan.world_size)]
+
+
+def _spread(times: Sequence[float]) -> float:
+    """(max - min) / median of one candidate's timed steps on one rank."""
+    return (max(times) - min(times)) / statistics.median(times) if len(times) > 1 else 0.0
 
 
 def _cluster_identity(cluster: Cluster) -> dict[str, Any]:
@@ -222,16 +239,17 @@ class PlanTuning:
             return self._with_record(chosen, {key: value for key, value in record.items() if key != "kept"} | {"cached": True})
         candidates = [TuneCandidate.from_dict(each) for each in payload["candidates"]]
         seed = self._sync.broadcast(torch.initial_seed(), "the job's seed") if self.world_size > 1 else torch.initial_seed()
-        medians = [self._trial(trainer, module, container, sample, each.plan, seed) for each in candidates]
-        per_rank = self._sync.gather(medians, "the tuning trials' step times") if self.world_size > 1 else [medians]
+        steps = [self._trial(trainer, module, container, sample, each.plan, seed) for each in candidates]
+        per_rank = self._sync.gather(steps, "the tuning trials' step times") if self.world_size > 1 else [steps]
         result: Any = None
         if self.global_rank == 0:
             assert inputs is not None
             measured = []
             for index, each in enumerate(candidates):
                 optimizer = _optimizer_ms_per_rank(each.plan, inputs.profile, inputs)
-                measured.append(max(times[index] + optimizer[rank] for rank, times in enumerate(per_rank)))
-            result = measured_choice(candidates, measured) | {"steps": self.tune_steps, "cached": False}
+                measured.append(max(statistics.median(times[index]) + optimizer[rank] for rank, times in enumerate(per_rank)))
+            noise = max(_spread(times[0]) for times in per_rank)  # the simulator's choice, step to step
+            result = measured_choice(candidates, measured, noise) | {"steps": self.tune_steps, "cached": False}
             self._keep_tuning(payload["cache_file"], payload["key"], result, candidates[result["chosen_index"]])
         result = self._share_from_rank_zero(result)
         return self._with_record(candidates[result["chosen_index"]].plan, result)
@@ -265,8 +283,8 @@ class PlanTuning:
         rank_zero_info(f"dapple: tune_steps={self.tune_steps}: measuring {len(candidates)} plans: " + "; ".join(c.label for c in candidates))
         return {"candidates": [each.to_dict() for each in candidates], "key": key, "cache_file": str(cache_file)}
 
-    def _trial(self, trainer: Trainer, module: LightningModule, container: nn.Module, sample: Any, plan: Plan, seed: int) -> float:
-        """This rank's median step (ms) of ``plan`` over ``tune_steps`` steps after ``WARMUP_STEPS``."""
+    def _trial(self, trainer: Trainer, module: LightningModule, container: nn.Module, sample: Any, plan: Plan, seed: int) -> list[float]:
+        """This rank's ``tune_steps`` step times (ms) of ``plan``, after ``WARMUP_STEPS`` untimed."""
         assert self.failure is not None
         plan = plan.validate(num_layers=len(container), world_size=self.world_size).with_warmups()
         held = [index for stage in plan.stages_of_rank(self.global_rank) for index in range(plan.stages[stage].start, plan.stages[stage].end)]
@@ -318,7 +336,7 @@ class PlanTuning:
                 layer.to(home)
             if not self.failure.failed:
                 _destroy([*groups.replicas.values(), groups.plan, *tie_groups.values()])
-        return statistics.median(times)
+        return times
 
     def _keep_tuning(self, cache_file: str, key: str, result: dict[str, Any], kept: TuneCandidate) -> None:
         """Rank 0: print the trials and keep the outcome for the next run (module docstring)."""

@@ -62,8 +62,10 @@ class TuneCandidate:
 
 
 def candidate_label(plan: Plan) -> str:
-    """'2:2 M=4 dapple, ooo': shape, M, schedule and out-of-order backprop, the axes tuning varies."""
-    return f"{plan.kind()} M={plan.micro_batches} {plan.schedule}{', ooo' if plan.ooo else ''}"
+    """'2:2 (layers 5:7) M=4 dapple PB, ooo': shape, layer cut, M, schedule, K_i policy and
+    out-of-order backprop, what tells two candidates apart."""
+    split = ":".join(str(stage.end - stage.start) for stage in plan.stages)
+    return f"{plan.kind()} (layers {split}) M={plan.micro_batches} {plan.schedule} {plan.policy}{', ooo' if plan.ooo else ''}"
 
 
 def tuning_candidates(
@@ -90,7 +92,10 @@ def tuning_candidates(
         if key in seen:
             continue
         seen.add(key)
-        rivals.append(TuneCandidate(plan, candidate_label(plan), _simulated_ms(plan, profile, cluster)))
+        label = candidate_label(plan)
+        taken = {first.label, *(each.label for each in rivals)}
+        label = next(f"{label} #{n}" for n in range(2, len(taken) + 3) if f"{label} #{n}" not in taken) if label in taken else label
+        rivals.append(TuneCandidate(plan, label, _simulated_ms(plan, profile, cluster)))
     rivals.sort(key=lambda each: each.simulated_ms)
     return [first, *rivals[: count - 1]]
 
