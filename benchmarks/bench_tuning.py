@@ -3,9 +3,11 @@
 For each recipe (default: the 4 tiny recipes, the quick start's ``bert_pipeline_tiny`` among
 them) on 4 CPU processes (``_measured_steps.train``):
 
-1. ``dapple-train recipe=NAME strategy.tune_steps=N`` with a fresh tuning cache: the plans
-   measured, each one's simulated and measured trial step, and the plan kept;
-2. ``dapple-train recipe=NAME`` as before: the simulator's plan (what an untuned run executes);
+1. ``dapple-train recipe=NAME`` with a fresh profile cache: the simulator's plan, what an
+   untuned run executes;
+2. ``dapple-train recipe=NAME strategy.tune_steps=N`` on the same cache, so that it plans on
+   the same profile (a fresh profile moves a tiny recipe's plan between near-equal cuts):
+   the plans measured, each one's simulated and measured trial step, and the plan kept;
 3. ``--rounds`` pairs: the kept plan and the simulator's plan, each from its plan file, one
    right after the other (the order alternates between rounds), ``--steps`` steps each.
 
@@ -31,6 +33,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _measured_steps  # noqa: E402  (beside this script)
 
+from lightning_dapple.plan.plan import load_plan  # noqa: E402
+from lightning_dapple.strategy.tune_candidates import candidate_label  # noqa: E402
+
 
 def spread(values: list[float]) -> float:
     """(max - min) / median: how far apart one plan's rounds land."""
@@ -39,8 +44,9 @@ def spread(values: list[float]) -> float:
 
 def recipe_tuning(recipe: str, work: Path, steps: int, rounds: int, tune_steps: int) -> dict[str, Any]:
     """Runs 1-3 of the module docstring for one recipe."""
-    tuned = _measured_steps.train(recipe, work / f"{recipe}-tuned", steps, (f"strategy.tune_steps={tune_steps}", f"strategy.profile_cache={work / f'{recipe}-cache'}"))
-    untuned = _measured_steps.train(recipe, work / f"{recipe}-untuned", steps)
+    cache = f"strategy.profile_cache={work / f'{recipe}-cache'}"
+    untuned = _measured_steps.train(recipe, work / f"{recipe}-untuned", steps, (cache,))
+    tuned = _measured_steps.train(recipe, work / f"{recipe}-tuned", steps, (f"strategy.tune_steps={tune_steps}", cache))
     kept_file, simulator_file = Path(tuned["run_dir"]) / "dapple_plan.json", Path(untuned["run_dir"]) / "dapple_plan.json"
     record = json.loads(kept_file.read_text())["extra"]["tuning"]
     runs: dict[str, list[float]] = {"kept": [], "simulator": []}
@@ -53,7 +59,7 @@ def recipe_tuning(recipe: str, work: Path, steps: int, rounds: int, tune_steps: 
         "recipe": recipe,
         "kept": record["chosen"],
         "simulator_choice": record["simulator_choice"],
-        "simulator_plan_untuned": f"{untuned['plan']} M={untuned['micro_batches']}",
+        "untuned": candidate_label(load_plan(simulator_file)),
         "trials": record["candidates"],
         "kept_ms": statistics.median(runs["kept"]),
         "simulator_ms": statistics.median(runs["simulator"]),
@@ -78,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
             results.append(result)
             source = "the simulator's choice" if result["kept"] == result["simulator_choice"] else f"simulator: {result['simulator_choice']}"
             print(
-                f"{recipe}: kept {result['kept']} ({source}); "
+                f"{recipe}: kept {result['kept']} ({source}); untuned run: {result['untuned']}; "
                 f"{result['kept_ms']:.2f} ms against {result['simulator_ms']:.2f} ms, ratio {result['ratio']:.3f} "
                 f"(rounds {', '.join(f'{r:.3f}' for r in result['ratios'])}), noise {result['noise']:.3f}, "
                 f"{'within' if result['ratio'] <= 1 + result['noise'] else 'OVER'} 1 + noise",

@@ -10,16 +10,19 @@ or the choice's own step-to-step spread: a difference the trials cannot tell fro
 keeps the simulator's plan.
 
 **What a trial is.** Each candidate gets its own process groups and executor over this
-rank's layers of that plan, and runs ``WARMUP_STEPS + N`` training steps of the schedule
-(forward, backward, gradient sync: the executor's ``train_step``) on the first training
-batch; the first ones are not timed. A candidate's measured step is the slowest rank's median step plus the
-optimizer step of that rank's parameters as profiled (``LayerProfile.optimizer_ms``, the
-run's own optimizer timed per layer): the trial does not step any optimizer, so that it
-changes no parameter.
+rank's layers of that plan, and runs ``WARMUP_STEPS + N`` training steps on the first
+training batch: the schedule (forward, backward, gradient sync: the executor's
+``train_step``) and a step of a fresh copy of the run's optimizer (class and settings from
+``configure_optimizers``, ``strategy/optimizer_probe.py``) over the rank's parameters. The
+first ones are not timed. A candidate's measured step is the slowest rank's median. Where
+no such copy can be made (several optimizers, manual optimization), the trial steps none
+and adds the profiled optimizer step of the rank's layers (``LayerProfile.optimizer_ms``).
+Under ZeRO the trial steps the whole stage on each replica, a little more than the run.
 
 **Exact.** Training afterwards is the training the kept plan gives without tuning, bit for
-bit: no optimizer steps during trials; every layer's buffers (BatchNorm's running
-statistics) are copied before a trial and put back after it, and so are the gradients;
+bit: the parameters a trial steps and every layer's buffers (BatchNorm's running
+statistics) are copied before it and put back after it, and so are the gradients; the
+trial's optimizer (and its state) is dropped;
 the executor reseeds every forward from the job's seed and the step number and restores
 the caller's random stream after each step (``execute/runner.py``), and the run's own
 executor starts again at step 0; the user's ``self.log`` calls in trials are recorded and
@@ -73,6 +76,8 @@ from lightning_dapple.profile.ties import tied_parameters
 from lightning_dapple.strategy.auto_plan import PlanningInputs
 from lightning_dapple.strategy.meta_build import built_on_meta
 from lightning_dapple.strategy.module_adapter import LogRecorder
+from lightning_dapple.strategy.optimizer_probe import optimizer_factory
+from lightning_dapple.profile.optimizer_step import OptimizerFactory
 from lightning_dapple.strategy.slice_transfer import StepTransfers
 from lightning_dapple.strategy.step_callbacks import TrainCallbacks
 from lightning_dapple.strategy.tune_candidates import TuneCandidate, tuning_candidates
@@ -178,18 +183,22 @@ def _cluster_identity(cluster: Cluster) -> dict[str, Any]:
 
 
 class _LayerState:
-    """The buffers (copied) and gradients of some layers, to be put back after a trial."""
+    """What a trial changes in some layers, to be put back after it: their buffers and
+    gradients, and the values of the parameters a trial optimizer steps (copied)."""
 
-    def __init__(self, layers: Sequence[nn.Module]) -> None:
+    def __init__(self, layers: Sequence[nn.Module], stepped: bool) -> None:
         params = {id(p): p for layer in layers for p in layer.parameters()}
         buffers = {id(b): b for layer in layers for b in layer.buffers()}
+        self.trained = [p for p in params.values() if p.requires_grad]
         self.grads = [(p, p.grad) for p in params.values()]
-        self.buffers = [(b, b.detach().clone()) for b in buffers.values()]
+        self.tensors = [(b, b.detach().clone()) for b in buffers.values()]
+        if stepped:
+            self.tensors += [(p, p.detach().clone()) for p in self.trained]
 
     def restore(self) -> None:
         with torch.no_grad():
-            for buffer, saved in self.buffers:
-                buffer.copy_(saved.to(buffer.device))
+            for tensor, saved in self.tensors:
+                tensor.copy_(saved.to(tensor.device))
         for param, grad in self.grads:
             param.grad = grad
 
@@ -239,17 +248,19 @@ class PlanTuning:
             return self._with_record(chosen, {key: value for key, value in record.items() if key != "kept"} | {"cached": True})
         candidates = [TuneCandidate.from_dict(each) for each in payload["candidates"]]
         seed = self._sync.broadcast(torch.initial_seed(), "the job's seed") if self.world_size > 1 else torch.initial_seed()
-        steps = [self._trial(trainer, module, container, sample, each.plan, seed) for each in candidates]
+        optimizer, _ = optimizer_factory(module)  # every rank alike: the same module's configure_optimizers
+        steps = [self._trial(module, container, sample, each.plan, seed, optimizer) for each in candidates]
         per_rank = self._sync.gather(steps, "the tuning trials' step times") if self.world_size > 1 else [steps]
         result: Any = None
         if self.global_rank == 0:
             assert inputs is not None
             measured = []
-            for index, each in enumerate(candidates):
-                optimizer = _optimizer_ms_per_rank(each.plan, inputs.profile, inputs)
-                measured.append(max(statistics.median(times[index]) + optimizer[rank] for rank, times in enumerate(per_rank)))
+            for index, each in enumerate(candidates):  # without an optimizer to step, its profiled step is added
+                profiled = [0.0] * self.world_size if optimizer is not None else _optimizer_ms_per_rank(each.plan, inputs.profile, inputs)
+                measured.append(max(statistics.median(times[index]) + profiled[rank] for rank, times in enumerate(per_rank)))
             noise = max(_spread(times[0]) for times in per_rank)  # the simulator's choice, step to step
-            result = measured_choice(candidates, measured, noise) | {"steps": self.tune_steps, "cached": False}
+            record = {"steps": self.tune_steps, "cached": False, "optimizer": "stepped" if optimizer is not None else "profiled"}
+            result = measured_choice(candidates, measured, noise) | record
             self._keep_tuning(payload["cache_file"], payload["key"], result, candidates[result["chosen_index"]])
         result = self._share_from_rank_zero(result)
         return self._with_record(candidates[result["chosen_index"]].plan, result)
@@ -283,23 +294,19 @@ class PlanTuning:
         rank_zero_info(f"dapple: tune_steps={self.tune_steps}: measuring {len(candidates)} plans: " + "; ".join(c.label for c in candidates))
         return {"candidates": [each.to_dict() for each in candidates], "key": key, "cache_file": str(cache_file)}
 
-    def _trial(self, trainer: Trainer, module: LightningModule, container: nn.Module, sample: Any, plan: Plan, seed: int) -> list[float]:
-        """This rank's ``tune_steps`` step times (ms) of ``plan``, after ``WARMUP_STEPS`` untimed."""
+    def _trial(self, module: LightningModule, container: nn.Module, sample: Any, plan: Plan, seed: int, optimizer: OptimizerFactory | None) -> list[float]:
+        """This rank's ``tune_steps`` step times (ms) of ``plan``, after ``WARMUP_STEPS`` untimed;
+        each step runs the schedule and, given a factory of the run's optimizer, its step."""
         assert self.failure is not None
         plan = plan.validate(num_layers=len(container), world_size=self.world_size).with_warmups()
         held = [index for stage in plan.stages_of_rank(self.global_rank) for index in range(plan.stages[stage].start, plan.stages[stage].end)]
         layers = [container[index] for index in held]
-        state = _LayerState(layers)
+        state = _LayerState(layers, stepped=optimizer is not None)
         home = next((t.device for layer in layers for t in (*layer.parameters(), *layer.buffers())), self.root_device)
         ties = tied_parameters(container)
         groups = build_groups(plan)
         tie_groups = tied_groups(plan, ties) if ties else {}
         runner: Any = None
-        mixed = self._mixed()
-        context = mixed.forward_context if mixed is not None else nullcontext
-        scale_backward = mixed.scale_backward if mixed is not None else None
-        transfers = StepTransfers(self.root_device)
-        rows, times = batch_size_of(sample), []
         try:
             for layer in layers:
                 layer.to(self.root_device)
@@ -311,16 +318,8 @@ class PlanTuning:
             for unit in getattr(runner, "units", [runner]):
                 unit.pipeline_stage.upstream_draws = upstream and unit.is_last and not unit.is_first
             runner.job_seed = seed
-            for step in range(WARMUP_STEPS + self.tune_steps):
-                recorder = LogRecorder()
-                callbacks = TrainCallbacks(module, 0, recorder, transfers, rows, context, scale_backward, None, self._traced_inputs)
-                _synchronize(self.root_device)
-                start = time.perf_counter()
-                with nullcontext() if mixed is not None else self.precision_plugin.train_step_context():
-                    runner.train_step(sample, callbacks, extras=lambda: recorder.summary(on_host=plan.world_size > 1))
-                _synchronize(self.root_device)
-                if step >= WARMUP_STEPS:
-                    times.append((time.perf_counter() - start) * 1e3)
+            stepper = optimizer(state.trained) if optimizer is not None and state.trained else None
+            times = self._timed_steps(runner, module, sample, plan, stepper)
             runner.finish()
         except BaseException as exc:
             self.failure.report(exc)
@@ -336,6 +335,29 @@ class PlanTuning:
                 layer.to(home)
             if not self.failure.failed:
                 _destroy([*groups.replicas.values(), groups.plan, *tie_groups.values()])
+        return times
+
+    def _timed_steps(self, runner: Any, module: LightningModule, sample: Any, plan: Plan, stepper: torch.optim.Optimizer | None) -> list[float]:
+        """Steps of ``runner`` on ``sample`` as ``training_step`` runs them (mixed precision's
+        autocast and loss scale, the user's step with its logs recorded and dropped), each
+        followed by ``stepper``'s step; the times of those after ``WARMUP_STEPS``."""
+        mixed = self._mixed()
+        context = mixed.forward_context if mixed is not None else nullcontext
+        scale_backward = mixed.scale_backward if mixed is not None else None
+        transfers = StepTransfers(self.root_device)
+        rows, times = batch_size_of(sample), []
+        for step in range(WARMUP_STEPS + self.tune_steps):
+            recorder = LogRecorder()
+            callbacks = TrainCallbacks(module, 0, recorder, transfers, rows, context, scale_backward, None, self._traced_inputs)
+            _synchronize(self.root_device)
+            start = time.perf_counter()
+            with nullcontext() if mixed is not None else self.precision_plugin.train_step_context():
+                runner.train_step(sample, callbacks, extras=lambda: recorder.summary(on_host=plan.world_size > 1))
+            if stepper is not None:
+                stepper.step()
+            _synchronize(self.root_device)
+            if step >= WARMUP_STEPS:
+                times.append((time.perf_counter() - start) * 1e3)
         return times
 
     def _keep_tuning(self, cache_file: str, key: str, result: dict[str, Any], kept: TuneCandidate) -> None:
