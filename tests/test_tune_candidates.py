@@ -38,6 +38,10 @@ def test_candidates_start_with_the_simulators_choice_and_vary_what_is_left_open(
     rivals = [each.simulated_ms for each in candidates[1:]]
     assert rivals == sorted(rivals)  # the best rivals by simulated step
     assert len({each.label for each in candidates}) == len(candidates)  # no plan twice
+    three = tuning_candidates(chosen, profile, cluster, arguments, count=3)
+    shapes = {(each.plan.kind(), each.plan.schedule, each.plan.ooo) for each in candidates}
+    assert len(shapes) >= 3  # the pool has other shapes and schedules than the choice's ...
+    assert len({(each.plan.kind(), each.plan.schedule, each.plan.ooo) for each in three}) == 3  # ... and three trials take three of them
     for each in candidates:
         each.plan.validate(num_layers=8, world_size=4)
         assert each.plan.global_batch_size == 16

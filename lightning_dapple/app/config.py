@@ -141,7 +141,7 @@ class StrategyConfig:
     loss_reduction: str = "mean"
     launcher: Launcher = Launcher.auto
     tune_steps: int = 0  # >0: measure the simulator's best few plans for this many steps each and keep the fastest (plan: auto)
-    tune_candidates: int = 3  # how many plans tune_steps measures
+    tune_candidates: int = 4  # how many plans tune_steps measures
     profile_cache: Optional[str] = None  # directory for cached profiles and measured plan choices
 
 

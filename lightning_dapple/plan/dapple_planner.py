@@ -328,6 +328,7 @@ def plan_request(request: PlanRequest) -> Plan:
         reason += "; " + choice.note()
     extra = {
         "alternatives": {name: summary(pair) for name, pair in (("dp", dp_pair), ("straight", straight_pair)) if pair is not None},
+        "ranked": _ranked(pool, simulations),
         "min_slice": _setting_floor(request),
     }
     if choice is not None and request.auto_policy:
@@ -343,6 +344,22 @@ def plan_request(request: PlanRequest) -> Plan:
         chosen, request.profile, request.cluster, request.global_batch_size, policy, request.schedule, "dapple", reason,
         simulations.get(chosen_index), extra,
     )
+
+
+#: how many of the simulated pool's best plans a plan records (``extra["ranked"]``)
+RANKED_KEPT = 4
+
+
+def _ranked(pool: list[Scored], simulations: dict[int, Any]) -> list[dict[str, Any]]:
+    """The pool's best plans by simulated step (M, stages, step): what the planner would run
+    next, which ``DappleStrategy(tune_steps=...)`` measures beside its choice."""
+    if not _have_sim(simulations):
+        return []
+    order = sorted(simulations, key=lambda index: (simulations[index].latency_ms, len(pool[index].stages)))[:RANKED_KEPT]
+    return [
+        {"micro_batches": pool[i].micro_batches, "stages": [stage.to_dict() for stage in pool[i].stages], "simulated_ms": round(float(simulations[i].latency_ms), 4)}
+        for i in order
+    ]
 
 
 def _setting_floor(request: PlanRequest) -> int:

@@ -261,6 +261,8 @@ class PlanTuning:
             noise = max(_spread(times[0]) for times in per_rank)  # the simulator's choice, step to step
             record = {"steps": self.tune_steps, "cached": False, "optimizer": "stepped" if optimizer is not None else "profiled"}
             result = measured_choice(candidates, measured, noise) | record
+            if result["chosen_index"] != 0:  # what the untuned run would execute, to compare with
+                result["simulator_plan"] = candidates[0].plan.to_dict()
             self._keep_tuning(payload["cache_file"], payload["key"], result, candidates[result["chosen_index"]])
         result = self._share_from_rank_zero(result)
         return self._with_record(candidates[result["chosen_index"]].plan, result)

@@ -13,16 +13,17 @@ where the user left it open:
 * the **schedule** (``schedule`` not named): every runnable schedule on the planner's devices
   and M (``plan.schedule_choice``), chunked ones included even where CPU processes share
   cores, since measuring is what settles that case (``auto_plan.schedules_for_cores``);
-* the **shape**: the planner's data-parallel and straight-pipeline alternatives
-  (``extra["alternatives"]``, DAPPLE Table 4's three kinds);
+* the **shape**: the planner's next best plans by simulated step (``extra["ranked"]``) and
+  its data-parallel and straight-pipeline alternatives (``extra["alternatives"]``, DAPPLE
+  Table 4's three kinds);
 * **out-of-order backprop** on or off (``ooo="auto"``; ooo-backprop sec. 3);
 * **M** halved and doubled (``micro_batches`` not given; DAPPLE 5.2's trade of bubble against
   per-micro-batch cost).
 
 Each is finished as the run would finish it (``auto_plan.run_finisher``), priced by the
 simulator as it would run (``schedule_choice.price_candidate``) and must fit the devices'
-memory. Duplicates are dropped and the ``count`` best by simulated step kept, the
-simulator's own choice always first.
+memory. Duplicates are dropped; ``count`` are kept, the simulator's own choice first, then
+the best by simulated step of each other shape and schedule, then the best of the rest.
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ from lightning_dapple.strategy.resolve import PlanArguments, resolve_plan
 __all__ = ["DEFAULT_TUNE_CANDIDATES", "TuneCandidate", "candidate_label", "tuning_candidates"]
 
 #: how many plans ``tune_steps`` measures unless told otherwise
-DEFAULT_TUNE_CANDIDATES = 3
+DEFAULT_TUNE_CANDIDATES = 4
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,22 @@ def tuning_candidates(
         label = next(f"{label} #{n}" for n in range(2, len(taken) + 3) if f"{label} #{n}" not in taken) if label in taken else label
         rivals.append(TuneCandidate(plan, label, _simulated_ms(plan, profile, cluster)))
     rivals.sort(key=lambda each: each.simulated_ms)
-    return [first, *rivals[: count - 1]]
+    return [first, *_diverse(first, rivals, count - 1)]
+
+
+def _diverse(first: TuneCandidate, rivals: list[TuneCandidate], count: int) -> list[TuneCandidate]:
+    """``count`` of ``rivals`` (sorted by simulated step): first the best of each shape and
+    schedule not yet taken, then the best of the rest. The simulator's errors are mostly
+    structural (a shape or schedule it prices too well or too badly), so trials of other
+    shapes and schedules are the ones most likely to overturn its choice."""
+    signature = lambda each: (each.plan.kind(), each.plan.schedule, each.plan.ooo)  # noqa: E731
+    taken, seen = [], {signature(first)}
+    for each in rivals:
+        if len(taken) < count and signature(each) not in seen:
+            taken.append(each)
+            seen.add(signature(each))
+    taken += [each for each in rivals if each not in taken][: count - len(taken)]
+    return sorted(taken, key=lambda each: each.simulated_ms)
 
 
 def _simulated_ms(plan: Plan, profile: ModelProfile, cluster: Cluster) -> float:
@@ -160,8 +176,15 @@ def _one_stage_per_group(chosen: Plan, profile: ModelProfile, cluster: Cluster, 
 
 
 def _shape_alternatives(plan: Plan, num_layers: int) -> Iterator[Plan]:
-    """The data-parallel and straight plans the planner priced beside its choice
-    (``extra["alternatives"]``: kind, M and layer split), as plans."""
+    """The planner's next best plans (``extra["ranked"]``: M and stages) and the
+    data-parallel and straight plans it priced beside its choice (``extra["alternatives"]``:
+    kind, M and layer split), as plans."""
+    for record in plan.extra.get("ranked") or []:
+        try:
+            stages = tuple(StagePlan(layers=tuple(stage["layers"]), devices=tuple(stage["devices"]), zero=int(stage.get("zero", 0))) for stage in record["stages"])
+            yield Plan(plan.global_batch_size, int(record["micro_batches"]), stages, schedule=DEFAULT_SCHEDULE, policy=plan.policy, planner=plan.planner).validate(num_layers=num_layers)
+        except (DappleConfigError, KeyError, TypeError, ValueError):
+            continue
     for name, record in (plan.extra.get("alternatives") or {}).items():
         split = [int(each) for each in record.get("split", [])]
         if sum(split) != num_layers or not split:
