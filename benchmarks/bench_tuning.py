@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--recipes", nargs="+", default=list(_measured_steps.TINY_RECIPES))
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--tune-steps", type=int, default=3)
+    parser.add_argument("--tune-steps", type=int, default=5)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     results = []

@@ -6,15 +6,17 @@ can run slower than its second. With ``tune_steps`` the strategy runs the best f
 out-of-order backprop and M) for N steps each on the real processes, and keeps the fastest
 measured, as DeepSpeed's Autotuner keeps the fastest of its short trial runs. A rival
 replaces the simulator's choice only when it measures faster by more than ``MIN_TUNE_GAIN``
-or the choice's own step-to-step spread: a difference the trials cannot tell from noise
-keeps the simulator's plan.
+or the choice's own step-to-step noise (the median absolute deviation of its timed steps
+over their median): a difference the trials cannot tell from noise keeps the simulator's
+plan.
 
 **What a trial is.** Each candidate gets its own process groups and executor over this
 rank's layers of that plan, and runs ``WARMUP_STEPS + N`` training steps on the first
 training batch: the schedule (forward, backward, gradient sync: the executor's
 ``train_step``) and a step of a fresh copy of the run's optimizer (class and settings from
 ``configure_optimizers``, ``strategy/optimizer_probe.py``) over the rank's parameters. The
-first ones are not timed. A candidate's measured step is the slowest rank's median. Where
+first ones are not timed. A candidate's measured step is the median over its timed steps of
+the slowest rank. Where
 no such copy can be made (several optimizers, manual optimization), the trial steps none
 and adds the profiled optimizer step of the rank's layers (``LayerProfile.optimizer_ms``).
 Under ZeRO the trial steps the whole stage on each replica, a little more than the run.
@@ -85,7 +87,7 @@ from lightning_dapple.strategy.tune_candidates import TuneCandidate, tuning_cand
 __all__ = ["MIN_TUNE_GAIN", "WARMUP_STEPS", "PlanTuning", "check_tune_settings", "default_tuning_cache", "measured_choice"]
 
 #: a rival must measure faster than the simulator's choice by more than this share (or the
-#: choice's own step-to-step spread, if larger) to replace it
+#: choice's own step-to-step noise, if larger) to replace it
 MIN_TUNE_GAIN = 0.03
 #: untimed steps before each candidate's timed ones: its first steps pay for first use (the
 #: new process groups' connections, allocations, lazily built caches)
@@ -117,7 +119,7 @@ def default_tuning_cache() -> Path:
 def measured_choice(candidates: Sequence[TuneCandidate], measured_ms: Sequence[float], noise: float = 0.0) -> dict[str, Any]:
     """The record of a tuning: every candidate's simulated and measured step, the kept one and
     the simulator's. The kept one is the fastest measured, unless it beats the simulator's
-    choice by no more than ``MIN_TUNE_GAIN`` or ``noise`` (the relative spread of the
+    choice by no more than ``MIN_TUNE_GAIN`` or ``noise`` (the relative noise of the
     simulator's choice's own timed steps): a difference the trials cannot tell from their
     noise keeps the plan the simulator ranked first."""
     fastest = min(range(len(candidates)), key=lambda index: (measured_ms[index], index))
@@ -169,8 +171,10 @@ def _optimizer_ms_per_rank(plan: Plan, profile: ModelProfile, inputs: PlanningIn
 
 
 def _spread(times: Sequence[float]) -> float:
-    """(max - min) / median of one candidate's timed steps on one rank."""
-    return (max(times) - min(times)) / statistics.median(times) if len(times) > 1 else 0.0
+    """The median absolute deviation of a candidate's timed steps over their median: their
+    step-to-step noise, which one step slowed by another process does not set."""
+    middle = statistics.median(times)
+    return statistics.median(abs(each - middle) for each in times) / middle if len(times) > 1 and middle > 0 else 0.0
 
 
 def _cluster_identity(cluster: Cluster) -> dict[str, Any]:
@@ -254,11 +258,12 @@ class PlanTuning:
         result: Any = None
         if self.global_rank == 0:
             assert inputs is not None
-            measured = []
-            for index, each in enumerate(candidates):  # without an optimizer to step, its profiled step is added
+            slowest = []  # per candidate, per timed step: the slowest rank (its optimizer step added where only profiled)
+            for index, each in enumerate(candidates):
                 profiled = [0.0] * self.world_size if optimizer is not None else _optimizer_ms_per_rank(each.plan, inputs.profile, inputs)
-                measured.append(max(statistics.median(times[index]) + profiled[rank] for rank, times in enumerate(per_rank)))
-            noise = max(_spread(times[0]) for times in per_rank)  # the simulator's choice, step to step
+                slowest.append([max(times[index][step] + profiled[rank] for rank, times in enumerate(per_rank)) for step in range(self.tune_steps)])
+            measured = [statistics.median(steps_ms) for steps_ms in slowest]
+            noise = _spread(slowest[0])  # the simulator's choice, step to step
             record = {"steps": self.tune_steps, "cached": False, "optimizer": "stepped" if optimizer is not None else "profiled"}
             result = measured_choice(candidates, measured, noise) | record
             if result["chosen_index"] != 0:  # what the untuned run would execute, to compare with
