@@ -353,3 +353,27 @@ def test_a_sweep_over_two_recipes_writes_one_summary(tmp_path: Path) -> None:
     text = (sweep / "summary.txt").read_text()
     assert "step ms (simulated)" in text
     assert (note is not None) == ("The simulator ranks" in text)
+
+
+@pytest.mark.timeout(600)
+def test_a_sweep_compares_tuned_and_untuned_runs(tmp_path: Path) -> None:
+    """``-m strategy.tune_steps=0,1``: the tuned job's plan carries its measured choice and the
+    summary's ``tuning`` column says what tuning kept; the untuned job's says nothing."""
+    assert APP is not None, "dapple-train is not installed (pip install -e .)"
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    env.pop("MASTER_PORT", None)
+    result = subprocess.run(
+        [APP, "-m", "recipe=gnmt_tiny", "strategy.tune_steps=0,1", f"strategy.profile_cache={tmp_path / 'cache'}", "trainer.devices=2",
+         "trainer.max_steps=3", "outputs.warmup_steps=1", "trainer.limit_val_batches=0", "trainer.enable_progress_bar=false",
+         "outputs.measured_timeline=false", "outputs.plan_table=false"],
+        check=False, capture_output=True, text=True, timeout=420, env=env, cwd=str(tmp_path),
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    (sweep,) = list((tmp_path / "multirun").iterdir())
+    rows = list(csv.DictReader((sweep / "summary.csv").read_text().splitlines()))
+    assert [row["overrides"] for row in rows] == ["strategy.tune_steps=0", "strategy.tune_steps=1"]
+    tuned_plan = json.loads((Path(rows[1]["run_dir"]) / "dapple_plan.json").read_text())
+    record = tuned_plan["extra"]["tuning"]
+    assert rows[0]["tuning"] == "" and "tuning" not in json.loads((Path(rows[0]["run_dir"]) / "dapple_plan.json").read_text())["extra"]
+    assert rows[1]["tuning"] == (f"kept {record['chosen']}" if record["chosen"] == record["simulator_choice"] else f"measured {record['chosen']} over {record['simulator_choice']}")
+    assert len(list((tmp_path / "cache").glob("tuning-*.json"))) == 1
