@@ -48,11 +48,11 @@ def norm_loader() -> DataLoader:
     return DataLoader(TensorDataset(x, x[:, :2].sin()), batch_size=12, shuffle=False)
 
 
-def fit(root: Path, model: LightningModule, loader: DataLoader, **strategy) -> dict:
+def fit(root: Path, model: LightningModule, loader: DataLoader, gradient_clip_val: float | None = 0.5, **strategy) -> dict:
     trainer = Trainer(
         strategy=DappleStrategy(start_method="spawn", timeout_s=60, **strategy), accelerator="cpu", devices=2, precision="64-true", max_steps=3,
         logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(root),
-        gradient_clip_val=0.5,
+        gradient_clip_val=gradient_clip_val,
     )
     trainer.fit(model, loader)
     return json.loads(next(root.rglob("dapple_plan.json")).read_text())
@@ -91,3 +91,27 @@ def test_trials_leave_no_trace_in_batchnorm_statistics_or_dropout_draws(tmp_path
     assert set(tuned_state) == set(plain_state)
     assert any("running_mean" in key for key in tuned_state)
     assert max(float((tuned_state[k].double() - plain_state[k].double()).abs().max()) for k in plain_state) == 0.0
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(900)
+def test_a_hugging_face_model_kept_whole_tunes_and_trains_as_its_kept_plan(tmp_path: Path) -> None:
+    """GPT-2 from a config, kept whole, with its embedding tied to its head and dropout 0.1:
+    tuning tries plans that split the tie between ranks and others that keep it on one, and
+    the run afterwards equals an untuned run of the kept plan."""
+    pytest.importorskip("transformers")
+    import functools
+
+    import hf_toys
+
+    make = functools.partial(hf_toys.LitLM, hf_toys.gpt2_config(dropout=0.1))
+    loader = lambda: DataLoader(hf_toys.lm_batches(), batch_size=None)  # noqa: E731
+    tuned_model = make().double()
+    tuned = fit(tmp_path / "tuned", tuned_model, loader(), plan="auto", tune_steps=1, tune_candidates=3, profile_cache=str(tmp_path / "cache"), gradient_clip_val=None)
+    assert len(tuned["extra"]["tuning"]["candidates"]) >= 2
+    kept = {key: value for key, value in tuned.items() if key not in ("extra", "reason", "predicted", "planner")}
+    plain_model = make().double()
+    fit(tmp_path / "plain", plain_model, loader(), plan=kept, gradient_clip_val=None)
+    tuned_state, plain_state = tuned_model.state_dict(), plain_model.state_dict()
+    assert all(torch.equal(tuned_state[k], v) for k, v in plain_state.items())
+    assert torch.equal(tuned_state["model.lm_head.weight"], tuned_state["model.transformer.wte.weight"])
