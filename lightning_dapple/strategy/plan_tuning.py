@@ -239,8 +239,10 @@ class PlanTuning:
         if self.global_rank == 0:
             try:
                 payload = self._tuning_payload(module, container, sample, plan, inputs)
-            except DappleConfigError as exc:
+            except DappleConfigError as exc:  # shared, so that every rank stops with the same message
                 payload = {"__error__": [exc.field, exc.problem, exc.fix]}
+            except Exception as exc:
+                payload = {"__error__": ["tune_steps", f"choosing the plans to measure failed on rank 0: {type(exc).__name__}: {exc}", "leave tune_steps at 0 to run the simulator's plan"]}
         payload = self._share_from_rank_zero(payload)
         if "__error__" in payload:
             raise DappleConfigError(*payload["__error__"])
