@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+import torchmetrics
 from lightning.pytorch import LightningModule, Trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -19,11 +20,13 @@ from lightning_toys import MLPModule, mlp_loader, single_device_run
 
 class NormDropModule(LightningModule):
     """BatchNorm (running statistics a trial would move) and dropout (random draws a trial
-    would consume) in a four-layer MLP."""
+    would consume) in a four-layer MLP, and a metric its step updates (a trial would add to
+    it), whose state each rank writes to ``report_dir`` when training ends."""
 
-    def __init__(self) -> None:
+    def __init__(self, report_dir: str = "") -> None:
         super().__init__()
-        torch.manual_seed(7)
+        self.report_dir = report_dir
+        self.seen = torchmetrics.MeanMetric()
         self.layers = nn.Sequential(
             nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.Tanh()),
             nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.2), nn.Tanh()),
@@ -36,7 +39,13 @@ class NormDropModule(LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        return F.mse_loss(self(x), y)
+        loss = F.mse_loss(self(x), y)
+        self.seen.update(loss.detach())
+        return loss
+
+    def on_train_end(self) -> None:
+        state = {"updates": self.seen._update_count, "mean": float(self.seen.compute())}
+        (Path(self.report_dir) / f"seen_rank{self.global_rank}.json").write_text(json.dumps(state))
 
     def configure_optimizers(self):
         return torch.optim.Adam(self.parameters(), lr=1e-2)
@@ -81,12 +90,17 @@ def test_tuned_training_equals_one_device_and_the_next_run_reads_the_cache(tmp_p
 @pytest.mark.multiproc
 @pytest.mark.timeout(900)
 def test_trials_leave_no_trace_in_batchnorm_statistics_or_dropout_draws(tmp_path: Path) -> None:
-    tuned_model = NormDropModule().double()
+    torch.manual_seed(7)
+    tuned_model = NormDropModule(str(tmp_path)).double()
     tuned = fit(tmp_path / "tuned", tuned_model, norm_loader(), plan="auto", tune_steps=2, tune_candidates=4, profile_cache=str(tmp_path / "cache"))
     assert len(tuned["extra"]["tuning"]["candidates"]) >= 2
+    seen_tuned = [json.loads((tmp_path / f"seen_rank{rank}.json").read_text()) for rank in range(2)]
     kept = {key: value for key, value in tuned.items() if key not in ("extra", "reason", "predicted", "planner")}
-    plain_model = NormDropModule().double()
+    torch.manual_seed(7)
+    plain_model = NormDropModule(str(tmp_path)).double()
     fit(tmp_path / "plain", plain_model, norm_loader(), plan=kept)
+    assert [json.loads((tmp_path / f"seen_rank{rank}.json").read_text()) for rank in range(2)] == seen_tuned  # the trials' updates were put back
+    assert max(state["updates"] for state in seen_tuned) > 0
     tuned_state, plain_state = tuned_model.state_dict(), plain_model.state_dict()
     assert set(tuned_state) == set(plain_state)
     assert any("running_mean" in key for key in tuned_state)

@@ -53,7 +53,7 @@ from lightning_dapple.strategy.ooo_choice import decide_ooo, with_ooo_choice
 from lightning_dapple.strategy.optimizer_probe import with_run_optimizer
 from lightning_dapple.strategy.resolve import PlanArguments
 
-__all__ = ["AutoPlan", "PlanningContext", "PlanningInputs", "auto_plan", "run_finisher", "simulated_as_run"]
+__all__ = ["AutoPlan", "PlanningContext", "PlanningInputs", "auto_plan", "run_communicator_reserve", "run_finisher", "simulated_as_run"]
 
 
 @dataclass(frozen=True)
@@ -169,6 +169,12 @@ def auto_plan(
     return AutoPlan(plan_from_dict(data), inputs)
 
 
+def run_communicator_reserve(device: torch.device) -> float:
+    """Device bytes each NCCL communicator of this run takes (``plan.communicators``; 0 off
+    NCCL), as the planner and the tuning candidates price it."""
+    return communicator_reserve_bytes(device.type, dist.get_backend() if dist.is_initialized() else None)
+
+
 def run_finisher(arguments: PlanArguments, profile: ModelProfile, cluster: Cluster) -> Finisher:
     """What the run does to a planned plan before executing it: out-of-order backprop on or
     off (``ooo_choice.decide_ooo``) and, with ``recompute="auto"``, the memory options
@@ -210,7 +216,7 @@ def _plan_on_rank_zero(
     if shape is None:
         named = arguments.fixed_schedule is not None
         schedules, left_out = (RUNNABLE_SCHEDULES, "") if named else schedules_for_cores(context.device.type, context.local_processes, usable_cores())
-        reserve = communicator_reserve_bytes(context.device.type, dist.get_backend() if dist.is_initialized() else None)  # NCCL's per communicator
+        reserve = run_communicator_reserve(context.device)
         plan = make_plan(profile, cluster, rows, num_devices=context.world_size, schedules=schedules, finish=finish, communicator_bytes=reserve, **arguments.planner_kwargs())
         if left_out:
             plan = replace(plan, reason=f"{plan.reason.rstrip()} {left_out}")

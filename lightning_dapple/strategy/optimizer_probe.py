@@ -1,7 +1,8 @@
 """The run's optimizer, timed per layer for ``plan="auto"`` (``profile/optimizer_step.py``).
 
 The planner prices each stage's optimizer step (``LayerProfile.optimizer_ms``) from the
-optimizer the module trains with. ``configure_optimizers`` is called once more on rank 0,
+optimizer the module trains with. ``configure_optimizers`` is called once more on rank 0
+(and, under ``tune_steps``, on every rank for the trials' copies, ``plan_tuning.py``),
 before Lightning calls it for the run, only to learn the optimizer's class and settings;
 what it builds (optimizer and schedulers) is dropped and changes no parameter. Where that
 cannot give one optimizer to copy (manual optimization with several, an optimizer whose

@@ -28,9 +28,12 @@ trial's optimizer (and its state) is dropped;
 the executor reseeds every forward from the job's seed and the step number and restores
 the caller's random stream after each step (``execute/runner.py``), and the run's own
 executor starts again at step 0; the user's ``self.log`` calls in trials are recorded and
-dropped; the trials' process groups are destroyed and their gradient hooks removed. What a
-``training_step`` changes outside tensors Lightning knows (a counter of its own) would see
-the trial steps; the docs say so.
+dropped, and the torchmetrics metrics its step updates get their states back; the trials'
+process groups (the NCCL wire's link groups too) are destroyed and their gradient hooks and
+out-of-order ``forward`` routes removed. A candidate the run would refuse afterwards
+(``_runnable``) is not tried. What a ``training_step`` changes outside tensors and metrics
+(a counter of its own) would see the trial steps; the docs say so. Under fp16's loss
+scaling the trials step no optimizer (their gradients are scaled) and add the profiled step.
 
 **Cached.** The outcome is kept beside the profile cache (``DappleStrategy(profile_cache=)``,
 else ``$XDG_CACHE_HOME/lightning_dapple``), under a key of the model as the profiler sees it
@@ -43,6 +46,7 @@ layers on a rank), so a model built on the meta device is refused with tuning.
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -56,7 +60,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from rich.table import Table
 from torch import nn
 
@@ -68,14 +72,14 @@ from lightning_dapple.execute.random_layers import draws_random
 from lightning_dapple.execute.runner import StageRunner
 from lightning_dapple.execute.slicing import batch_size_of
 from lightning_dapple.execute.tied import tied_groups
-from lightning_dapple.plan.communicators import communicator_reserve_bytes
 from lightning_dapple.plan.console import make_console
 from lightning_dapple.plan.costs import stage_costs
 from lightning_dapple.plan.plan import Plan
-from lightning_dapple.profile.model_profile import ModelProfile
 from lightning_dapple.profile.profiler import model_key
 from lightning_dapple.profile.ties import tied_parameters
-from lightning_dapple.strategy.auto_plan import PlanningInputs
+from lightning_dapple.strategy.auto_plan import PlanningInputs, run_communicator_reserve
+from lightning_dapple.strategy.layer_rows import check_regrouped_cuts
+from lightning_dapple.strategy.setup_checks import check_callbacks
 from lightning_dapple.strategy.meta_build import built_on_meta
 from lightning_dapple.strategy.module_adapter import LogRecorder
 from lightning_dapple.strategy.optimizer_probe import optimizer_factory
@@ -154,6 +158,8 @@ def tuning_sentence(record: dict[str, Any]) -> str:
 
 
 def tuning_table(record: dict[str, Any]) -> Table:
+    """Every plan tried, simulated against measured, the kept one and the simulator's marked:
+    where the two columns rank the plans differently, the simulator was off for this run."""
     table = Table(title=f"tune_steps={record['steps']}: simulated against measured step")
     for column in ("plan", "simulated ms", "measured ms", "measured / simulated", ""):
         table.add_column(column)
@@ -164,9 +170,9 @@ def tuning_table(record: dict[str, Any]) -> Table:
     return table
 
 
-def _optimizer_ms_per_rank(plan: Plan, profile: ModelProfile, inputs: PlanningInputs) -> list[float]:
+def _optimizer_ms_per_rank(plan: Plan, inputs: PlanningInputs) -> list[float]:
     """Each rank's profiled optimizer step under ``plan`` (``plan.costs.StageCost.optimizer_ms``)."""
-    costs = stage_costs(profile, inputs.cluster, plan.stages, plan.micro_batch_size)
+    costs = stage_costs(inputs.profile, inputs.cluster, plan.stages, plan.micro_batch_size)
     return [sum(costs[stage].optimizer_ms for stage in plan.stages_of_rank(rank)) for rank in range(plan.world_size)]
 
 
@@ -187,24 +193,54 @@ def _cluster_identity(cluster: Cluster) -> dict[str, Any]:
 
 
 class _LayerState:
-    """What a trial changes in some layers, to be put back after it: their buffers and
-    gradients, and the values of the parameters a trial optimizer steps (copied)."""
+    """What a trial changes in some layers, to be put back after it: their buffers (by owner
+    and name, so that one a layer reassigns is put back too), gradients, the instance
+    ``forward`` an out-of-order stage routes through its store (``execute/weight_grad.py``),
+    and the values of the parameters a trial optimizer steps (copied)."""
 
     def __init__(self, layers: Sequence[nn.Module], stepped: bool) -> None:
+        modules = list({id(m): m for layer in layers for m in layer.modules()}.values())
         params = {id(p): p for layer in layers for p in layer.parameters()}
-        buffers = {id(b): b for layer in layers for b in layer.buffers()}
         self.trained = [p for p in params.values() if p.requires_grad]
         self.grads = [(p, p.grad) for p in params.values()]
-        self.tensors = [(b, b.detach().clone()) for b in buffers.values()]
-        if stepped:
-            self.tensors += [(p, p.detach().clone()) for p in self.trained]
+        self.buffers = [(m, name, b, b.detach().clone()) for m in modules for name, b in m._buffers.items() if b is not None]
+        self.forwards = [(m, m.__dict__.get("forward")) for m in modules]
+        self.values = [(p, p.detach().clone()) for p in self.trained] if stepped else []
 
     def restore(self) -> None:
         with torch.no_grad():
-            for tensor, saved in self.tensors:
-                tensor.copy_(saved.to(tensor.device))
+            for module, name, buffer, saved in self.buffers:
+                module._buffers[name] = buffer
+                buffer.copy_(saved)
+            for param, saved in self.values:
+                param.copy_(saved)
         for param, grad in self.grads:
             param.grad = grad
+        for module, forward in self.forwards:
+            if forward is None:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = forward
+
+
+class _MetricState:
+    """The states of the torchmetrics metrics a ``training_step`` updates (an accuracy
+    accumulated over the epoch), copied before the trials and put back after them."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.saved = []
+        for metric in module.modules():
+            defaults = getattr(metric, "_defaults", None)
+            if isinstance(defaults, dict) and hasattr(metric, "_update_count"):
+                state = {name: copy.deepcopy(getattr(metric, name)) for name in defaults}
+                self.saved.append((metric, state, metric._update_count, getattr(metric, "_computed", None)))
+
+    def restore(self) -> None:
+        for metric, state, count, computed in self.saved:
+            for name, value in state.items():
+                setattr(metric, name, value)
+            metric._update_count = count
+            metric._computed = computed
 
 
 def _synchronize(device: torch.device) -> None:
@@ -212,7 +248,17 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _link_groups(runner: Any) -> list[Any]:
+    """The process groups a runner's wire made for its links (the NCCL wire: one per link and
+    direction, ``execute/transfer/wires.py``); none for wires that use the default group."""
+    wire = getattr(getattr(runner, "transport", None), "wire", None)
+    groups = getattr(wire, "groups", None)
+    return list(groups.values()) if isinstance(groups, dict) else []
+
+
 def _destroy(groups: Sequence[Any]) -> None:
+    """Destroy a trial's process groups on this rank (a local call: a group this rank is not
+    in is ``NON_GROUP_MEMBER``, which ``destroy_process_group`` passes over)."""
     seen: set[int] = set()
     for group in groups:
         if group is None or id(group) in seen:
@@ -238,7 +284,7 @@ class PlanTuning:
         payload: Any = None
         if self.global_rank == 0:
             try:
-                payload = self._tuning_payload(module, container, sample, plan, inputs)
+                payload = self._tuning_payload(trainer, module, container, sample, plan, inputs)
             except DappleConfigError as exc:  # shared, so that every rank stops with the same message
                 payload = {"__error__": [exc.field, exc.problem, exc.fix]}
             except Exception as exc:
@@ -254,27 +300,51 @@ class PlanTuning:
             return self._with_record(chosen, {key: value for key, value in record.items() if key != "kept"} | {"cached": True})
         candidates = [TuneCandidate.from_dict(each) for each in payload["candidates"]]
         seed = self._sync.broadcast(torch.initial_seed(), "the job's seed") if self.world_size > 1 else torch.initial_seed()
-        optimizer, _ = optimizer_factory(module)  # every rank alike: the same module's configure_optimizers
-        steps = [self._trial(module, container, sample, each.plan, seed, optimizer) for each in candidates]
+        optimizer = self._trial_optimizer(module)
+        metrics = _MetricState(module)
+        try:
+            steps = [self._trial(module, container, sample, each.plan, seed, optimizer) for each in candidates]
+        finally:
+            metrics.restore()
         per_rank = self._sync.gather(steps, "the tuning trials' step times") if self.world_size > 1 else [steps]
         result: Any = None
         if self.global_rank == 0:
-            assert inputs is not None
-            slowest = []  # per candidate, per timed step: the slowest rank (its optimizer step added where only profiled)
-            for index, each in enumerate(candidates):
-                profiled = [0.0] * self.world_size if optimizer is not None else _optimizer_ms_per_rank(each.plan, inputs.profile, inputs)
-                slowest.append([max(times[index][step] + profiled[rank] for rank, times in enumerate(per_rank)) for step in range(self.tune_steps)])
-            measured = [statistics.median(steps_ms) for steps_ms in slowest]
-            noise = _spread(slowest[0])  # the simulator's choice, step to step
-            record = {"steps": self.tune_steps, "cached": False, "optimizer": "stepped" if optimizer is not None else "profiled"}
-            result = measured_choice(candidates, measured, noise) | record
-            if result["chosen_index"] != 0:  # what the untuned run would execute, to compare with
-                result["simulator_plan"] = candidates[0].plan.to_dict()
-            self._keep_tuning(payload["cache_file"], payload["key"], result, candidates[result["chosen_index"]])
+            try:
+                result = self._measured_record(candidates, per_rank, optimizer is not None, inputs)
+                self._keep_tuning(payload["cache_file"], payload["key"], result, candidates[result["chosen_index"]])
+            except Exception as exc:  # shared, so that every rank stops with the same message
+                result = {"__error__": ["tune_steps", f"comparing the trials failed on rank 0: {type(exc).__name__}: {exc}", "leave tune_steps at 0 to run the simulator's plan"]}
         result = self._share_from_rank_zero(result)
+        if "__error__" in result:
+            raise DappleConfigError(*result["__error__"])
         return self._with_record(candidates[result["chosen_index"]].plan, result)
 
-    def _tuning_payload(self, module: LightningModule, container: nn.Module, sample: Any, plan: Plan, inputs: PlanningInputs | None) -> dict[str, Any]:
+    def _trial_optimizer(self, module: LightningModule) -> OptimizerFactory | None:
+        """A factory of fresh copies of the run's optimizer for the trials, or None: where none
+        can be made, and under fp16's loss scaling (a trial would step on scaled gradients),
+        the trials step none and the profiled optimizer step is added instead."""
+        mixed = self._mixed()
+        if mixed is not None and getattr(mixed, "scaler", None) is not None:
+            return None
+        make, _ = optimizer_factory(module)  # every rank alike: the same module's configure_optimizers
+        return make
+
+    def _measured_record(self, candidates: list[TuneCandidate], per_rank: list[Any], stepped: bool, inputs: PlanningInputs | None) -> dict[str, Any]:
+        """Rank 0: each candidate's measured step from every rank's trial times, and the choice."""
+        assert inputs is not None
+        slowest = []  # per candidate, per timed step: the slowest rank (its optimizer step added where only profiled)
+        for index, each in enumerate(candidates):
+            profiled = [0.0] * self.world_size if stepped else _optimizer_ms_per_rank(each.plan, inputs)
+            slowest.append([max(times[index][step] + profiled[rank] for rank, times in enumerate(per_rank)) for step in range(self.tune_steps)])
+        measured = [statistics.median(steps_ms) for steps_ms in slowest]
+        noise = _spread(slowest[0])  # the simulator's choice, step to step
+        record = {"steps": self.tune_steps, "cached": False, "optimizer": "stepped" if stepped else "profiled"}
+        result = measured_choice(candidates, measured, noise) | record
+        if result["chosen_index"] != 0:  # what the untuned run would execute, to compare with
+            result["simulator_plan"] = candidates[0].plan.to_dict()
+        return result
+
+    def _tuning_payload(self, trainer: Trainer, module: LightningModule, container: nn.Module, sample: Any, plan: Plan, inputs: PlanningInputs | None) -> dict[str, Any]:
         """Rank 0: what every rank does next: nothing (no planner ran), read the cache, or
         measure these candidates."""
         if inputs is None:  # the plan came from an earlier run's directory (a resumed fit)
@@ -287,6 +357,7 @@ class PlanTuning:
             "tune_steps": self.tune_steps,
             "tune_candidates": self.tune_candidates,
             "wire": self.wire,
+            "optimizer": optimizer_factory(module)[1],  # a trial's step is this optimizer's
         }
         key = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()
         directory = Path(self.profile_cache) if self.profile_cache is not None else default_tuning_cache()
@@ -298,10 +369,21 @@ class PlanTuning:
         if isinstance(cached, dict) and cached.get("key") == key and "kept" in cached:
             rank_zero_info(f"dapple: tune_steps: the plan measured fastest before is kept ({cache_file}; delete it to measure again)")
             return {"cached": cached}
-        reserve = communicator_reserve_bytes(self.root_device.type, dist.get_backend() if dist.is_initialized() else None)
-        candidates = tuning_candidates(plan, inputs.profile, inputs.cluster, self.plan_arguments, self.tune_candidates, reserve)
+        candidates = tuning_candidates(plan, inputs.profile, inputs.cluster, self.plan_arguments, self.tune_candidates, run_communicator_reserve(self.root_device))
+        candidates = [candidates[0], *(each for each in candidates[1:] if self._runnable(trainer, each.plan))]
         rank_zero_info(f"dapple: tune_steps={self.tune_steps}: measuring {len(candidates)} plans: " + "; ".join(c.label for c in candidates))
         return {"candidates": [each.to_dict() for each in candidates], "key": key, "cache_file": str(cache_file)}
+
+    def _runnable(self, trainer: Trainer, plan: Plan) -> bool:
+        """Whether the run would accept ``plan`` after tuning: the checks set-up applies to the
+        plan it runs (layer outputs that hold their rows elsewhere, callbacks that need one
+        stage), so that no trial measures a plan the run would then refuse."""
+        try:
+            check_regrouped_cuts(plan, self._rows_elsewhere)
+            check_callbacks(trainer, plan)
+        except DappleConfigError:
+            return False
+        return True
 
     def _trial(self, module: LightningModule, container: nn.Module, sample: Any, plan: Plan, seed: int, optimizer: OptimizerFactory | None) -> list[float]:
         """This rank's ``tune_steps`` step times (ms) of ``plan``, after ``WARMUP_STEPS`` untimed;
@@ -337,13 +419,11 @@ class PlanTuning:
             for unit in getattr(runner, "units", [runner]) if runner is not None else []:
                 if getattr(unit, "sync", None) is not None:
                     unit.sync.close()  # its gradient hooks sit on the model's own parameters
-            if getattr(runner, "sync", None) is not None:
-                runner.sync.close()
             state.restore()
             for layer in layers:
                 layer.to(home)
             if not self.failure.failed:
-                _destroy([*groups.replicas.values(), groups.plan, *tie_groups.values()])
+                _destroy([*groups.replicas.values(), groups.plan, *tie_groups.values(), *_link_groups(runner)])
         return times
 
     def _timed_steps(self, runner: Any, module: LightningModule, sample: Any, plan: Plan, stepper: torch.optim.Optimizer | None) -> list[float]:
@@ -374,7 +454,10 @@ class PlanTuning:
         console = make_console()
         console.print(tuning_table(result))
         console.print(tuning_sentence(result))
-        atomic_write_text(Path(cache_file), json.dumps({**result, "key": key, "kept": kept.to_dict()}, indent=1) + "\n")
+        try:
+            atomic_write_text(Path(cache_file), json.dumps({**result, "key": key, "kept": kept.to_dict()}, indent=1) + "\n")
+        except OSError as exc:  # the choice stands; only the next run measures again
+            rank_zero_warn(f"dapple: tune_steps could not keep its choice in {cache_file} ({exc}); the next run measures again")
 
     def _with_record(self, plan: Plan, record: dict[str, Any]) -> Plan:
         """``plan`` carrying the tuning's record (``extra["tuning"]``) and sentence (``reason``)."""
