@@ -21,7 +21,8 @@ from lightning_toys import MLPModule, mlp_loader, single_device_run
 class NormDropModule(LightningModule):
     """BatchNorm (running statistics a trial would move) and dropout (random draws a trial
     would consume) in a four-layer MLP, and a metric its step updates (a trial would add to
-    it), whose state each rank writes to ``report_dir`` when training ends."""
+    it), whose state each rank writes to ``report_dir`` when training ends, with how many of
+    its modules an out-of-order stage routes (a trial's routes must not outlive it)."""
 
     def __init__(self, report_dir: str = "") -> None:
         super().__init__()
@@ -44,7 +45,8 @@ class NormDropModule(LightningModule):
         return loss
 
     def on_train_end(self) -> None:
-        state = {"updates": self.seen._update_count, "mean": float(self.seen.compute())}
+        routed = sum("forward" in module.__dict__ for module in self.modules())  # out-of-order routes (execute/weight_grad.py)
+        state = {"updates": self.seen._update_count, "mean": float(self.seen.compute()), "routed": routed}
         (Path(self.report_dir) / f"seen_rank{self.global_rank}.json").write_text(json.dumps(state))
 
     def configure_optimizers(self):
