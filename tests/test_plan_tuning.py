@@ -100,7 +100,7 @@ def test_trials_leave_no_trace_in_batchnorm_statistics_or_dropout_draws(tmp_path
     kept = {key: value for key, value in tuned.items() if key not in ("extra", "reason", "predicted", "planner")}
     torch.manual_seed(7)
     plain_model = NormDropModule(str(tmp_path)).double()
-    fit(tmp_path / "plain", plain_model, norm_loader(), plan=kept)
+    fit(tmp_path / "plain", plain_model, norm_loader(), plan=kept, ooo=bool(kept.get("ooo", False)))  # as kept: no ooo="auto" of its own
     assert [json.loads((tmp_path / f"seen_rank{rank}.json").read_text()) for rank in range(2)] == seen_tuned  # the trials' updates were put back
     assert max(state["updates"] for state in seen_tuned) > 0
     tuned_state, plain_state = tuned_model.state_dict(), plain_model.state_dict()
@@ -127,7 +127,7 @@ def test_a_hugging_face_model_kept_whole_tunes_and_trains_as_its_kept_plan(tmp_p
     assert len(tuned["extra"]["tuning"]["candidates"]) >= 2
     kept = {key: value for key, value in tuned.items() if key not in ("extra", "reason", "predicted", "planner")}
     plain_model = make().double()
-    fit(tmp_path / "plain", plain_model, loader(), plan=kept, gradient_clip_val=None)
+    fit(tmp_path / "plain", plain_model, loader(), plan=kept, ooo=bool(kept.get("ooo", False)), gradient_clip_val=None)
     tuned_state, plain_state = tuned_model.state_dict(), plain_model.state_dict()
     assert all(torch.equal(tuned_state[k], v) for k, v in plain_state.items())
     assert torch.equal(tuned_state["model.lm_head.weight"], tuned_state["model.transformer.wte.weight"])
