@@ -60,9 +60,6 @@ _DDP_ONLY = (
 def ddp_defaults() -> dict[str, Any]:
     """Each DDP option's default: ``DDPStrategy.__init__``'s, then ``DistributedDataParallel``'s
     for the keywords ``DDPStrategy`` hands on to the wrapper."""
-    from lightning.pytorch.strategies import DDPStrategy
-    from torch.nn.parallel import DistributedDataParallel
-
     defaults: dict[str, Any] = {}
     for function in (DistributedDataParallel.__init__, DDPStrategy.__init__):
         for name, parameter in inspect.signature(function).parameters.items():
