@@ -50,10 +50,8 @@ from lightning_dapple.profile.model_profile import (
 class StageCost:
     """What one micro-batch costs on each device of a stage, and what the stage holds.
 
-    ``forward_ms`` is the stage's layers on one slice and, on the last stage, the user's
-    step around ``self(...)`` that turns their output into the loss
-    (``ModelProfile.step_glue_ms``; a replayed forward does not run it again). ``send_ms``
-    is the time to move this stage's output boundary (one micro-batch) to the next stage; the gradient travels back over the same links in the same time. The
+    ``send_ms`` is the time to move this stage's output boundary (one micro-batch) to the
+    next stage; the gradient travels back over the same links in the same time. The
     recompute time is the extra forward a backward pays under recomputation.
 
     The fields after ``slice_size`` serve recomputation and out-of-order backprop (all
@@ -319,14 +317,12 @@ def stage_costs(
             input_bytes = profile.input_slice_bytes(per_device)
         layer_ar = tuple(gradient_sync_ms(cluster, size, stage) if stage.replicas > 1 and size > 0 else 0.0 for size in synced[index])
         forward_ms = sum(layer.forward_ms for layer in layers) * per_device
-        # the last stage also runs the user's step around self(...) on every slice (the loss)
-        glue_ms = profile.step_glue_ms if index == len(stages) - 1 else 0.0
         zero = _zero_of(stage)
         exchange = zero_exchange_ms(cluster, param_bytes, stage.devices) if zero else 0.0
         step_share = 1.0 / stage.replicas if zero else 1.0
         costs.append(
             StageCost(
-                forward_ms=forward_ms + glue_ms,
+                forward_ms=forward_ms,
                 backward_ms=sum(layer.backward_ms for layer in layers) * per_device,
                 backward_input_ms=sum(layer.input_grad_ms for layer in layers) * per_device,
                 backward_weight_ms=sum(layer.weight_grad_ms for layer in layers) * per_device,

@@ -123,9 +123,7 @@ class ModelProfile:
     ``input_whole_bytes`` is its part that is not per-sample (``sample_rows``): every slice
     of the first stage holds it once. ``action_overhead_ms`` is the executor's own time per
     action on the machine the profile was taken on (``profile/action_overhead.py``); none in
-    a profile that does not say. ``step_glue_ms`` is the user's ``training_step`` around its
-    ``self(...)`` call (the loss, metrics, ``self.log``), per call: the last stage runs it
-    once per micro-batch slice, beside its layers (``strategy/step_glue.py``; 0: not measured).
+    a profile that does not say.
     """
 
     micro_batch_size: int
@@ -138,7 +136,6 @@ class ModelProfile:
     meta: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
     tied: tuple[TiedParams, ...] = ()
     action_overhead_ms: ActionOverhead = NO_OVERHEAD
-    step_glue_ms: float = 0.0
 
     def __post_init__(self) -> None:
         validate_profile(self)
@@ -185,8 +182,6 @@ class ModelProfile:
             out["tied"] = [tie.to_dict() for tie in self.tied]
         if not self.action_overhead_ms.is_zero:
             out["action_overhead_ms"] = self.action_overhead_ms.to_dict()
-        if self.step_glue_ms:
-            out["step_glue_ms"] = self.step_glue_ms
         if self.meta:
             out["meta"] = self.meta
         return out
@@ -213,9 +208,9 @@ def validate_profile(profile: ModelProfile) -> None:
         "set it to the number of samples the layer times were measured with",
     )
     require(len(profile.layers) > 0, "profile.layers", "is empty", "list at least one layer")
-    for name in ("input_bytes", "input_whole_bytes", "step_glue_ms"):
+    for name in ("input_bytes", "input_whole_bytes"):
         value = _number(getattr(profile, name), f"profile.{name}", "write a number >= 0")
-        require(value >= 0, f"profile.{name}", f"is negative ({value})", "sizes and times must be >= 0")
+        require(value >= 0, f"profile.{name}", f"is negative ({value})", "sizes must be >= 0")
     for index, layer in enumerate(profile.layers):
         where = f"profile.layers[{index}] ({layer.name})"
         for name in ("forward_ms", "backward_ms", "output_bytes", "param_bytes", "stash_bytes", "output_whole_bytes", "stash_whole_bytes", "optimizer_ms"):
@@ -291,7 +286,6 @@ def profile_from_dict(data: Any, source: str = "profile") -> ModelProfile:
         meta=dict(data.get("meta", {})),
         tied=_ties_from_list(data.get("tied", []), f"{source}.tied"),
         action_overhead_ms=overhead_from_dict(data.get("action_overhead_ms", {}), f"{source}.action_overhead_ms"),
-        step_glue_ms=_number(data.get("step_glue_ms", 0.0), f"{source}.step_glue_ms", "write milliseconds >= 0 or leave it out"),
     )
 
 

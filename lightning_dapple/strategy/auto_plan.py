@@ -74,8 +74,6 @@ class PlanningContext:
     measure_links: bool = False
     # the step the Trainer runs now, whose self(...) call gives the layers' input to profile
     step_name: str = "training_step"
-    # the user's step around self(...) per call, timed at set-up (step_glue.py)
-    step_glue_ms: float = 0.0
 
 
 def schedules_for_cores(device_type: str, local_processes: int, cores: int) -> tuple[tuple[str, ...], str]:
@@ -201,7 +199,6 @@ def _profile(context: PlanningContext, module: LightningModule, container: nn.Mo
     else:
         profile = profile_layers(container, x, **options)
         profile = with_run_optimizer(profile, module, list(container), context.device)  # each stage's optimizer step
-    profile = replace(profile, step_glue_ms=context.step_glue_ms)  # priced on the last stage, per slice
     return with_action_overhead(profile, context.device)  # priced by the simulator that picks M and ooo
 
 

@@ -256,7 +256,6 @@ class DappleStrategy(PipelineSetup, PlanTuning, PipelineSteps, CheckpointHooks, 
         self._noticed_logs: set[str] = set()  # logged names already judged by combination_notice
         self._traced_inputs: tuple[str, ...] | None = None  # forward's parameters a traced layer list takes
         self._rows_elsewhere: dict[int, str] = {}  # layers whose outputs hold rows elsewhere than dim 0 (layer_rows.py)
-        self._step_glue_ms = 0.0  # the user's step around self(...), timed at set-up (step_glue.py)
         self.groups: PlanGroups | None = None
         self._layer_container: nn.Module | None = None
         self.checkpoint_layout: ckpt.CheckpointLayout | None = None

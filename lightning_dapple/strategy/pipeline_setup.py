@@ -67,7 +67,6 @@ from lightning_dapple.strategy.setup_checks import (
     run_or_explain,
 )
 from lightning_dapple.strategy.step_callbacks import forward_args, current_step_name
-from lightning_dapple.strategy.step_glue import step_glue_ms
 from lightning_dapple.strategy.tied_layers import KeptTensors, free_layer
 from lightning_dapple.strategy.zero import ZeroShards
 
@@ -317,8 +316,6 @@ class PipelineSetup:
                 if rows == 2:
                     one = self._layer_outputs(container, forward_args(module, take_rows(batch, 0, 1), step_name), step_name)
                     self._rows_elsewhere = rows_elsewhere([one, outputs], [1, 2])
-                if step_name == "training_step" and not built_on_meta(module):  # priced per slice on the last stage
-                    self._step_glue_ms = step_glue_ms(module, take_rows(batch, 0, rows), actual, self._traced_inputs)
         finally:
             module.train(was_training)
             torch.random.set_rng_state(state)
@@ -376,7 +373,6 @@ class PipelineSetup:
             local_processes=max(1, self.num_processes),
             measure_links=self.cluster_spec is None,
             step_name=current_step_name(trainer),
-            step_glue_ms=self._step_glue_ms,
         )
 
     def _resolve_plan(self, trainer: Trainer, module: LightningModule, container: nn.Module, sample: Any) -> Plan:
