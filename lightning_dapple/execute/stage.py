@@ -191,8 +191,9 @@ class Stage:
         return min([lo] + [g[0] for g in meets]), max([hi] + [g[1] for g in meets])
 
     def run_layers(self, x: Any, meter: StashMeter | None = None) -> Any:
-        """Apply the stage's layers; with ``meter``, count what each layer stashes (the
-        layers only: the loss's own saves are not in any profile). A first layer that
+        """Apply the stage's layers; with ``meter``, count what they stash together (the
+        layers only: the loss's own saves are not in any profile; a tensor two layers save
+        counts once, as ``model_profile.stash_span_bytes`` prices it). A first layer that
         writes its input in place gets a copy of a received input (``profile/inplace.py``)."""
         if self._copy_input:
             x = pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) and t.requires_grad else t, x)
@@ -202,7 +203,6 @@ class Stage:
             return x
         with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
             for layer in self.layers:
-                meter.next_layer()
                 x = layer(x)
         return x
 

@@ -35,7 +35,10 @@ class RangeTables:
         self.forward = self._range_sums([layer.forward_ms for layer in layers])
         self.backward = self._range_sums([layer.backward_ms for layer in layers])
         self.params = self._range_sums([layer.param_bytes for layer in layers])
-        self.stash = self._range_sums([layer.stash_bytes for layer in layers])
+        # a span's first layer stashes all it saves, the others less what they share with the layer before
+        self.stash = self._range_sums(
+            [layer.stash_bytes - layer.stash_shared_bytes for layer in layers], first=[layer.stash_bytes - 0.0 for layer in layers]
+        )
         self.stash_whole = self._range_sums([layer.stash_whole_bytes for layer in layers])
         self.work = self.forward + self.backward
         self.output = np.array([layer.output_bytes for layer in layers], dtype=float)
@@ -97,14 +100,17 @@ class RangeTables:
         return self.stash[rows, cols] * scale + self.stash_whole[rows, cols]
 
     @staticmethod
-    def _range_sums(values: Sequence[float]) -> np.ndarray:
+    def _range_sums(values: Sequence[float], first: Sequence[float] | None = None) -> np.ndarray:
+        """Sums of ``values`` over every range [a, b), in the order ``sum`` adds them; with
+        ``first``, a range starts with ``first[a]`` instead of ``values[a]``."""
         n = len(values)
+        starts = values if first is None else first
         table = np.zeros((n + 1, n + 1))
         for a in range(n):
             acc = 0
             row = table[a]
             for b in range(a, n):
-                acc = acc + values[b]
+                acc = acc + (starts[b] if b == a else values[b])
                 row[b + 1] = acc
         return table
 

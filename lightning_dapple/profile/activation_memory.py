@@ -27,7 +27,7 @@ import math
 from dataclasses import replace
 
 from lightning_dapple.errors import require
-from lightning_dapple.profile.model_profile import ModelProfile
+from lightning_dapple.profile.model_profile import ModelProfile, span_stash_per_sample
 
 __all__ = ["PUBLISHED", "published_activation_bytes", "with_activation_memory"]
 
@@ -65,7 +65,7 @@ def with_activation_memory(profile: ModelProfile, bytes_per_sample: float, sourc
         f"must be a positive number of bytes, got {bytes_per_sample!r}",
         "give the peak activation memory of one sample through the whole model, e.g. 5.9e9",
     )
-    stashed = sum(layer.stash_bytes for layer in profile.layers)
+    stashed = span_stash_per_sample(profile.layers)
     require(
         stashed > 0,
         "activation_bytes_per_sample",
@@ -73,6 +73,8 @@ def with_activation_memory(profile: ModelProfile, bytes_per_sample: float, sourc
         "give the profile's layers stash_bytes (the per-sample part), or leave the activation memory out",
     )
     factor = bytes_per_sample * profile.micro_batch_size / stashed
-    layers = tuple(replace(layer, stash_bytes=layer.stash_bytes * factor) for layer in profile.layers)
+    layers = tuple(
+        replace(layer, stash_bytes=layer.stash_bytes * factor, stash_shared_bytes=layer.stash_shared_bytes * factor) for layer in profile.layers
+    )
     note = {"bytes_per_sample": float(bytes_per_sample), "source": source, "scale": factor}
     return replace(profile, layers=layers, meta={**profile.meta, "activation_memory": note})

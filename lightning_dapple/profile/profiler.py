@@ -37,8 +37,9 @@ Measured quantities, per layer:
   forward (observed with ``torch.autograd.graph.saved_tensors_hooks``), the layer's own
   parameters excluded, split like the output into the per-sample part and the whole part (a
   saved tensor whole by ``sample_rows``, or a view of a whole input: ``profile/stash.py``).
-  A tensor saved by two consecutive layers (one's output is the next one's input) is
-  counted in both, so the sum over layers is an upper bound;
+  A tensor two consecutive layers save (one's output, the next one's input) is counted in
+  both, and the second layer's ``stash_shared_bytes`` say how much of its stash it is, so
+  a stage holding both counts it once (``model_profile.stash_span_bytes``);
 * the model's ``input_bytes`` / ``input_whole_bytes``: the sample input split the same way.
 
 The cotangent fed to the backward is a fixed random tensor of the output's shape, so runs
@@ -51,7 +52,7 @@ import hashlib
 import json
 import statistics
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Sequence
@@ -63,12 +64,12 @@ from lightning_dapple.errors import DappleConfigError, require
 from lightning_dapple.profile.inplace import writes_input_in_place
 from lightning_dapple.profile.model_profile import LayerProfile, ModelProfile, profile_from_dict
 from lightning_dapple.profile.sample_rows import batch_rows, is_whole, split_bytes
-from lightning_dapple.profile.stash import StashMeter, parameter_storages, whole_input_storages
+from lightning_dapple.profile.stash import StashMeter, parameter_storages, shared_views, whole_input_storages
 from lightning_dapple.profile.ties import first_use_param_bytes, tied_params_records, tied_parameters
 
 __all__ = ["model_key", "profile_layers", "tensor_bytes", "iter_tensors", "map_tensors", "timed_ms"]
 
-_CACHE_VERSION = 3  # 3: stash and input split into per-sample and whole parts
+_CACHE_VERSION = 4  # 3: stash and input split into per-sample and whole parts; 4: stash_shared_bytes
 _CONVENTION_FIX = (
     "each layer is called as layer(x) with x exactly what the previous layer returned "
     "(one positional argument: a tensor, tuple or dict, never unpacked); make the layers accept that"
@@ -261,12 +262,23 @@ def _leaf_input(x: Any, copy_input: bool) -> tuple[Any, list[torch.Tensor]]:
     return map_tensors(x, make_leaf), leaves
 
 
+@dataclass(frozen=True)
+class StashViews:
+    """The per-sample views one layer saves of its inputs and of its outputs, by position
+    (``StashMeter.views_of``). A layer given a copy of its input (one that writes it in
+    place, ``profile/inplace.py``) saves none of the input the layer before produced."""
+
+    inputs: dict[tuple, int]
+    outputs: dict[tuple, int]
+
+
 def _measure_layer(
     layer: nn.Module, index: int, label: str, x: Any, device: torch.device, repeats: int, warmup: int, autocast: torch.dtype | None = None, *, rows: int
-) -> tuple[LayerProfile, Any]:
+) -> tuple[LayerProfile, Any, "StashViews"]:
     """Profile one layer (already on ``device``) on input ``x`` (already on ``device``) of
     ``rows`` samples; its forwards run under autocast to ``autocast`` when given (mixed
-    precision)."""
+    precision). Also returns the next layer's input and the views the layer saves of its
+    input and its output (``StashViews``)."""
     params = [p for p in layer.parameters() if p.requires_grad]
     param_bytes = sum(p.numel() * p.element_size() for p in layer.parameters())
     param_storages_ptrs = parameter_storages(list(layer.parameters()))
@@ -283,6 +295,7 @@ def _measure_layer(
     xg, _ = grad_input()
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
         out = _call(layer, index, xg, autocast)
+    views = StashViews({} if copy_input else meter.views_of(iter_tensors(xg)), meter.views_of(iter_tensors(out)))
     output_bytes, output_whole_bytes = split_bytes(iter_tensors(out), rows)
     differentiable = [t for t in iter_tensors(out) if t.requires_grad]
     generator = torch.Generator(device="cpu").manual_seed(1234 + index)
@@ -338,7 +351,7 @@ def _measure_layer(
         output_whole_bytes=float(output_whole_bytes),
         stash_whole_bytes=float(meter.whole_bytes),
     )
-    return profile, next_input
+    return profile, next_input, views
 
 
 def profile_layers(
@@ -449,10 +462,13 @@ def _measure_layers(
 ) -> list[LayerProfile]:
     """Each layer in turn on ``dev`` with the previous one's output, then back home with its
     buffers as they were (running statistics are not the profiler's to change); the RNG is
-    forked so that profiling leaves the training's random stream alone."""
+    forked so that profiling leaves the training's random stream alone. A layer's
+    ``stash_shared_bytes`` are the views of its input it saves that the previous layer saves
+    of its output (``stash.shared_views``)."""
     dev_rng = [dev.index if dev.index is not None else torch.cuda.current_device()] if dev.type == "cuda" else []
     home_of_input = next(iter(iter_tensors(sample_input))).device
     results: list[LayerProfile] = []
+    previous: StashViews | None = None
     x = sample_input
     with torch.random.fork_rng(devices=dev_rng):
         for index, layer in enumerate(layer_list):
@@ -461,7 +477,7 @@ def _measure_layers(
             layer.to(dev)
             try:
                 x_dev = map_tensors(x, lambda t: t.to(dev))
-                profile, out = _measure_layer(layer, index, labels[index], x_dev, dev, repeats, warmup, autocast_dtype, rows=rows)
+                profile, out, views = _measure_layer(layer, index, labels[index], x_dev, dev, repeats, warmup, autocast_dtype, rows=rows)
             finally:
                 if home is not None:
                     layer.to(home)
@@ -469,7 +485,9 @@ def _measure_layers(
                     for key, b in layer.named_buffers():
                         if key in buffers:
                             b.copy_(buffers[key])
-            results.append(profile)
+            shared = shared_views(previous.outputs, views.inputs) if previous is not None else 0
+            results.append(replace(profile, stash_shared_bytes=float(shared)))
+            previous = views
             x = map_tensors(out, lambda t: t.to(home_of_input))
             del out, x_dev
     return results

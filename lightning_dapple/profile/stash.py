@@ -4,10 +4,16 @@ DAPPLE's memory argument (3.2, 5.3) is about the activations each in-flight micr
 keeps from its forward until its backward. We measure them with autograd's
 saved-tensor hooks: every tensor saved for backward counts with its own bytes (a batch
 slice or a view into a receive buffer counts as its rows, not as the whole buffer it
-lives in), a tensor saved twice within one layer counts once, parameters not at all.
-The profiler applies the rule per layer and the executor per layer of a stage, so the
-simulator's peak (profile stash x micro-batches in flight) and the executor's measured
-peak agree for the same slice size.
+lives in), memory saved twice counts once (the same view, or a contiguous reshape of it:
+``Linear`` saves its 3-d input flattened), parameters not at all.
+
+The executor meters a stage's layers together, so a tensor two consecutive layers save
+(a ``ReLU``'s output, which the next ``Linear`` saves as its input) counts once. The
+profiler meters each layer alone, and records the part of a layer's stash that is the
+previous layer's output saved by both (``shared_views``; ``stash_shared_bytes`` in the
+profile), which ``model_profile.stash_span_bytes`` counts once inside a span. So the
+simulator's peak (profile stash x micro-batches in flight) and the executor's measured peak
+agree for the same slice size.
 
 Given the slice's ``rows``, the meter also splits the bytes into the per-sample part and the
 whole part (``sample_rows``): a saved tensor is whole when its shape is whole by that rule,
@@ -18,6 +24,8 @@ for per-sample rows (nor a table sliced from a longer cache for the whole cache)
 stashes one copy of a whole value (``model_profile.stash_span_bytes``).
 """
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import torch
 
@@ -31,7 +39,7 @@ class StashMeter:
         self.exclude = exclude_storages or set()
         self.rows = rows
         self.whole_inputs = whole_inputs or {}  # storage address -> bytes of the whole input
-        self.seen: set[tuple[int, int, tuple[int, ...], tuple[int, ...]]] = set()
+        self.seen: dict[tuple, tuple[int, bool]] = {}  # view key -> (bytes, whole)
         self.bytes = 0
         self.whole_bytes = 0
 
@@ -40,34 +48,65 @@ class StashMeter:
         """Stashed bytes that scale with the slice's rows (``bytes`` less ``whole_bytes``)."""
         return self.bytes - self.whole_bytes
 
-    def next_layer(self) -> None:
-        """Start deduplicating afresh: the next layer's saves count on their own."""
-        self.seen = set()
-
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        try:
-            storage = tensor.untyped_storage().data_ptr()
-        except (RuntimeError, NotImplementedError):
-            storage = id(tensor)
+        storage = storage_address(tensor)
         if storage in self.exclude:
             return tensor
         if storage in self.whole_inputs:
             self._add((storage, -1, (), ()), self.whole_inputs[storage], whole=True)
             return tensor
-        key = (storage, tensor.storage_offset() if tensor.layout == torch.strided else 0, tuple(tensor.shape), tuple(tensor.stride()) if tensor.layout == torch.strided else ())
-        self._add(key, tensor.numel() * tensor.element_size(), whole=is_whole(tensor.shape, self.rows))
+        self._add(view_key(tensor, storage), tensor.numel() * tensor.element_size(), whole=is_whole(tensor.shape, self.rows))
         return tensor
 
-    def _add(self, key: tuple[int, int, tuple[int, ...], tuple[int, ...]], size: int, whole: bool) -> None:
+    def _add(self, key: tuple, size: int, whole: bool) -> None:
         if key not in self.seen:
-            self.seen.add(key)
+            self.seen[key] = (size, whole)
             self.bytes += size
             if whole:
                 self.whole_bytes += size
 
+    def views_of(self, tensors: "Iterable[torch.Tensor]") -> dict[tuple, int]:
+        """The per-sample saved views that live in the storage of one of ``tensors`` (a
+        layer's inputs or outputs), keyed by the tensor's position instead of its address, so
+        that one layer's outputs and the next layer's inputs, metered apart, can be matched
+        (``shared_views``)."""
+        position = {}
+        for index, tensor in enumerate(tensors):
+            position.setdefault(storage_address(tensor), index)
+        return {
+            (position[key[0]], *key[1:]): size
+            for key, (size, whole) in self.seen.items()
+            if not whole and key[0] in position and key[1] >= 0
+        }
+
     @staticmethod
     def unpack(tensor: torch.Tensor) -> torch.Tensor:
         return tensor
+
+
+def storage_address(tensor: torch.Tensor) -> int:
+    """The address of the storage ``tensor`` lives in (its id where it has none)."""
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return id(tensor)
+
+
+def view_key(tensor: torch.Tensor, storage: int) -> tuple:
+    """What memory a saved view covers: a contiguous view by its offset and size (so a
+    reshape of it is the same memory), any other by its offset, shape and strides."""
+    if tensor.layout != torch.strided:
+        return (storage, 0, tuple(tensor.shape), ())
+    if tensor.is_contiguous():
+        return (storage, tensor.storage_offset(), tensor.numel() * tensor.element_size())
+    return (storage, tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()))
+
+
+def shared_views(previous_outputs: dict[tuple, int], inputs: dict[tuple, int]) -> int:
+    """Bytes a layer saves of its input that the previous layer saves of its output (the
+    same views, by position: ``StashMeter.views_of`` of each): stashed once when the two
+    layers run on one stage."""
+    return sum(size for key, size in inputs.items() if key in previous_outputs)
 
 
 def whole_input_storages(tensors: "list[torch.Tensor]", exclude: set[int]) -> dict[int, int]:

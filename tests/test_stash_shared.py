@@ -1,0 +1,77 @@
+"""A tensor two consecutive layers save (a ``ReLU``'s output, the next ``Linear``'s input) is
+stashed once on a stage: the executor meters a stage's layers together, and the profile
+records each layer's ``stash_shared_bytes`` so that ``stash_span_bytes`` and the planner's
+range tables count it once too. For every span of a small MLP, the profile's span stash
+equals what the executor's meter counts for a stage holding that span, and both equal the
+bytes counted by hand."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_dapple.execute.stage import Stage
+from lightning_dapple.plan.search_tables import RangeTables
+from lightning_dapple.profile.model_profile import profile_from_dict, stash_span_bytes, validate_profile
+from lightning_dapple.profile.profiler import profile_layers
+from lightning_dapple.profile.stash import StashMeter, parameter_storages
+from lightning_dapple.errors import DappleConfigError
+
+ROWS = 6
+FLOAT64 = 8
+
+
+def _mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 5), nn.ReLU(), nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 2)).double()
+
+
+def _sample(shape: tuple[int, ...]) -> torch.Tensor:
+    return torch.randn(*shape, 3, dtype=torch.float64)
+
+
+def _metered(layers: nn.Sequential, start: int, end: int, x: torch.Tensor) -> int:
+    """Bytes the executor's meter counts for one micro-batch through a middle stage holding
+    layers [start, end) (its input received from the stage before)."""
+    stage_layers = [layers[i] for i in range(start, end)]
+    stage = Stage(stage_layers, torch.device("cpu"), 1, 0, 3)
+    stage.begin_step(torch.zeros(ROWS, 1), ROWS, [(0, ROWS)], None, 1.0, (0, 0))  # type: ignore[arg-type]  # a middle stage
+    with torch.no_grad():
+        for layer in layers[:start]:
+            x = layer(x)
+    stage.receive(0, x.detach().requires_grad_(True))
+    meter = StashMeter(parameter_storages([p for layer in stage_layers for p in layer.parameters()]), rows=ROWS)
+    stage.forward(0, meter)
+    stage.end_step()
+    return meter.bytes
+
+
+@pytest.mark.parametrize("shape", [(ROWS,), (ROWS, 4)], ids=["2d", "3d"])
+def test_span_stash_is_what_the_stage_meters(shape: tuple[int, ...]) -> None:
+    """The 3-d case: ``Linear`` saves its input flattened, a reshape of the same memory as the
+    ``ReLU`` output it is, which counts once as well."""
+    model = _mlp()
+    x = _sample(shape)
+    profile = profile_layers(model, x, repeats=1, warmup=0)
+    tokens = 1 if len(shape) == 1 else shape[1]
+    widths = {0: 3, 1: 5, 2: 5, 3: 7, 4: 7}  # what each layer saves: its input (Linear) or its output (ReLU, Tanh)
+    assert [layer.stash_bytes for layer in profile.layers] == [ROWS * tokens * widths[i] * FLOAT64 for i in range(5)]
+    # the ReLU's output is the second Linear's input, the Tanh's output the last Linear's
+    assert [layer.stash_shared_bytes for layer in profile.layers] == [0, 0, ROWS * tokens * 5 * FLOAT64, 0, ROWS * tokens * 7 * FLOAT64]
+    tables = RangeTables(profile)
+    for start in range(5):
+        for end in range(start + 1, 6):
+            by_hand = sum(widths[i] for i in range(start, end) if not (i > start and i in (2, 4))) * ROWS * tokens * FLOAT64
+            span = stash_span_bytes(profile.layers[start:end], 1.0)
+            assert span == by_hand, (start, end)
+            assert tables.stash_bytes(start, end, 1.0) == span, (start, end)
+            assert _metered(model, start, end, x) == by_hand, (start, end)
+
+
+def test_a_profile_keeps_its_shared_stash_through_json_and_refuses_more_than_the_stash() -> None:
+    profile = profile_layers(_mlp(), _sample((ROWS,)), repeats=1, warmup=0)
+    data = profile.to_dict()
+    assert profile_from_dict(data).layers[2].stash_shared_bytes == profile.layers[2].stash_shared_bytes > 0
+    data["layers"][2]["stash_shared_bytes"] = data["layers"][2]["stash_bytes"] + 1
+    with pytest.raises(DappleConfigError, match="stash_shared_bytes"):
+        validate_profile(profile_from_dict(data))
