@@ -225,8 +225,9 @@ class FailsOnMarked(nn.Module):
 
 def run_failure(rank: int, world: int, plan_data: dict, kind: str) -> dict:
     """Stage 2's second layer raises in the forward of micro-batch 1 (on the rank holding
-    stage 2): what each rank raises, and how long it took."""
-    failure = FailureChannel(rank, timeout_s=30)
+    stage 2): what each rank raises, and how long it took. The failing rank reports and
+    stays, so its blocked peer ends ``grace_s`` later (a short one here)."""
+    failure = FailureChannel(rank, timeout_s=30, grace_s=3.0)
     plan = plan_from_dict(plan_data)
     groups = GroupsPerLayout()(plan)
     model = make_model()

@@ -56,7 +56,8 @@ def _failing_step(rank: int, world: int, ooo: bool) -> dict[str, str]:
     local = [model[i] for i in range(stage.start, stage.end)]
     if rank == 1:
         local[0] = FailsOnCall(local[0], call=3, in_backward=True)
-    failure = FailureChannel(rank, timeout_s=60)
+    # the failing rank reports and stays: its blocked peer ends grace_s later (a short one here)
+    failure = FailureChannel(rank, timeout_s=60, grace_s=3.0)
     runner = StageRunner.for_plan(plan, rank, local, torch.device("cpu"), failure, ties=())
     try:
         runner.train_step(ew.make_batch("mlp", 0), ew.Callbacks("mlp"))
