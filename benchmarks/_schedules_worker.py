@@ -23,7 +23,11 @@ hits all variants alike. Two modes:
     the same placement under ``ScheduleInterleaved1F1B`` / ``ScheduleZBVZeroBubble``;
   * ``dapple`` / ``torch-1F1B``: one stage per rank, the 1F1B reference;
   * with ``cfg["settle_ablation"]``: ``interleaved-nosettle`` / ``zbv-nosettle``, every send
-    waited at the end of the step instead of at its settle point.
+    waited at the end of the step instead of at its settle point;
+  * with ``cfg["policy_ablation"]``: ``interleaved-PB``, ours under the K_i policy P_B, whose
+    forwards before the first backward are Megatron's count (torch's schedule runs it too);
+  * with ``cfg["ahead_ablation"]``: ``interleaved-ahead`` / ``zbv-ahead``, every receive
+    posted ahead (as torch's schedules do), whether or not a core is spare.
 
   After the first step every variant's parameters are compared with one SGD step of the
   whole model in one process (``parameter_diff``).
@@ -236,14 +240,17 @@ class DappleVariant(Variant):
         settle_sends: bool = True,
         ooo: bool = False,
         placement: Sequence[int] = (0, 1),
+        policy: str = "PA",
     ) -> None:
         # post_ahead None: the executor decides (what a user gets); True: the ablation row;
         # settle_sends False: every send waited only at the end of the step (ablation);
         # ooo: out-of-order backprop, what DappleStrategy runs by default (ooo=True);
         # placement: the rank of each stage (equal cuts of the blocks), several stages per
-        # rank for the chunked schedules
+        # rank for the chunked schedules; policy: the K_i policy (PB: Megatron's warm-up
+        # count, which torch's Interleaved1F1B runs too)
         self.name = (
             schedule + ("" if post_ahead is None else "-ahead") + ("" if settle_sends else "-nosettle") + ("-ooo" if ooo else "")
+            + ("" if policy == "PA" else f"-{policy}")
         )
         cuts = stage_layers(cfg["layers"], len(placement))
         plan = plan_from_dict(
@@ -251,6 +258,7 @@ class DappleVariant(Variant):
                 "global_batch_size": cfg["batch"],
                 "micro_batches": micro_batches,
                 "schedule": schedule,
+                "policy": policy,
                 "ooo": ooo,
                 "stages": [{"layers": list(cut), "devices": [r]} for cut, r in zip(cuts, placement)],
             }
@@ -439,6 +447,8 @@ def make_variants(rank: int, world: int, cfg: dict, m: int, failure: FailureChan
     straight = stage_ranks("straight", world)
     # the settle ablation: the chunked schedules with every send waited at the end of the step
     ablation = (("interleaved", interleaved), ("zbv", v)) if cfg.get("settle_ablation") else ()
+    # the receives-ahead ablation: every receive posted ahead, whatever the cores
+    ahead = (("interleaved", interleaved), ("zbv", v)) if cfg.get("ahead_ablation") else ()
     return [
         DappleVariant("interleaved", rank, cfg, m, failure, placement=interleaved),
         DappleVariant("zbv", rank, cfg, m, failure, placement=v),
@@ -447,6 +457,8 @@ def make_variants(rank: int, world: int, cfg: dict, m: int, failure: FailureChan
         DappleVariant("dapple", rank, cfg, m, failure, placement=straight),
         TorchPipeVariant("1F1B", rank, cfg, m, placement=straight),
         *(DappleVariant(kind, rank, cfg, m, failure, settle_sends=False, placement=where) for kind, where in ablation),
+        *([DappleVariant("interleaved", rank, cfg, m, failure, placement=interleaved, policy="PB")] if cfg.get("policy_ablation") else []),
+        *(DappleVariant(kind, rank, cfg, m, failure, post_ahead=True, placement=where) for kind, where in ahead),
     ]
 
 
