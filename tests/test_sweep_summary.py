@@ -46,6 +46,7 @@ def _result(job: int, recipe: str, measured: float | None, simulated: float | No
         "median_step_ms": measured,
         "simulated_step_ms": simulated,
         "peak_stash_bytes": 1024,
+        "peak_memory_bytes_per_rank": [3 << 20, 5 << 20],
         "metrics": {"train_loss": 2.345678},
         "steps": 3,
         "run_dir": f"/sweep/{job}_{recipe}",
@@ -59,6 +60,8 @@ def test_rows_carry_the_simulated_step_and_the_ratio(tmp_path: Path) -> None:
     assert rows[0]["measured_over_simulated"] == 2.43  # 48.6 / 20.0, two decimals
     assert rows[1]["simulated_step_ms"] is None and rows[1]["measured_over_simulated"] is None
     assert rows[0]["overrides"] == "recipe=bert_tiny"  # only the keys that differ name the run
+    assert rows[0]["peak_memory_bytes"] == 5 << 20  # the largest rank's
+    assert summarize([{**_result(2, "vgg_tiny", 1.0, 1.0), "peak_memory_bytes_per_rank": None}])[0]["peak_memory_bytes"] is None
     write_summary(rows, tmp_path / "summary.csv")
     written = list(csv.DictReader((tmp_path / "summary.csv").read_text().splitlines()))
     assert tuple(written[0]) == SUMMARY_COLUMNS

@@ -94,6 +94,7 @@ class StepTimer(Callback):
     ``on_before_optimizer_step``: ``pipeline`` (the training step: the executor's schedule
     with its gradient sync, and Lightning's closure around it) and ``optimizer`` (the
     optimizer step and what Lightning does after it), medians after the warm-up.
+    ``peak_memory_bytes_per_rank`` is each rank's ``peak_memory`` at the end of the fit.
     """
 
     def __init__(self, run_dir: str, warmup_steps: int = 5) -> None:
@@ -130,7 +131,8 @@ class StepTimer(Callback):
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        gathered = gather_to_zero((self.times_s, self.peak_stash_bytes, self.pipeline_s))
+        memory_bytes, memory_kind = peak_memory(trainer.strategy.root_device)
+        gathered = gather_to_zero((self.times_s, self.peak_stash_bytes, self.pipeline_s, memory_bytes))
         if gathered is None:
             return
         steps = min(len(times) for times, *_ in gathered)
@@ -146,11 +148,26 @@ class StepTimer(Callback):
             "mean_step_ms": statistics.fmean(kept) if kept else None,
             "step_ms": step_ms,
             "median_phase_ms": _phases(step_ms[skip:], pipeline_ms[skip:]),
-            "peak_stash_bytes": max(peak for _, peak, _ in gathered),
-            "peak_stash_bytes_per_rank": [peak for _, peak, _ in gathered],
+            "peak_stash_bytes": max(rank[1] for rank in gathered),
+            "peak_stash_bytes_per_rank": [rank[1] for rank in gathered],
+            "peak_memory_bytes_per_rank": [rank[3] for rank in gathered],
+            "peak_memory_kind": memory_kind,
             "ranks": len(gathered),
         }
         write_text(Path(self.run_dir) / "step_times.json", json.dumps(summary, indent=2) + "\n")
+
+
+def peak_memory(device: torch.device) -> tuple[int, str]:
+    """This process's peak memory so far, and what it counts. On a CUDA device, the most
+    its tensors held there (``torch.cuda.max_memory_allocated``): the stage, its gradients
+    and optimizer state, the stash, and whatever set-up (profiling, tuning trials) held.
+    Elsewhere, the process's peak resident set (``ru_maxrss``), which also holds the Python
+    runtime, torch's own allocations, and every layer the module built beside the stage."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device)), "CUDA tensors (torch.cuda.max_memory_allocated)"
+    import resource  # POSIX only; imported where the CPU path needs it
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024, "process peak resident set (ru_maxrss)"
 
 
 def _phases(step_ms: list[float], pipeline_ms: list[float]) -> dict[str, float] | None:

@@ -26,6 +26,8 @@ def run_outputs(run_dir: Path) -> dict[str, Any]:
         "steps": steps.get("steps"),
         "median_step_ms": steps.get("median_step_ms"),
         "peak_stash_bytes": steps.get("peak_stash_bytes"),
+        "peak_memory_bytes_per_rank": steps.get("peak_memory_bytes_per_rank"),
+        "peak_memory_kind": steps.get("peak_memory_kind"),
         "simulated_step_ms": simulated.get("latency_ms"),
         "timelines": [str(run_dir / name) for name in (SIMULATED_TIMELINE, MEASURED_TIMELINE) if (run_dir / name).is_file()],
     }
@@ -86,6 +88,9 @@ def print_run_summary(result: dict[str, Any]) -> None:
     if result.get("simulated_step_ms") is not None:
         table.add_row("step time, simulated (the plan on its profile)", f"{result['simulated_step_ms']:.2f} ms")
     table.add_row("peak stash (max over ranks)", format_bytes(result.get("peak_stash_bytes")))
+    per_rank = result.get("peak_memory_bytes_per_rank")
+    if per_rank:
+        table.add_row(f"peak memory per rank, {result.get('peak_memory_kind')}", " / ".join(format_bytes(each) for each in per_rank))
     for key in sorted(result.get("metrics") or {}):
         table.add_row(key, f"{result['metrics'][key]:.4f}")
     table.add_row("wall time", f"{result.get('wall_s')} s")

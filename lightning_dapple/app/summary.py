@@ -58,6 +58,7 @@ SUMMARY_COLUMNS: tuple[str, ...] = (
     "measured_over_simulated",
     "tuning",
     "peak_stash_bytes",
+    "peak_memory_bytes",
     "train_loss",
     "val_loss",
     "steps",
@@ -119,6 +120,7 @@ def summarize(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                 "measured_over_simulated": _ratio(measured, simulated),
                 "tuning": tuning_label(plan.get("tuning")),
                 "peak_stash_bytes": result.get("peak_stash_bytes"),
+                "peak_memory_bytes": max(result.get("peak_memory_bytes_per_rank") or [], default=None),
                 "train_loss": _round(metrics.get("train_loss"), 4),
                 "val_loss": _round(metrics.get("val_loss"), 4),
                 "steps": result.get("steps"),
@@ -188,7 +190,7 @@ def write_summary(rows: Iterable[dict[str, Any]], path: Path) -> Path:
 
 def rich_summary(rows: Sequence[dict[str, Any]], title: str) -> Any:
     shown = [
-        {**row, "peak_stash_bytes": format_bytes(row.get("peak_stash_bytes")) if row.get("peak_stash_bytes") is not None else None}
+        {**row, **{key: format_bytes(row.get(key)) if row.get(key) is not None else None for key in ("peak_stash_bytes", "peak_memory_bytes")}}
         for row in rows
     ]
     columns = [
@@ -203,6 +205,7 @@ def rich_summary(rows: Sequence[dict[str, Any]], title: str) -> Any:
         ("measured_over_simulated", "measured / simulated"),
         ("tuning", "tuning"),
         ("peak_stash_bytes", "peak stash (max rank)"),
+        ("peak_memory_bytes", "peak memory (max rank)"),
         ("train_loss", "train_loss"),
     ]
     return summary_table(shown, columns, title)
