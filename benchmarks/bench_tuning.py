@@ -17,6 +17,10 @@ taken as the larger relative spread (max - min over median) of either plan's ste
 the rounds. Where tuning kept the simulator's choice the two files hold the same plan, and
 the pairs measure only the noise.
 
+Beside the times, each rank's peak memory (``result.json``'s ``peak_memory_bytes_per_rank``)
+of the tuned run against the most any round's untuned run of the kept plan reached: what
+the trials add to a rank's peak.
+
 A fresh untuned run plans on its own measurements (a new profile, new link and optimizer
 probes), and on these tiny recipes that alone moves its plan between near-equal cuts and
 shapes; the pairs therefore compare plans made from one planning run.
@@ -55,10 +59,14 @@ def recipe_tuning(recipe: str, work: Path, steps: int, rounds: int, tune_steps: 
         simulator_file = work / f"{recipe}-simulator-plan.json"
         simulator_file.write_text(json.dumps(record["simulator_plan"]))
     runs: dict[str, list[float]] = {"kept": [], "simulator": []}
+    kept_memory: list[list[int]] = []  # per round, each rank's peak memory running the kept plan untuned
     for index in range(rounds):
         order = [("kept", kept_file), ("simulator", simulator_file)]
         for label, plan_file in order if index % 2 == 0 else order[::-1]:
-            runs[label].append(_measured_steps.train(recipe, work / f"{recipe}-{label}-{index}", steps, (f"strategy.plan={plan_file}",))["measured_ms"])
+            run = _measured_steps.train(recipe, work / f"{recipe}-{label}-{index}", steps, (f"strategy.plan={plan_file}",))
+            runs[label].append(run["measured_ms"])
+            if label == "kept":
+                kept_memory.append(run["peak_memory_bytes_per_rank"])
     ratios = [kept / simulator for kept, simulator in zip(runs["kept"], runs["simulator"])]
     return {
         "recipe": recipe,
@@ -71,6 +79,9 @@ def recipe_tuning(recipe: str, work: Path, steps: int, rounds: int, tune_steps: 
         "ratio": statistics.median(ratios),
         "ratios": ratios,
         "noise": max(spread(runs["kept"]), spread(runs["simulator"])),
+        "memory_kind": tuned["peak_memory_kind"],
+        "tuned_peak_memory_bytes_per_rank": tuned["peak_memory_bytes_per_rank"],
+        "kept_peak_memory_bytes_per_rank": [max(each) for each in zip(*kept_memory)],
     }
 
 
@@ -93,6 +104,13 @@ def main(argv: list[str] | None = None) -> int:
                 f"{result['kept_ms']:.2f} ms against {result['simulator_ms']:.2f} ms, ratio {result['ratio']:.3f} "
                 f"(rounds {', '.join(f'{r:.3f}' for r in result['ratios'])}), noise {result['noise']:.3f}, "
                 f"{'within' if result['ratio'] <= 1 + result['noise'] else 'OVER'} 1 + noise",
+                flush=True,
+            )
+            mib = 1 / 2**20
+            print(
+                f"    peak memory per rank ({result['memory_kind']}): tuned run "
+                f"{' / '.join(f'{b * mib:.0f}' for b in result['tuned_peak_memory_bytes_per_rank'])} MiB, the kept plan untuned "
+                f"{' / '.join(f'{b * mib:.0f}' for b in result['kept_peak_memory_bytes_per_rank'])} MiB (most over the rounds)",
                 flush=True,
             )
             for row in result["trials"]:
