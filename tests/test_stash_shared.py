@@ -3,12 +3,16 @@ stashed once on a stage: the executor meters a stage's layers together, and the 
 records each layer's ``stash_shared_bytes`` so that ``stash_span_bytes`` and the planner's
 range tables count it once too. For every span of a small MLP, the profile's span stash
 equals what the executor's meter counts for a stage holding that span, and both equal the
-bytes counted by hand."""
+bytes counted by hand; for Hugging Face models kept whole, the two agree on every span of
+their decoder blocks."""
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from lightning_dapple.execute.stage import Stage
 from lightning_dapple.plan.search_tables import RangeTables
@@ -30,17 +34,17 @@ def _sample(shape: tuple[int, ...]) -> torch.Tensor:
     return torch.randn(*shape, 3, dtype=torch.float64)
 
 
-def _metered(layers: nn.Sequential, start: int, end: int, x: torch.Tensor) -> int:
-    """Bytes the executor's meter counts for one micro-batch through a middle stage holding
-    layers [start, end) (its input received from the stage before)."""
+def _metered(layers: Any, start: int, end: int, x: Any, rows: int = ROWS) -> int:
+    """Bytes the executor's meter counts for one micro-batch of ``rows`` through a middle
+    stage holding layers [start, end) (its input received from the stage before)."""
     stage_layers = [layers[i] for i in range(start, end)]
     stage = Stage(stage_layers, torch.device("cpu"), 1, 0, 3)
-    stage.begin_step(torch.zeros(ROWS, 1), ROWS, [(0, ROWS)], None, 1.0, (0, 0))  # type: ignore[arg-type]  # a middle stage
+    stage.begin_step(torch.zeros(rows, 1), rows, [(0, rows)], None, 1.0, (0, 0))  # type: ignore[arg-type]  # a middle stage
     with torch.no_grad():
-        for layer in layers[:start]:
-            x = layer(x)
-    stage.receive(0, x.detach().requires_grad_(True))
-    meter = StashMeter(parameter_storages([p for layer in stage_layers for p in layer.parameters()]), rows=ROWS)
+        for index in range(start):
+            x = layers[index](x)
+    stage.receive(0, tree_map(lambda t: t.detach().requires_grad_(True) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, x))
+    meter = StashMeter(parameter_storages([p for layer in stage_layers for p in layer.parameters()]), rows=rows)
     stage.forward(0, meter)
     stage.end_step()
     return meter.bytes
@@ -75,3 +79,25 @@ def test_a_profile_keeps_its_shared_stash_through_json_and_refuses_more_than_the
     data["layers"][2]["stash_shared_bytes"] = data["layers"][2]["stash_bytes"] + 1
     with pytest.raises(DappleConfigError, match="stash_shared_bytes"):
         validate_profile(profile_from_dict(data))
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_hugging_face_blocks_stash_on_a_stage_what_their_profile_says(kind: str) -> None:
+    """GPT-2 and Llama kept whole (their layer list traced from the module's forward): the
+    profile's span stash of every run of decoder blocks, per-sample and whole parts (Llama's
+    rotary table) together, is what the executor's meter counts on a stage holding them."""
+    pytest.importorskip("transformers")
+    import hf_toys
+    from lightning_dapple.strategy.module_adapter import find_layers
+
+    model = hf_toys.LitLM(hf_toys.gpt2_config() if kind == "gpt2" else hf_toys.llama_config()).double()
+    data = hf_toys.lm_batches(1)[0]
+    args = tuple(data[key] for key in ("input_ids", "attention_mask", "labels"))
+    layers = find_layers(model, "layers", lambda: [tuple(a[:1] for a in args), tuple(a[:2] for a in args)])
+    rows = args[0].shape[0]
+    profile = profile_layers(layers, args, repeats=1, warmup=0)
+    blocks = range(1, len(layers) - 1)  # the embedding and the head around them
+    assert all(profile.layers[index].stash_bytes > 0 for index in blocks)
+    for start in blocks:
+        for end in range(start + 1, blocks.stop + 1):
+            assert _metered(layers, start, end, args, rows) == stash_span_bytes(profile.layers[start:end], 1.0), (start, end)
