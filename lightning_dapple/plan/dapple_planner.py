@@ -281,6 +281,7 @@ def plan_dapple(
     simulate: StepPricer | None = None,
     zero: int | str = 0,
     communicator_bytes: float = 0.0,
+    recompute: str = "never",
 ) -> Plan:
     """Plan ``profile`` on all devices of ``cluster`` with DAPPLE's planner (section 4).
 
@@ -294,12 +295,14 @@ def plan_dapple(
     and sets each stage's own (``zero_choice``), saying in the reason where it made the plan
     fit or faster. ``communicator_bytes`` is the device memory of each NCCL communicator a
     plan makes (``plan.communicators``; 0: not priced, as on CPU processes); the plan records
-    it and each rank's count in ``extra["communicators"]``. Raises ``DappleConfigError`` when
+    it and each rank's count in ``extra["communicators"]``. ``recompute`` is a mode every
+    stage runs with (gpipe.txt 2.3): the candidates are scored and simulated with it, so the
+    reason's figures are those of the plan as it runs. Raises ``DappleConfigError`` when
     no plan is valid or none fits in device memory.
     """
     request = PlanRequest.build(
         profile, cluster, global_batch_size, micro_batches, schedule, policy, num_devices, min_slice, rerank, keep_per_state, beam, simulate, zero,
-        communicator_bytes,
+        communicator_bytes, recompute,
     )
     return plan_request(request)
 

@@ -3,7 +3,7 @@ micro-batch candidates and options (DAPPLE 4: the planner's inputs).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any, Callable, Sequence
 
@@ -17,7 +17,7 @@ from lightning_dapple.plan.evaluate import (
     score_stages,
     subcluster,
 )
-from lightning_dapple.plan.plan import ZERO_LEVELS, Plan, StagePlan
+from lightning_dapple.plan.plan import RECOMPUTE_MODES, ZERO_LEVELS, Plan, StagePlan
 from lightning_dapple.plan.search_tables import RangeTables
 from lightning_dapple.profile.model_profile import ModelProfile
 
@@ -67,10 +67,15 @@ class PlanRequest:
     auto_policy: bool = False
     zero_levels: tuple[int, ...] = (0,)
     communicator_bytes: float = 0.0
+    recompute: str = "never"
 
     def score(self, stages: Sequence[StagePlan], micro_batches: int, policy: str | None = None) -> Scored:
         """``score_stages`` of ``stages`` for this request (its schedule, its policy unless
-        ``policy`` is given, its communicators' memory)."""
+        ``policy`` is given, its communicators' memory), every stage recomputing as the
+        request's fixed ``recompute`` mode says (gpipe.txt 2.3), so that each candidate's
+        latency, memory and simulated step are those of the plan as it will run."""
+        if self.recompute != "never":
+            stages = [replace(stage, recompute=self.recompute) for stage in stages]
         return score_stages(
             self.profile, self.cluster, stages, self.global_batch_size, micro_batches, policy or self.policy, self.schedule, self.communicator_bytes
         )
@@ -102,8 +107,15 @@ class PlanRequest:
         simulate: StepPricer | None = None,
         zero: int | str = 0,
         communicator_bytes: float = 0.0,
+        recompute: str = "never",
     ) -> "PlanRequest":
         """Check the inputs (``DappleConfigError`` on bad ones) and resolve the defaults."""
+        require(
+            recompute in RECOMPUTE_MODES,
+            "recompute",
+            f"is {recompute!r}, which the planner cannot price for every stage",
+            f"use one of {list(RECOMPUTE_MODES)} (recompute='auto' is chosen after planning, by the memory fit)",
+        )
         auto_policy = policy == "auto"
         if auto_policy:
             policy = "PA"
@@ -113,7 +125,7 @@ class PlanRequest:
         candidates, floor = candidate_micro_batches(global_batch_size, floor, micro_batches)
         return cls(
             profile, cluster, global_batch_size, tuple(candidates), floor, min_slice, schedule, policy, micro_batches, rerank, keep_per_state, beam, simulate,
-            auto_policy, zero_levels(zero), float(communicator_bytes),
+            auto_policy, zero_levels(zero), float(communicator_bytes), recompute,
         )
 
 

@@ -41,6 +41,7 @@ from lightning_dapple.execute.slicing import batch_size_of, take_rows
 from lightning_dapple.plan.communicators import communicator_reserve_bytes
 from lightning_dapple.atomic_files import atomic_write_text
 from lightning_dapple.plan.plan import CHUNKED_SCHEDULES, Plan, PlanShape, load_plan, plan_from_dict
+from lightning_dapple.plan.options import set_options
 from lightning_dapple.plan.schedule_choice import RUNNABLE_SCHEDULES, Finisher
 from lightning_dapple.plan.shape_plan import plan_shape
 from lightning_dapple.profile.model_profile import ModelProfile
@@ -176,12 +177,16 @@ def run_communicator_reserve(device: torch.device) -> float:
 
 
 def run_finisher(arguments: PlanArguments, profile: ModelProfile, cluster: Cluster) -> Finisher:
-    """What the run does to a planned plan before executing it: out-of-order backprop on or
-    off (``ooo_choice.decide_ooo``) and, with ``recompute="auto"``, the memory options
-    (``simulate.memory_fit``). ``schedule="auto"`` applies it to every schedule it prices,
-    so each is compared as it would run."""
+    """What the run does to a planned plan before executing it: a recomputation mode the
+    user fixed for every stage (``recompute="always"``), out-of-order backprop on or off
+    (``ooo_choice.decide_ooo``) and, with ``recompute="auto"``, the memory options
+    (``simulate.memory_fit``). The planner, ``schedule="auto"`` and the tuning candidates
+    apply it to every plan they price, so each is compared, and its step reported, as it
+    would run."""
 
     def finish(plan: Plan) -> Plan:
+        if isinstance(arguments.recompute, str) and arguments.recompute != "auto":
+            plan = set_options(plan, recompute=arguments.recompute)
         modes = arguments.recompute if arguments.recompute is not None else [stage.recompute for stage in plan.stages]
         on, why = decide_ooo(arguments.ooo, plan, profile, cluster, recompute=modes)
         if arguments.recompute == "auto":

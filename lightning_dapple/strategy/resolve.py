@@ -96,6 +96,8 @@ class PlanArguments:
             kwargs["policy"] = self.fixed_policy
         if self.zero not in (None, 0):
             kwargs["zero"] = self.zero
+        if isinstance(self.recompute, str) and self.recompute not in ("auto", "never"):
+            kwargs["recompute"] = self.recompute  # every candidate priced recomputing, as it will run
         return kwargs
 
 
@@ -132,7 +134,7 @@ def resolve_plan(base: Plan, arguments: PlanArguments) -> Plan:
     unless ``ooo="auto"`` and the planner already decided it with a profile.
     """
     plan = base
-    given = {key: value for key, value in arguments.planner_kwargs().items() if key != "zero"}
+    given = {key: value for key, value in arguments.planner_kwargs().items() if key not in ("zero", "recompute")}
     given["schedule"] = arguments.fixed_schedule or plan.schedule
     overrides = {name: value for name, value in given.items() if getattr(plan, name) != value}
     if overrides:
