@@ -37,7 +37,7 @@ class RangeTables:
         self.params = self._range_sums([layer.param_bytes for layer in layers])
         # a span's first layer stashes all it saves, the others less what they share with the layer before
         self.stash = self._range_sums(
-            [layer.stash_bytes - layer.stash_shared_bytes for layer in layers], first=[layer.stash_bytes - 0.0 for layer in layers]
+            [layer.stash_bytes - layer.stash_shared_bytes for layer in layers], first=[layer.stash_bytes for layer in layers]
         )
         self.stash_whole = self._range_sums([layer.stash_whole_bytes for layer in layers])
         self.work = self.forward + self.backward
