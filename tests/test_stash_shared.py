@@ -101,3 +101,31 @@ def test_hugging_face_blocks_stash_on_a_stage_what_their_profile_says(kind: str)
     for start in blocks:
         for end in range(start + 1, blocks.stop + 1):
             assert _metered(layers, start, end, args, rows) == stash_span_bytes(profile.layers[start:end], 1.0), (start, end)
+
+
+def test_a_table_each_layer_saves_and_passes_on_is_stashed_once_per_stage() -> None:
+    """A litgpt-shaped stack: every rotary layer saves a view of the (1, T, n) table it
+    receives and passes the table on. The profile records the table as the whole stash the
+    layer before shares (``stash_shared_whole_bytes``), so every span's stash, in the profile
+    and in the range tables, is what the executor's meter counts on a stage holding it: the
+    table once, however many layers save it."""
+    from test_whole_stash import B, N, T, _Embed, _Rotary
+
+    torch.manual_seed(0)
+    layers = nn.Sequential(_Embed(), _Rotary(), _Rotary(), _Rotary()).double()
+    cache = torch.randn(1, 2 * T, N, dtype=torch.float64)
+    sample = (torch.randn(B, T, N, dtype=torch.float64), cache[:, :T])
+    profile = profile_layers(layers, sample, repeats=1, warmup=0)
+    table = T * N * FLOAT64
+    assert [layer.stash_shared_whole_bytes for layer in profile.layers] == [0, 0, table, table]
+    tables = RangeTables(profile)
+    for start in range(1, 4):
+        for end in range(start + 1, 5):
+            span = stash_span_bytes(profile.layers[start:end], 1.0)
+            assert span == _metered(layers, start, end, sample, B), (start, end)
+            assert tables.stash_bytes(start, end, 1.0) == span, (start, end)
+    data = profile.to_dict()
+    assert profile_from_dict(data).layers[3].stash_shared_whole_bytes == table
+    data["layers"][3]["stash_shared_whole_bytes"] = data["layers"][3]["stash_whole_bytes"] + 1
+    with pytest.raises(DappleConfigError, match="stash_shared_whole_bytes"):
+        validate_profile(profile_from_dict(data))

@@ -39,7 +39,10 @@ class RangeTables:
         self.stash = self._range_sums(
             [layer.stash_bytes - layer.stash_shared_bytes for layer in layers], first=[layer.stash_bytes for layer in layers]
         )
-        self.stash_whole = self._range_sums([layer.stash_whole_bytes for layer in layers])
+        self.stash_whole = self._range_sums(
+            [layer.stash_whole_bytes - layer.stash_shared_whole_bytes for layer in layers],
+            first=[layer.stash_whole_bytes for layer in layers],
+        )
         self.work = self.forward + self.backward
         self.output = np.array([layer.output_bytes for layer in layers], dtype=float)
         self.output_whole = np.array([layer.output_whole_bytes for layer in layers], dtype=float)

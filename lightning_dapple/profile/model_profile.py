@@ -42,7 +42,7 @@ def stash_span_bytes(layers: "Sequence[LayerProfile]", scale: float) -> float:
     5.3: the bytes one micro-batch in flight keeps): the per-sample stash scaled, the whole
     stash once. The one formula every consumer of a stage's stash uses (the search tables
     sum the same two parts in the same order)."""
-    return span_stash_per_sample(layers) * scale + sum(layer.stash_whole_bytes for layer in layers)
+    return span_stash_per_sample(layers) * scale + span_stash_whole(layers)
 
 
 def span_stash_per_sample(layers: "Sequence[LayerProfile]") -> float:
@@ -51,6 +51,13 @@ def span_stash_per_sample(layers: "Sequence[LayerProfile]") -> float:
     output, saved by both, is stashed once). The first layer's share is with a layer on
     another stage, so it counts whole."""
     return sum(layer.stash_bytes - (layer.stash_shared_bytes if index else 0.0) for index, layer in enumerate(layers))
+
+
+def span_stash_whole(layers: "Sequence[LayerProfile]") -> float:
+    """The whole stash of ``layers`` on one stage, by the same rule: a whole value the layer
+    before also saves (a rotary table passed from layer to layer, ``stash_shared_whole_bytes``)
+    is stashed once."""
+    return sum(layer.stash_whole_bytes - (layer.stash_shared_whole_bytes if index else 0.0) for index, layer in enumerate(layers))
 
 
 @dataclass(frozen=True)
@@ -64,7 +71,8 @@ class LayerProfile:
     profiles without it have none. ``stash_bytes`` / ``stash_whole_bytes`` split what the
     layer saves for backward the same way; ``stash_shared_bytes`` is the part of the
     per-sample stash that the layer before also saves (its output, this layer's input),
-    stashed once when both are on one stage. ``optimizer_ms`` is one optimizer step over the
+    stashed once when both are on one stage; ``stash_shared_whole_bytes`` is the same for the
+    whole stash (a table each layer saves and passes on). ``optimizer_ms`` is one optimizer step over the
     layer's parameters (the run's own optimizer, ``profile/optimizer_step.py``): it does not
     scale with the rows, and every replica of a stage pays it once per step; profiles
     without it have none.
@@ -82,6 +90,7 @@ class LayerProfile:
     stash_whole_bytes: float = 0.0
     optimizer_ms: float = 0.0
     stash_shared_bytes: float = 0.0
+    stash_shared_whole_bytes: float = 0.0
 
     def stash_for(self, scale: float) -> float:
         """Bytes this layer stashes for one slice of ``scale`` x the profile's micro-batch."""
@@ -174,7 +183,7 @@ class ModelProfile:
             for optional in ("backward_input_ms", "backward_weight_ms"):
                 if entry[optional] is None:
                     del entry[optional]
-            for optional in ("output_whole_bytes", "stash_whole_bytes", "optimizer_ms", "stash_shared_bytes"):
+            for optional in ("output_whole_bytes", "stash_whole_bytes", "optimizer_ms", "stash_shared_bytes", "stash_shared_whole_bytes"):
                 if not entry[optional]:
                     del entry[optional]
             layers.append(entry)
@@ -224,7 +233,7 @@ def validate_profile(profile: ModelProfile) -> None:
         require(value >= 0, f"profile.{name}", f"is negative ({value})", "sizes must be >= 0")
     for index, layer in enumerate(profile.layers):
         where = f"profile.layers[{index}] ({layer.name})"
-        for name in ("forward_ms", "backward_ms", "output_bytes", "param_bytes", "stash_bytes", "output_whole_bytes", "stash_whole_bytes", "optimizer_ms", "stash_shared_bytes"):
+        for name in ("forward_ms", "backward_ms", "output_bytes", "param_bytes", "stash_bytes", "output_whole_bytes", "stash_whole_bytes", "optimizer_ms", "stash_shared_bytes", "stash_shared_whole_bytes"):
             value = _number(getattr(layer, name), f"{where}.{name}", "write a number >= 0")
             require(value >= 0, f"{where}.{name}", f"is negative ({value})", "times and sizes must be >= 0")
         require(
@@ -232,6 +241,12 @@ def validate_profile(profile: ModelProfile) -> None:
             f"{where}.stash_shared_bytes",
             f"is {layer.stash_shared_bytes}, more than the layer's stash_bytes ({layer.stash_bytes})",
             "give the part of stash_bytes the previous layer also saves (at most stash_bytes), or leave it out",
+        )
+        require(
+            layer.stash_shared_whole_bytes <= layer.stash_whole_bytes,
+            f"{where}.stash_shared_whole_bytes",
+            f"is {layer.stash_shared_whole_bytes}, more than the layer's stash_whole_bytes ({layer.stash_whole_bytes})",
+            "give the part of stash_whole_bytes the previous layer also saves (at most stash_whole_bytes), or leave it out",
         )
         for name in ("backward_input_ms", "backward_weight_ms"):
             value = getattr(layer, name)
@@ -282,7 +297,7 @@ def profile_from_dict(data: Any, source: str = "profile") -> ModelProfile:
         }
         whole = {
             name: _number(entry.get(name, 0.0), f"{where}.{name}", "write a number >= 0 or leave it out")
-            for name in ("output_whole_bytes", "stash_whole_bytes", "optimizer_ms", "stash_shared_bytes")
+            for name in ("output_whole_bytes", "stash_whole_bytes", "optimizer_ms", "stash_shared_bytes", "stash_shared_whole_bytes")
         }
         layers.append(LayerProfile(name=str(entry["name"]), **numbers, **optional, **whole))
     mbs = data["micro_batch_size"]

@@ -40,6 +40,8 @@ Measured quantities, per layer:
   A tensor two consecutive layers save (one's output, the next one's input) is counted in
   both, and the second layer's ``stash_shared_bytes`` say how much of its stash it is, so
   a stage holding both counts it once (``model_profile.stash_span_bytes``);
+  ``stash_shared_whole_bytes`` do the same for a whole value each layer saves and passes on
+  (a rotary table);
 * the model's ``input_bytes`` / ``input_whole_bytes``: the sample input split the same way.
 
 The cotangent fed to the backward is a fixed random tensor of the output's shape, so runs
@@ -69,7 +71,7 @@ from lightning_dapple.profile.ties import first_use_param_bytes, tied_params_rec
 
 __all__ = ["model_key", "profile_layers", "tensor_bytes", "iter_tensors", "map_tensors", "timed_ms"]
 
-_CACHE_VERSION = 4  # 3: stash and input split into per-sample and whole parts; 4: stash_shared_bytes
+_CACHE_VERSION = 5  # 3: stash and input split into per-sample and whole parts; 4: stash_shared_bytes; 5: stash_shared_whole_bytes
 _CONVENTION_FIX = (
     "each layer is called as layer(x) with x exactly what the previous layer returned "
     "(one positional argument: a tensor, tuple or dict, never unpacked); make the layers accept that"
@@ -264,12 +266,19 @@ def _leaf_input(x: Any, copy_input: bool) -> tuple[Any, list[torch.Tensor]]:
 
 @dataclass(frozen=True)
 class StashViews:
-    """The per-sample views one layer saves of its inputs and of its outputs, by position
-    (``StashMeter.views_of``). A layer given a copy of its input (one that writes it in
-    place, ``profile/inplace.py``) saves none of the input the layer before produced."""
+    """The views one layer saves of its inputs and of its outputs, by position
+    (``StashMeter.views_of``), per-sample and whole apart. A layer given a copy of its input
+    (one that writes it in place, ``profile/inplace.py``) saves none of the input the layer
+    before produced."""
 
     inputs: dict[tuple, int]
     outputs: dict[tuple, int]
+    whole_inputs: dict[tuple, int]
+    whole_outputs: dict[tuple, int]
+
+    @classmethod
+    def of(cls, meter: StashMeter, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> "StashViews":
+        return cls(meter.views_of(inputs), meter.views_of(outputs), meter.views_of(inputs, whole=True), meter.views_of(outputs, whole=True))
 
 
 def _measure_layer(
@@ -295,7 +304,7 @@ def _measure_layer(
     xg, _ = grad_input()
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
         out = _call(layer, index, xg, autocast)
-    views = StashViews({} if copy_input else meter.views_of(iter_tensors(xg)), meter.views_of(iter_tensors(out)))
+    views = StashViews.of(meter, [] if copy_input else list(iter_tensors(xg)), list(iter_tensors(out)))
     output_bytes, output_whole_bytes = split_bytes(iter_tensors(out), rows)
     differentiable = [t for t in iter_tensors(out) if t.requires_grad]
     generator = torch.Generator(device="cpu").manual_seed(1234 + index)
@@ -464,7 +473,8 @@ def _measure_layers(
     buffers as they were (running statistics are not the profiler's to change); the RNG is
     forked so that profiling leaves the training's random stream alone. A layer's
     ``stash_shared_bytes`` are the views of its input it saves that the previous layer saves
-    of its output (``stash.shared_views``)."""
+    of its output (``stash.shared_views``), ``stash_shared_whole_bytes`` the same for whole
+    values."""
     dev_rng = [dev.index if dev.index is not None else torch.cuda.current_device()] if dev.type == "cuda" else []
     home_of_input = next(iter(iter_tensors(sample_input))).device
     results: list[LayerProfile] = []
@@ -486,7 +496,8 @@ def _measure_layers(
                         if key in buffers:
                             b.copy_(buffers[key])
             shared = shared_views(previous.outputs, views.inputs) if previous is not None else 0
-            results.append(replace(profile, stash_shared_bytes=float(shared)))
+            shared_whole = shared_views(previous.whole_outputs, views.whole_inputs) if previous is not None else 0
+            results.append(replace(profile, stash_shared_bytes=float(shared), stash_shared_whole_bytes=float(shared_whole)))
             previous = views
             x = map_tensors(out, lambda t: t.to(home_of_input))
             del out, x_dev

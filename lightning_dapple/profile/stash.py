@@ -11,7 +11,8 @@ The executor meters a stage's layers together, so a tensor two consecutive layer
 (a ``ReLU``'s output, which the next ``Linear`` saves as its input) counts once. The
 profiler meters each layer alone, and records the part of a layer's stash that is the
 previous layer's output saved by both (``shared_views``; ``stash_shared_bytes`` in the
-profile), which ``model_profile.stash_span_bytes`` counts once inside a span. So the
+profile; ``stash_shared_whole_bytes`` for a whole value such as a rotary table that each
+layer saves and passes on), which ``model_profile.stash_span_bytes`` counts once inside a span. So the
 simulator's peak (profile stash x micro-batches in flight) and the executor's measured peak
 agree for the same slice size.
 
@@ -65,18 +66,19 @@ class StashMeter:
             if whole:
                 self.whole_bytes += size
 
-    def views_of(self, tensors: "Iterable[torch.Tensor]") -> dict[tuple, int]:
-        """The per-sample saved views that live in the storage of one of ``tensors`` (a
-        layer's inputs or outputs), keyed by the tensor's position instead of its address, so
-        that one layer's outputs and the next layer's inputs, metered apart, can be matched
-        (``shared_views``)."""
+    def views_of(self, tensors: "Iterable[torch.Tensor]", whole: bool = False) -> dict[tuple, int]:
+        """The saved views that live in the storage of one of ``tensors`` (a layer's inputs
+        or outputs), keyed by the tensor's position instead of its address, so that one
+        layer's outputs and the next layer's inputs, metered apart, can be matched
+        (``shared_views``): the per-sample ones, or with ``whole`` the whole ones (a table
+        the layer saves and passes on)."""
         position = {}
         for index, tensor in enumerate(tensors):
             position.setdefault(storage_address(tensor), index)
         return {
             (position[key[0]], *key[1:]): size
-            for key, (size, whole) in self.seen.items()
-            if not whole and key[0] in position and key[1] >= 0
+            for key, (size, saved_whole) in self.seen.items()
+            if saved_whole == whole and key[0] in position and (whole or key[1] >= 0)
         }
 
     @staticmethod
