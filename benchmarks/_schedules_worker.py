@@ -241,16 +241,17 @@ class DappleVariant(Variant):
         ooo: bool = False,
         placement: Sequence[int] = (0, 1),
         policy: str = "PA",
+        policy_in_name: bool = False,
     ) -> None:
         # post_ahead None: the executor decides (what a user gets); True: the ablation row;
         # settle_sends False: every send waited only at the end of the step (ablation);
         # ooo: out-of-order backprop, what DappleStrategy runs by default (ooo=True);
         # placement: the rank of each stage (equal cuts of the blocks), several stages per
         # rank for the chunked schedules; policy: the K_i policy (PB: Megatron's warm-up
-        # count, which torch's Interleaved1F1B runs too)
+        # count, which torch's Interleaved1F1B runs too), named only in the policy ablation
         self.name = (
             schedule + ("" if post_ahead is None else "-ahead") + ("" if settle_sends else "-nosettle") + ("-ooo" if ooo else "")
-            + ("" if policy == "PA" else f"-{policy}")
+            + (f"-{policy}" if policy_in_name else "")
         )
         cuts = stage_layers(cfg["layers"], len(placement))
         plan = plan_from_dict(
@@ -445,20 +446,29 @@ def make_variants(rank: int, world: int, cfg: dict, m: int, failure: FailureChan
         ]
     interleaved, v = stage_ranks("interleaved", world, cfg["chunks"]), stage_ranks("v", world, cfg["chunks"])
     straight = stage_ranks("straight", world)
+    # each chunked schedule's K_i policy: the one plan="auto" runs (bench_schedules.planner_policies)
+    chosen = {kind: item["policy"] for kind, item in cfg.get("policies", {}).get(str(m), {}).items()}
+    policy = {"interleaved": chosen.get("interleaved", "PA"), "zbv": chosen.get("zbv", "PA")}
     # the settle ablation: the chunked schedules with every send waited at the end of the step
     ablation = (("interleaved", interleaved), ("zbv", v)) if cfg.get("settle_ablation") else ()
     # the receives-ahead ablation: every receive posted ahead, whatever the cores
     ahead = (("interleaved", interleaved), ("zbv", v)) if cfg.get("ahead_ablation") else ()
+    # the policy ablation: interleaved under the policy not chosen
+    other = "PB" if policy["interleaved"] == "PA" else "PA"
     return [
-        DappleVariant("interleaved", rank, cfg, m, failure, placement=interleaved),
-        DappleVariant("zbv", rank, cfg, m, failure, placement=v),
+        DappleVariant("interleaved", rank, cfg, m, failure, placement=interleaved, policy=policy["interleaved"]),
+        DappleVariant("zbv", rank, cfg, m, failure, placement=v, policy=policy["zbv"]),
         TorchPipeVariant("Interleaved1F1B", rank, cfg, m, placement=interleaved),
         TorchPipeVariant("ZBVZeroBubble", rank, cfg, m, placement=v),
         DappleVariant("dapple", rank, cfg, m, failure, placement=straight),
         TorchPipeVariant("1F1B", rank, cfg, m, placement=straight),
-        *(DappleVariant(kind, rank, cfg, m, failure, settle_sends=False, placement=where) for kind, where in ablation),
-        *([DappleVariant("interleaved", rank, cfg, m, failure, placement=interleaved, policy="PB")] if cfg.get("policy_ablation") else []),
-        *(DappleVariant(kind, rank, cfg, m, failure, post_ahead=True, placement=where) for kind, where in ahead),
+        *(DappleVariant(kind, rank, cfg, m, failure, settle_sends=False, placement=where, policy=policy[kind]) for kind, where in ablation),
+        *(
+            [DappleVariant("interleaved", rank, cfg, m, failure, placement=interleaved, policy=other, policy_in_name=True)]
+            if cfg.get("policy_ablation")
+            else []
+        ),
+        *(DappleVariant(kind, rank, cfg, m, failure, post_ahead=True, placement=where, policy=policy[kind]) for kind, where in ahead),
     ]
 
 
