@@ -64,6 +64,7 @@ def train(recipe: str, run_dir: Path, steps: int, overrides: tuple[str, ...] = (
         "plan": plan.kind(), "micro_batches": plan.micro_batches, "ooo": bool(plan.ooo),
         "ooo_choice": plan.extra.get("ooo_choice", ""), "measured_ms": times["median_step_ms"],
         "measured_optimizer_ms": (times.get("median_phase_ms") or {}).get("optimizer"),
+        "measured_executor_ms": (times.get("median_phase_ms") or {}).get("executor"),
         "peak_memory_bytes_per_rank": times.get("peak_memory_bytes_per_rank"),
         "peak_memory_kind": times.get("peak_memory_kind"),
     }

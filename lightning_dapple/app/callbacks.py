@@ -93,8 +93,11 @@ class StepTimer(Callback):
     saw in any step. ``median_phase_ms`` splits the slowest rank's step at
     ``on_before_optimizer_step``: ``pipeline`` (the training step: the executor's schedule
     with its gradient sync, and Lightning's closure around it) and ``optimizer`` (the
-    optimizer step and what Lightning does after it), medians after the warm-up.
-    ``peak_memory_bytes_per_rank`` is each rank's ``peak_memory`` at the end of the fit.
+    optimizer step and what Lightning does after it), medians after the warm-up, and
+    ``executor``, the part of ``pipeline`` the executor's own step takes
+    (``runner.stats.step_s``: what the simulator prices, with the user's step around the
+    layers and the loss sharing); the rest of ``pipeline`` is Lightning's and the strategy's
+    host work around it. ``peak_memory_bytes_per_rank`` is each rank's ``peak_memory`` at the end of the fit.
     """
 
     def __init__(self, run_dir: str, warmup_steps: int = 5) -> None:
@@ -102,6 +105,7 @@ class StepTimer(Callback):
         self.warmup_steps = warmup_steps
         self.times_s: list[float] = []
         self.pipeline_s: list[float] = []
+        self.executor_s: list[float] = []
         self.peak_stash_bytes = 0
         self._start: float | None = None
         self._optimizer_start: float | None = None
@@ -126,19 +130,21 @@ class StepTimer(Callback):
         self._start = None
         runner = getattr(trainer.strategy, "runner", None)
         stats = getattr(runner, "stats", None)
+        self.executor_s.append(float(getattr(stats, "step_s", 0.0)))
         if stats is not None:
             self.peak_stash_bytes = max(self.peak_stash_bytes, int(getattr(stats, "peak_stash_bytes", 0)))
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         memory_bytes, memory_kind = peak_memory(trainer.strategy.root_device)
-        gathered = gather_to_zero((self.times_s, self.peak_stash_bytes, self.pipeline_s, memory_bytes))
+        gathered = gather_to_zero((self.times_s, self.peak_stash_bytes, self.pipeline_s, memory_bytes, self.executor_s))
         if gathered is None:
             return
         steps = min(len(times) for times, *_ in gathered)
         slowest = [max(gathered, key=lambda rank: rank[0][i]) for i in range(steps)]
         step_ms = [1e3 * rank[0][i] for i, rank in enumerate(slowest)]
         pipeline_ms = [1e3 * rank[2][i] for i, rank in enumerate(slowest)]
+        executor_ms = [1e3 * rank[4][i] for i, rank in enumerate(slowest)]
         skip = min(self.warmup_steps, max(steps - 1, 0))
         kept = step_ms[skip:]
         summary = {
@@ -147,7 +153,7 @@ class StepTimer(Callback):
             "median_step_ms": statistics.median(kept) if kept else None,
             "mean_step_ms": statistics.fmean(kept) if kept else None,
             "step_ms": step_ms,
-            "median_phase_ms": _phases(step_ms[skip:], pipeline_ms[skip:]),
+            "median_phase_ms": _phases(step_ms[skip:], pipeline_ms[skip:], executor_ms[skip:]),
             "peak_stash_bytes": max(rank[1] for rank in gathered),
             "peak_stash_bytes_per_rank": [rank[1] for rank in gathered],
             "peak_memory_bytes_per_rank": [rank[3] for rank in gathered],
@@ -170,13 +176,15 @@ def peak_memory(device: torch.device) -> tuple[int, str]:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024, "process peak resident set (ru_maxrss)"
 
 
-def _phases(step_ms: list[float], pipeline_ms: list[float]) -> dict[str, float] | None:
-    """Medians of the slowest rank's ``pipeline`` part of a step and of the rest (``optimizer``)."""
+def _phases(step_ms: list[float], pipeline_ms: list[float], executor_ms: list[float]) -> dict[str, float] | None:
+    """Medians of the slowest rank's ``pipeline`` part of a step, of the rest (``optimizer``)
+    and of the executor's own step inside ``pipeline`` (``executor``)."""
     if not step_ms:
         return None
     return {
         "pipeline": statistics.median(pipeline_ms),
         "optimizer": statistics.median(step - pipeline for step, pipeline in zip(step_ms, pipeline_ms)),
+        "executor": statistics.median(executor_ms),
     }
 
 

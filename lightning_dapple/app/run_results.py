@@ -25,6 +25,7 @@ def run_outputs(run_dir: Path) -> dict[str, Any]:
     return {
         "steps": steps.get("steps"),
         "median_step_ms": steps.get("median_step_ms"),
+        "median_phase_ms": steps.get("median_phase_ms"),
         "peak_stash_bytes": steps.get("peak_stash_bytes"),
         "peak_memory_bytes_per_rank": steps.get("peak_memory_bytes_per_rank"),
         "peak_memory_kind": steps.get("peak_memory_kind"),
@@ -85,6 +86,9 @@ def print_run_summary(result: dict[str, Any]) -> None:
     table.add_row("steps", str(result.get("steps")))
     if result.get("median_step_ms") is not None:
         table.add_row("step time, measured (median after warm-up)", f"{result['median_step_ms']:.2f} ms")
+    executor_ms = (result.get("median_phase_ms") or {}).get("executor")
+    if executor_ms:
+        table.add_row("of which the executor's step (what the simulator prices)", f"{executor_ms:.2f} ms")
     if result.get("simulated_step_ms") is not None:
         table.add_row("step time, simulated (the plan on its profile)", f"{result['simulated_step_ms']:.2f} ms")
     table.add_row("peak stash (max over ranks)", format_bytes(result.get("peak_stash_bytes")))

@@ -38,6 +38,7 @@ replica count, so gradient clipping's per-rank share stays ``1 / replicas``.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Hashable, Mapping, Sequence
 
@@ -216,6 +217,7 @@ class ChunkedRunner:
     # -- training ----------------------------------------------------------------
     def train_step(self, batch: Any, callbacks: Any, extras: Callable[[], Any] | None = None) -> tuple[torch.Tensor, list[Any]]:
         """``StageRunner.train_step`` over every chunk of this rank: one step of the merged order."""
+        started = time.perf_counter()
         batch_rows = batch_size_of(batch)
         self.units[0].check_batch(batch_rows)
         self.stats = stats = StageStats(spans=span_clock(self.device))
@@ -249,6 +251,7 @@ class ChunkedRunner:
         loss_sum = torch.stack(losses).to(torch.float64).sum().cpu() if losses else torch.zeros((), dtype=torch.float64)
         loss, shared = self.results.share(loss_sum, extras() if (extras is not None and self.is_last) else None)
         assert loss is not None
+        stats.step_s = time.perf_counter() - started
         return loss, shared
 
     def _run_program(self) -> None:

@@ -42,6 +42,7 @@ transport); the collaborators above hold everything that stands on its own.
 """
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, ContextManager, Mapping, NamedTuple, Sequence
 
 import torch
@@ -489,6 +490,7 @@ class StageRunner:
         ``extras()`` returned on each last-stage replica (on every rank). ``batch`` may stay
         where the DataLoader put it: the stage hands slices (views) of it to ``callbacks``.
         """
+        started = time.perf_counter()
         batch_rows = batch_size_of(batch)
         self.check_batch(batch_rows)
         self.stats = stats = StageStats(spans=span_clock(self.device))
@@ -517,6 +519,7 @@ class StageRunner:
         loss_sum = torch.stack(losses).to(torch.float64).sum().cpu() if losses else torch.zeros((), dtype=torch.float64)
         loss, shared = self.results.share(loss_sum, extras() if (extras is not None and self.is_last) else None)
         assert loss is not None
+        stats.step_s = time.perf_counter() - started
         return loss, shared
 
     def begin_step(self, batch: Any, batch_rows: int, callbacks: StageCallbacks, seed: tuple, stats: StageStats) -> None:
