@@ -312,6 +312,7 @@ def test_sweep_runs_four_plans_and_summarises(tmp_path: Path) -> None:
         plan = json.loads((run_dir / "dapple_plan.json").read_text())
         assert (run_dir / "metrics.csv").is_file() and (run_dir / "config.yaml").is_file()
         assert row["status"] == "ok" and float(row["median_step_ms"]) > 0 and int(row["peak_stash_bytes"]) > 0
+        assert 0 < float(row["executor_step_ms"]) < float(row["median_step_ms"])  # the executor's part of the step
         assert (plan["schedule"], plan["micro_batches"]) == (row["schedule"], int(row["micro_batches"]))
         assert plan["ooo"] is False  # strategy.ooo=false reaches the strategy and its plan
         seen.add((plan["schedule"], plan["micro_batches"]))
