@@ -29,7 +29,7 @@ each, 2P stages of equal blocks: lightning_dapple's ``interleaved`` and ``zbv`` 
 every variant's parameters after the first step must match one SGD step of the whole model
 in one process. Reported per pair: ours / torch's step time (median, and median of
 per-round ratios) and peak stashed bytes per rank. Ours run each chunked schedule under the
-K_i policy ``plan="auto"`` would choose for these stages (``planner_policies``: both
+K_i policy the planner's simulation chooses for these stages (``planner_policies``: both
 simulated, the faster kept); ``--policy-ablation`` adds ``interleaved`` under the other one.
 ``--settle-ablation`` adds
 ``interleaved-nosettle`` and ``zbv-nosettle``: the same schedules with every send waited at
@@ -84,11 +84,12 @@ DEFAULTS = {
 
 
 def planner_policies(cfg: dict) -> dict[str, dict[str, Any]]:
-    """Per M, the K_i policy each chunked schedule runs with here: the one ``plan="auto"``
-    would run these stages with. Both policies are simulated on the model's profile (one
-    micro-batch, one thread, as a rank runs it) and this machine's cluster as the strategy
-    detects it, and the faster is kept, P_A on a tie (``plan/schedule_choice.py``, DAPPLE
-    5.3). torch's Interleaved1F1B runs Megatron's warm-up count, our P_B."""
+    """Per M, the K_i policy each chunked schedule runs with here, chosen as ``plan="auto"``
+    chooses it: both policies are simulated on the model's profile (one micro-batch, one
+    thread, as a rank runs it) and this machine's cluster as the strategy detects it, and the
+    faster is kept, P_A on a tie (``plan/schedule_choice.py``, DAPPLE 5.3). The run's
+    planner also prices the executor's time per action and the links it measures, which
+    this choice leaves out. torch's Interleaved1F1B runs Megatron's warm-up count, our P_B."""
     import torch
     from torch import nn
 
@@ -301,7 +302,7 @@ def print_chunked_verdict(summary: dict) -> None:
     for m, chosen in summary["config"].get("policies", {}).items():
         for schedule, item in chosen.items():
             tried = ", ".join(f"{policy} {ms:.1f} ms" for policy, ms in item["simulated_ms"].items())
-            print(f"M={m}: {schedule} runs K_i policy {item['policy']}, as plan=\"auto\" would (simulated {tried})")
+            print(f"M={m}: {schedule} runs K_i policy {item['policy']}, the faster simulated (simulated {tried})")
     for m, pairs in summary["pairs"].items():
         for name, pair in pairs.items():
             ours, theirs = name.split("/")
