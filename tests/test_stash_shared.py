@@ -129,3 +129,25 @@ def test_a_table_each_layer_saves_and_passes_on_is_stashed_once_per_stage() -> N
     data["layers"][3]["stash_shared_whole_bytes"] = data["layers"][3]["stash_whole_bytes"] + 1
     with pytest.raises(DappleConfigError, match="stash_shared_whole_bytes"):
         validate_profile(profile_from_dict(data))
+
+
+def test_deferred_weight_gradients_keep_a_shared_table_once_per_stage() -> None:
+    """Out-of-order backprop keeps each layer's stash until its deferred W (ooo-backprop
+    sec. 3). Three rotary layers on one stage keep the table they save and pass on as one
+    tensor, so the cost model's bytes between B and W are those of three stages of one
+    layer each, less the two copies of the table that sharing saves."""
+    from test_whole_stash import B, N, T, _Embed, _Rotary
+
+    from lightning_dapple.cluster import Cluster
+    from lightning_dapple.plan.costs import stage_costs
+    from lightning_dapple.plan.plan import StagePlan
+
+    torch.manual_seed(0)
+    layers = nn.Sequential(_Embed(), _Rotary(), _Rotary(), _Rotary()).double()
+    cache = torch.randn(1, 2 * T, N, dtype=torch.float64)
+    profile = profile_layers(layers, (torch.randn(B, T, N, dtype=torch.float64), cache[:, :T]), repeats=1, warmup=0)
+    table = T * N * FLOAT64
+    cluster = Cluster(1, 4)
+    joint = stage_costs(profile, cluster, (StagePlan((0, 1), (0,)), StagePlan((1, 4), (1,))), B)[1]
+    apart = stage_costs(profile, cluster, tuple(StagePlan((i, i + 1), (i,)) for i in range(4)), B)[1:]
+    assert joint.wgrad_bytes == sum(cost.wgrad_bytes for cost in apart) - 2 * table

@@ -336,7 +336,7 @@ def stage_costs(
                 recompute_ms=forward_ms + profile.action_overhead_ms.forward if stage.recompute != "never" else 0.0,
                 input_bytes=input_bytes,
                 wgrad_bytes=_wgrad_bytes(
-                    [layer for position, layer in enumerate(layers) if layer.param_bytes > 0 or stage.start + position in uses_tied], per_device
+                    layers, [layer.param_bytes > 0 or stage.start + position in uses_tied for position, layer in enumerate(layers)], per_device
                 ),
                 layer_weight_ms=tuple(layer.weight_grad_ms * per_device for layer in layers),
                 layer_allreduce_ms=layer_ar,
@@ -352,12 +352,20 @@ def stage_costs(
     return costs
 
 
-def _wgrad_bytes(weighted: Sequence[LayerProfile], per_device: float) -> float:
+def _wgrad_bytes(layers: Sequence[LayerProfile], weighted: Sequence[bool], per_device: float) -> float:
     """What one slice keeps between its B and its deferred W: per layer with weight work
     (``weighted``), its output gradient or its stash, whichever is larger, taken apart for
-    the per-sample parts (scaled) and the whole parts (once)."""
-    per_sample = sum(max(layer.output_bytes, layer.stash_bytes) for layer in weighted) * per_device
-    return per_sample + sum(max(layer.output_whole_bytes, layer.stash_whole_bytes) for layer in weighted)
+    the per-sample parts (scaled) and the whole parts (once). A whole value the layer before
+    also saves (``stash_shared_whole_bytes``: a rotary table each layer saves and passes on)
+    is one tensor, kept once while both layers wait for their W, as ``span_stash_whole``
+    counts it in the stash."""
+    per_sample = sum(max(layer.output_bytes, layer.stash_bytes) for layer, kept in zip(layers, weighted) if kept) * per_device
+    whole = 0.0
+    for index, (layer, kept) in enumerate(zip(layers, weighted)):
+        if kept:
+            shared = layer.stash_shared_whole_bytes if index and weighted[index - 1] else 0.0
+            whole += max(layer.output_whole_bytes, layer.stash_whole_bytes - shared)
+    return per_sample + whole
 
 
 def weight_state_factor(replicas: int, zero: int, optimizer_state_factor: float) -> float:
