@@ -26,8 +26,9 @@ hits all variants alike. Two modes:
     waited at the end of the step instead of at its settle point;
   * with ``cfg["policy_ablation"]``: ``interleaved-PB``, ours under the K_i policy P_B, whose
     forwards before the first backward are Megatron's count (torch's schedule runs it too);
-  * with ``cfg["ahead_ablation"]``: ``interleaved-ahead`` / ``zbv-ahead``, every receive
-    posted ahead (as torch's schedules do), whether or not a core is spare.
+  * with ``cfg["due_ablation"]``: ``interleaved-due`` / ``zbv-due``, every receive posted
+    when its action is due, never ahead (the rule for one stage per rank without a core to
+    spare; the chunked schedules post ahead whenever every rank has a core).
 
   After the first step every variant's parameters are compared with one SGD step of the
   whole model in one process (``parameter_diff``).
@@ -243,14 +244,15 @@ class DappleVariant(Variant):
         policy: str = "PA",
         policy_in_name: bool = False,
     ) -> None:
-        # post_ahead None: the executor decides (what a user gets); True: the ablation row;
+        # post_ahead None: the executor decides (what a user gets); True / False: ablation rows
+        # with every receive posted ahead / when due;
         # settle_sends False: every send waited only at the end of the step (ablation);
         # ooo: out-of-order backprop, what DappleStrategy runs by default (ooo=True);
         # placement: the rank of each stage (equal cuts of the blocks), several stages per
         # rank for the chunked schedules; policy: the K_i policy (PB: Megatron's warm-up
         # count, which torch's Interleaved1F1B runs too), named only in the policy ablation
         self.name = (
-            schedule + ("" if post_ahead is None else "-ahead") + ("" if settle_sends else "-nosettle") + ("-ooo" if ooo else "")
+            schedule + {None: "", True: "-ahead", False: "-due"}[post_ahead] + ("" if settle_sends else "-nosettle") + ("-ooo" if ooo else "")
             + (f"-{policy}" if policy_in_name else "")
         )
         cuts = stage_layers(cfg["layers"], len(placement))
@@ -451,8 +453,8 @@ def make_variants(rank: int, world: int, cfg: dict, m: int, failure: FailureChan
     policy = {"interleaved": chosen.get("interleaved", "PA"), "zbv": chosen.get("zbv", "PA")}
     # the settle ablation: the chunked schedules with every send waited at the end of the step
     ablation = (("interleaved", interleaved), ("zbv", v)) if cfg.get("settle_ablation") else ()
-    # the receives-ahead ablation: every receive posted ahead, whatever the cores
-    ahead = (("interleaved", interleaved), ("zbv", v)) if cfg.get("ahead_ablation") else ()
+    # the receives-when-due ablation: no receive posted ahead, whatever the cores
+    due = (("interleaved", interleaved), ("zbv", v)) if cfg.get("due_ablation") else ()
     # the policy ablation: interleaved under the policy not chosen
     other = "PB" if policy["interleaved"] == "PA" else "PA"
     return [
@@ -468,7 +470,7 @@ def make_variants(rank: int, world: int, cfg: dict, m: int, failure: FailureChan
             if cfg.get("policy_ablation")
             else []
         ),
-        *(DappleVariant(kind, rank, cfg, m, failure, post_ahead=True, placement=where, policy=policy[kind]) for kind, where in ahead),
+        *(DappleVariant(kind, rank, cfg, m, failure, post_ahead=False, placement=where, policy=policy[kind]) for kind, where in due),
     ]
 
 

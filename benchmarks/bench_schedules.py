@@ -218,8 +218,8 @@ def compare_pairs(per: dict, rows: dict, cfg: dict, m: str) -> dict:
     rule of ``lightning_dapple.profile.stash`` does; ``check_stash`` uses the same count)."""
     pairs = {}
     extra = ((other_policy_name(cfg, m), "torch-Interleaved1F1B"),) if cfg.get("policy_ablation") else ()
-    if cfg.get("ahead_ablation"):
-        extra += (("interleaved-ahead", "torch-Interleaved1F1B"), ("zbv-ahead", "torch-ZBVZeroBubble"))
+    if cfg.get("due_ablation"):
+        extra += (("interleaved-due", "torch-Interleaved1F1B"), ("zbv-due", "torch-ZBVZeroBubble"))
     for ours, theirs in (*PAIRS[cfg["chunks"]], *extra):
         paired = sorted(a / b for a, b in zip(per[ours]["times_s"], per[theirs]["times_s"]))
         a, b = rows[ours]["peak_stash_view_bytes_per_rank"], rows[theirs]["peak_stash_view_bytes_per_rank"]
@@ -390,7 +390,7 @@ def parse_config(argv: list[str] | None) -> tuple[dict, Path]:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds before the run is abandoned")
     parser.add_argument("--out", type=Path, help="JSON results path (default results/schedules.json; chunked: results/schedules_chunked.json)")
     parser.add_argument("--policy-ablation", action="store_true", help="chunked: also run interleaved under the K_i policy the planner did not choose")
-    parser.add_argument("--ahead-ablation", action="store_true", help="chunked: also run interleaved and zbv with every receive posted ahead")
+    parser.add_argument("--due-ablation", action="store_true", help="chunked: also run interleaved and zbv with every receive posted when due, never ahead")
     parser.add_argument("--settle-ablation", action="store_true", help="chunked: also run interleaved and zbv with every send waited at the end of the step")
     args = parser.parse_args(argv)
     for key, value in DEFAULTS[args.chunks].items():
@@ -408,8 +408,8 @@ def parse_config(argv: list[str] | None) -> tuple[dict, Path]:
         parser.error("--ranks must be at least 2")
     if args.settle_ablation and args.chunks == 1:
         parser.error("--settle-ablation needs --chunks 2 (it compares the chunked schedules' settle points)")
-    if args.ahead_ablation and args.chunks == 1:
-        parser.error("--ahead-ablation needs --chunks 2 (the 2-rank mode runs dapple-ahead already)")
+    if args.due_ablation and args.chunks == 1:
+        parser.error("--due-ablation needs --chunks 2 (the 2-rank mode runs dapple-ahead already)")
     if args.policy_ablation and args.chunks == 1:
         parser.error("--policy-ablation needs --chunks 2 (it runs the interleaved schedule under the other K_i policy)")
     stages = args.ranks * args.chunks
@@ -424,7 +424,7 @@ def parse_config(argv: list[str] | None) -> tuple[dict, Path]:
         "steps": args.steps, "block": args.block, "warmup": args.warmup, "micro_batches": args.micro_batches, "width": args.width,
         "layers": args.layers, "batch": args.batch, "timeout": args.timeout, "ranks": args.ranks, "chunks": args.chunks,
         "settle_ablation": args.settle_ablation, "policy_ablation": args.policy_ablation,
-        "ahead_ablation": args.ahead_ablation,
+        "due_ablation": args.due_ablation,
     }
     return cfg, args.out
 

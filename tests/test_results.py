@@ -73,7 +73,7 @@ def test_every_rank_gets_the_summed_loss_and_objects_and_the_source_does_not_wai
     assert results[2]["third"][1] < SLOW_S / 3, results[2]["third"]
 
 
-def test_receives_are_posted_ahead_only_under_gloo_with_a_core_to_spare(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_receives_are_posted_ahead_only_under_gloo_with_a_core_to_spare_or_in_merged_orders(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch.distributed as dist
 
     from lightning_dapple.execute.transfer import transport
@@ -85,6 +85,9 @@ def test_receives_are_posted_ahead_only_under_gloo_with_a_core_to_spare(monkeypa
         monkeypatch.setattr(transport.os, "cpu_count", lambda: 2)
         assert not transport.receives_ahead_pay(cpu, local_ranks=2, threads=1)  # 2 ranks x (1 + loop) > 2 cores
         assert transport.receives_ahead_pay(cpu, local_ranks=1, threads=1)
+        # a merged order of several stages per rank posts ahead whenever every rank has a core
+        assert transport.receives_ahead_pay(cpu, local_ranks=2, threads=1, merged_order=True)
+        assert not transport.receives_ahead_pay(cpu, local_ranks=4, threads=1, merged_order=True)
         monkeypatch.setattr(transport.os, "cpu_count", lambda: 16)
         assert transport.receives_ahead_pay(cpu, local_ranks=4, threads=2)  # 4 x 3 <= 16
         assert not transport.receives_ahead_pay(cpu, local_ranks=4, threads=4)  # 4 x 5 > 16

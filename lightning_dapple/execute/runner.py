@@ -264,7 +264,7 @@ class StageRunner:
             own = layers[offset : offset + count]
             offset += count
             units.append(cls(plan, schedule, rank, own, device, failure, groups, tied=tied, chunk=shared.of_stage(stage), post_ahead=False, settle_sends=False, **options))
-        posts = shared.transport.posts_ahead and (receives_ahead_pay(device) if post_ahead is None else post_ahead)
+        posts = shared.transport.posts_ahead and (receives_ahead_pay(device, merged_order=True) if post_ahead is None else post_ahead)
         return ChunkedRunner(plan, schedule, rank, units, shared, tied, post_ahead=posts)
 
     # -- set-up: everything decided once per plan ----------------------------------
