@@ -102,11 +102,9 @@ def test_trials_leave_no_trace_in_batchnorm_statistics_or_dropout_draws(tmp_path
     plain_model = NormDropModule(str(tmp_path)).double()
     fit(tmp_path / "plain", plain_model, norm_loader(), plan=kept, ooo=bool(kept.get("ooo", False)))  # as kept: no ooo="auto" of its own
     seen_plain = [json.loads((tmp_path / f"seen_rank{rank}.json").read_text()) for rank in range(2)]
-    # the trials' updates were put back: the same count and routes, and the same mean to the
-    # metric's float32 precision (runs of one plan with bitwise-equal parameters have been
-    # seen to end an ulp apart in the float32 mean, in separate processes)
-    assert [(s["updates"], s["routed"]) for s in seen_plain] == [(s["updates"], s["routed"]) for s in seen_tuned]
-    assert [s["mean"] for s in seen_plain] == pytest.approx([s["mean"] for s in seen_tuned], rel=1e-6)
+    # the trials' updates were put back: the same count, routes and mean (each rank's metric
+    # holds its own updates, strategy/unshare.py, so the float32 sums run in one order)
+    assert [(s["updates"], s["routed"], s["mean"]) for s in seen_plain] == [(s["updates"], s["routed"], s["mean"]) for s in seen_tuned]
     assert max(state["updates"] for state in seen_tuned) > 0
     tuned_state, plain_state = tuned_model.state_dict(), plain_model.state_dict()
     assert set(tuned_state) == set(plain_state)

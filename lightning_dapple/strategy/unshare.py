@@ -1,0 +1,78 @@
+"""Module tensors that a ``spawn`` launch shares between ranks, made each rank's own.
+
+``torch.multiprocessing`` pickles a CPU tensor sent to a spawned process into shared memory,
+so under ``start_method="spawn"`` (and ``"forkserver"``) every rank receives the same storage
+for every tensor of the LightningModule. Lightning copies the parameters and buffers of the
+modules it passes (``_disable_module_memory_sharing``, under ``spawn`` on the CPU), but not
+the other tensors a module holds: a torchmetrics metric's states (``add_state``) and any
+tensor attribute. Those stay one storage for all ranks. Each rank's in-place update then
+lands in every rank's metric, in an order set by timing, and the metric's own sync at
+``compute()`` adds the ranks' identical states once more: a ``SumMetric`` reads twice the
+sum on two ranks, and a float32 mean varies in its last bit from run to run. Plain
+Lightning's ``ddp_spawn`` on the CPU does the same.
+
+``unshare_module_tensors`` gives a rank its own copy of each shared CPU tensor a module
+holds, before training starts: the parameters and buffers (``.data`` replaced, so the
+``Parameter`` objects stay the ones the user's code holds), and the tensors in a module's
+attributes, directly or inside a list, tuple or dict (metric states, their defaults). A
+CUDA tensor is left alone (``is_shared`` is always true there, and a module is moved to
+its device afterwards anyway); data loaders are not touched (read-only, shared on purpose).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["unshare_module_tensors"]
+
+_MODULE_TABLES = ("_parameters", "_buffers", "_modules")  # nn.Module's own registries
+
+
+def _shared(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.is_shared()
+
+
+def _own(value: Any) -> tuple[Any, int]:
+    """``value`` with each shared CPU tensor in it (itself, or an item of a list, tuple or
+    dict) replaced by a private copy, and how many were copied. Lists and dicts are changed
+    in place, as code holding them expects."""
+    if _shared(value):
+        return value.detach().clone().requires_grad_(value.requires_grad), 1
+    copied = 0
+    if isinstance(value, list):
+        for index, item in enumerate(value):
+            if _shared(item):
+                value[index] = item.detach().clone().requires_grad_(item.requires_grad)
+                copied += 1
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            if _shared(item):
+                value[key] = item.detach().clone().requires_grad_(item.requires_grad)
+                copied += 1
+    elif isinstance(value, tuple) and any(_shared(item) for item in value):
+        items = [item.detach().clone().requires_grad_(item.requires_grad) if _shared(item) else item for item in value]
+        copied = sum(1 for item in value if _shared(item))
+        value = type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+    return value, copied
+
+
+@torch.no_grad()
+def unshare_module_tensors(module: nn.Module) -> int:
+    """Give this process its own copy of every shared CPU tensor ``module`` and its
+    submodules hold (module docstring); returns how many were copied."""
+    copied = 0
+    for sub in module.modules():
+        for tensor in (*sub._parameters.values(), *sub._buffers.values()):
+            if _shared(tensor):
+                tensor.data = tensor.data.clone()
+                copied += 1
+        for name, value in list(vars(sub).items()):
+            if name in _MODULE_TABLES:
+                continue
+            owned, count = _own(value)
+            if owned is not value:
+                vars(sub)[name] = owned  # a tensor or tuple replaced; lists and dicts changed in place
+            copied += count
+    return copied
