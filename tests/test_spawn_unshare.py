@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torchmetrics
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -51,6 +51,24 @@ class CountingModule(LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+class CountingCallback(Callback):
+    """Counts the batches it sees in a tensor attribute and a metric it holds, made before
+    the launch (so a spawn shares them), and writes each rank's counts at the end."""
+
+    def __init__(self, report_dir: str) -> None:
+        self.report_dir = report_dir
+        self.batches = torch.zeros(())
+        self.metric = torchmetrics.SumMetric()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.batches += 1
+        self.metric.update(torch.ones(()))
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        counts = {"batches": float(self.batches), "metric": float(self.metric.sum_value)}
+        (Path(self.report_dir) / f"callback_rank{trainer.global_rank}.json").write_text(json.dumps(counts))
+
+
 def test_shared_tensors_of_a_module_become_private_copies_with_the_same_values() -> None:
     module = CountingModule()
     module.steps.update(torch.tensor(3.0))
@@ -79,6 +97,7 @@ def test_a_spawned_fit_counts_each_update_of_a_metric_once(tmp_path: Path) -> No
     plan = {"global_batch_size": 8, "micro_batches": 1, "stages": [{"layers": [0, 3], "devices": [0, 1]}]}
     trainer = Trainer(
         strategy=DappleStrategy(plan=plan, start_method="spawn", timeout_s=60), accelerator="cpu", devices=2, max_steps=STEPS,
+        callbacks=[CountingCallback(str(tmp_path))],
         logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(tmp_path),
     )
     trainer.fit(CountingModule(str(tmp_path)), loader)
@@ -87,3 +106,6 @@ def test_a_spawned_fit_counts_each_update_of_a_metric_once(tmp_path: Path) -> No
     assert [count["local"] for count in counts] == [STEPS, STEPS], counts
     assert [count["synced"] for count in counts] == [2 * STEPS, 2 * STEPS], counts
     assert not any(count["shared"] for count in counts)
+    # a callback's tensor and metric, made before the launch, count each rank's own batches
+    seen = [json.loads((tmp_path / f"callback_rank{rank}.json").read_text()) for rank in range(2)]
+    assert seen == [{"batches": STEPS, "metric": STEPS}] * 2, seen

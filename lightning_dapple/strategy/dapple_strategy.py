@@ -98,7 +98,7 @@ from lightning_dapple.strategy.resolve import PlanArguments
 from lightning_dapple.strategy.rng_guard import random_states, random_streams_kept, share_rank_zero_streams
 from lightning_dapple.strategy.slice_transfer import StepTransfers
 from lightning_dapple.strategy.tied_layers import retie
-from lightning_dapple.strategy.unshare import unshare_module_tensors
+from lightning_dapple.strategy.unshare import unshare_run_tensors
 from lightning_dapple.strategy.zero import ZeroShards
 from lightning_dapple.strategy.checkpoint_hooks import CheckpointHooks
 from lightning_dapple.strategy.pipeline_setup import PipelineSetup
@@ -419,8 +419,7 @@ class DappleStrategy(PipelineSetup, PlanTuning, PipelineSteps, CheckpointHooks, 
         assert module is not None
         check_module(module)
         # a spawn launch hands every rank one shared storage per tensor: each its own now
-        for held in (module, *(value for callback in trainer.callbacks for value in vars(callback).values() if isinstance(value, nn.Module))):
-            unshare_module_tensors(held)
+        unshare_run_tensors(module, trainer.callbacks)
         self.precision_plugin.convert_module(module)
         if self.plan is None:
             with random_streams_kept():  # the first epoch's shuffle and draws are plain Lightning's

@@ -12,7 +12,8 @@ sum on two ranks, and a float32 mean varies in its last bit from run to run. Pla
 Lightning's ``ddp_spawn`` on the CPU does the same.
 
 ``unshare_module_tensors`` gives a rank its own copy of each shared CPU tensor a module
-holds, before training starts: the parameters and buffers (``.data`` replaced, so the
+holds, before training starts (``unshare_run_tensors``: the LightningModule's, and those its
+callbacks hold, such as a metric or an averaged copy of the weights): the parameters and buffers (``.data`` replaced, so the
 ``Parameter`` objects stay the ones the user's code holds), and the tensors in a module's
 attributes, directly or inside a list, tuple or dict (metric states, their defaults). A
 CUDA tensor is left alone (``is_shared`` is always true there, and a module is moved to
@@ -20,12 +21,12 @@ its device afterwards anyway); data loaders are not touched (read-only, shared o
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 from torch import nn
 
-__all__ = ["unshare_module_tensors"]
+__all__ = ["unshare_module_tensors", "unshare_run_tensors"]
 
 _MODULE_TABLES = ("_parameters", "_buffers", "_modules")  # nn.Module's own registries
 
@@ -74,5 +75,22 @@ def unshare_module_tensors(module: nn.Module) -> int:
             owned, count = _own(value)
             if owned is not value:
                 vars(sub)[name] = owned  # a tensor or tuple replaced; lists and dicts changed in place
+            copied += count
+    return copied
+
+
+def unshare_run_tensors(module: nn.Module, callbacks: Iterable[Any]) -> int:
+    """``unshare_module_tensors`` of the LightningModule and of every module a callback
+    holds, and a private copy of each shared tensor a callback holds in an attribute
+    (directly or in a list, tuple or dict); returns how many were copied."""
+    copied = unshare_module_tensors(module)
+    for callback in callbacks:
+        for name, value in list(vars(callback).items()):
+            if isinstance(value, nn.Module):
+                copied += unshare_module_tensors(value)
+                continue
+            owned, count = _own(value)
+            if owned is not value:
+                vars(callback)[name] = owned
             copied += count
     return copied
