@@ -86,6 +86,11 @@ def test_shared_tensors_of_a_module_become_private_copies_with_the_same_values()
     assert all(torch.equal(a, b) for a, b in zip(module.losses.value, before["losses"]))
     assert torch.equal(weight.detach(), before["weight"])
     assert unshare_module_tensors(module) == 0  # nothing shared is left
+    # a rank training on a GPU keeps its weights shared until it moves its own stage there
+    weight.share_memory_()
+    module.steps.sum_value.share_memory_()
+    assert unshare_module_tensors(module, weights=False) == 1
+    assert weight.is_shared() and not module.steps.sum_value.is_shared()
 
 
 @pytest.mark.multiproc

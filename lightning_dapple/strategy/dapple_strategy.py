@@ -419,7 +419,7 @@ class DappleStrategy(PipelineSetup, PlanTuning, PipelineSteps, CheckpointHooks, 
         assert module is not None
         check_module(module)
         # a spawn launch hands every rank one shared storage per tensor: each its own now
-        unshare_run_tensors(module, trainer.callbacks)
+        unshare_run_tensors(module, trainer.callbacks, weights=self.root_device.type == "cpu")
         self.precision_plugin.convert_module(module)
         if self.plan is None:
             with random_streams_kept():  # the first epoch's shuffle and draws are plain Lightning's

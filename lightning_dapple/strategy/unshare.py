@@ -11,13 +11,16 @@ lands in every rank's metric, in an order set by timing, and the metric's own sy
 sum on two ranks, and a float32 mean varies in its last bit from run to run. Plain
 Lightning's ``ddp_spawn`` on the CPU does the same.
 
-``unshare_module_tensors`` gives a rank its own copy of each shared CPU tensor a module
-holds, before training starts (``unshare_run_tensors``: the LightningModule's, and those its
-callbacks hold, such as a metric or an averaged copy of the weights): the parameters and buffers (``.data`` replaced, so the
-``Parameter`` objects stay the ones the user's code holds), and the tensors in a module's
-attributes, directly or inside a list, tuple or dict (metric states, their defaults). A
-CUDA tensor is left alone (``is_shared`` is always true there, and a module is moved to
-its device afterwards anyway); data loaders are not touched (read-only, shared on purpose).
+``unshare_run_tensors`` gives a rank its own copy of each shared CPU tensor before training
+starts, in the LightningModule and in what its callbacks hold (a metric, a counter, an
+averaged copy of the weights): the tensors in a module's or callback's attributes, directly
+or inside a list, tuple or dict (metric states, their defaults), and, when the rank trains
+on the CPU, the parameters and buffers (``.data`` replaced, so the ``Parameter`` objects stay
+the ones the user's code holds; Lightning copies them only under ``spawn``, not
+``forkserver``). A rank training on a GPU leaves its weights shared: it moves its own stage
+to the device, and a host copy of the whole model per rank would cost the memory a pipeline
+saves. A CUDA tensor is left alone (``is_shared`` is always true there); data loaders are
+not touched (read-only, shared on purpose).
 """
 from __future__ import annotations
 
@@ -60,12 +63,13 @@ def _own(value: Any) -> tuple[Any, int]:
 
 
 @torch.no_grad()
-def unshare_module_tensors(module: nn.Module) -> int:
+def unshare_module_tensors(module: nn.Module, weights: bool = True) -> int:
     """Give this process its own copy of every shared CPU tensor ``module`` and its
-    submodules hold (module docstring); returns how many were copied."""
+    submodules hold (module docstring), the parameters and buffers only with ``weights``;
+    returns how many were copied."""
     copied = 0
     for sub in module.modules():
-        for tensor in (*sub._parameters.values(), *sub._buffers.values()):
+        for tensor in (*sub._parameters.values(), *sub._buffers.values()) if weights else ():
             if _shared(tensor):
                 tensor.data = tensor.data.clone()
                 copied += 1
@@ -79,15 +83,16 @@ def unshare_module_tensors(module: nn.Module) -> int:
     return copied
 
 
-def unshare_run_tensors(module: nn.Module, callbacks: Iterable[Any]) -> int:
+def unshare_run_tensors(module: nn.Module, callbacks: Iterable[Any], weights: bool) -> int:
     """``unshare_module_tensors`` of the LightningModule and of every module a callback
-    holds, and a private copy of each shared tensor a callback holds in an attribute
-    (directly or in a list, tuple or dict); returns how many were copied."""
-    copied = unshare_module_tensors(module)
+    holds (their parameters and buffers with ``weights``: a rank training on the CPU), and a
+    private copy of each shared tensor a callback holds in an attribute (directly or in a
+    list, tuple or dict); returns how many were copied."""
+    copied = unshare_module_tensors(module, weights)
     for callback in callbacks:
         for name, value in list(vars(callback).items()):
             if isinstance(value, nn.Module):
-                copied += unshare_module_tensors(value)
+                copied += unshare_module_tensors(value, weights)
                 continue
             owned, count = _own(value)
             if owned is not value:
