@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_dapple  # noqa: F401  (registers the strategies)
 from lightning_dapple.strategy import DappleStrategy
-from lightning_dapple.strategy.unshare import unshare_module_tensors
+from lightning_dapple.strategy.unshare import unshare_module_tensors, unshare_run_tensors
 
 STEPS = 4
 
@@ -91,6 +91,13 @@ def test_shared_tensors_of_a_module_become_private_copies_with_the_same_values()
     module.steps.sum_value.share_memory_()
     assert unshare_module_tensors(module, weights=False) == 1
     assert weight.is_shared() and not module.steps.sum_value.is_shared()
+    # on the CPU the weight too; a callback without a __dict__ holds no attribute to copy, one
+    # with a shared counter does
+    slotted = type("Slotted", (Callback,), {"__slots__": ()})()
+    counter = CountingCallback("")
+    counter.batches.share_memory_()
+    assert unshare_run_tensors(module, [slotted, counter], weights=True) == 2
+    assert not weight.is_shared() and not counter.batches.is_shared()
 
 
 @pytest.mark.multiproc

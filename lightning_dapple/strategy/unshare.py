@@ -38,28 +38,42 @@ def _shared(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.is_shared()
 
 
+def _copy(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().clone().requires_grad_(tensor.requires_grad)
+
+
 def _own(value: Any) -> tuple[Any, int]:
     """``value`` with each shared CPU tensor in it (itself, or an item of a list, tuple or
     dict) replaced by a private copy, and how many were copied. Lists and dicts are changed
     in place, as code holding them expects."""
     if _shared(value):
-        return value.detach().clone().requires_grad_(value.requires_grad), 1
+        return _copy(value), 1
     copied = 0
-    if isinstance(value, list):
-        for index, item in enumerate(value):
+    if isinstance(value, (list, dict)):
+        for key, item in list(value.items() if isinstance(value, dict) else enumerate(value)):
             if _shared(item):
-                value[index] = item.detach().clone().requires_grad_(item.requires_grad)
-                copied += 1
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            if _shared(item):
-                value[key] = item.detach().clone().requires_grad_(item.requires_grad)
+                value[key] = _copy(item)
                 copied += 1
     elif isinstance(value, tuple) and any(_shared(item) for item in value):
-        items = [item.detach().clone().requires_grad_(item.requires_grad) if _shared(item) else item for item in value]
+        items = [_copy(item) if _shared(item) else item for item in value]
         copied = sum(1 for item in value if _shared(item))
         value = type(value)(*items) if hasattr(value, "_fields") else tuple(items)
     return value, copied
+
+
+def _own_attributes(holder: Any, skip: tuple[str, ...] = ()) -> int:
+    """``_own`` of each attribute of ``holder`` (none for an object without ``__dict__``),
+    a replaced tensor or tuple written back; how many tensors were copied."""
+    attributes = getattr(holder, "__dict__", {})
+    copied = 0
+    for name, value in list(attributes.items()):
+        if name in skip:
+            continue
+        owned, count = _own(value)
+        if owned is not value:
+            attributes[name] = owned
+        copied += count
+    return copied
 
 
 @torch.no_grad()
@@ -73,13 +87,7 @@ def unshare_module_tensors(module: nn.Module, weights: bool = True) -> int:
             if _shared(tensor):
                 tensor.data = tensor.data.clone()
                 copied += 1
-        for name, value in list(vars(sub).items()):
-            if name in _MODULE_TABLES:
-                continue
-            owned, count = _own(value)
-            if owned is not value:
-                vars(sub)[name] = owned  # a tensor or tuple replaced; lists and dicts changed in place
-            copied += count
+        copied += _own_attributes(sub, skip=_MODULE_TABLES)
     return copied
 
 
@@ -90,12 +98,7 @@ def unshare_run_tensors(module: nn.Module, callbacks: Iterable[Any], weights: bo
     list, tuple or dict); returns how many were copied."""
     copied = unshare_module_tensors(module, weights)
     for callback in callbacks:
-        for name, value in list(vars(callback).items()):
-            if isinstance(value, nn.Module):
-                copied += unshare_module_tensors(value, weights)
-                continue
-            owned, count = _own(value)
-            if owned is not value:
-                vars(callback)[name] = owned
-            copied += count
+        held = getattr(callback, "__dict__", {}).values()
+        copied += sum(unshare_module_tensors(value, weights) for value in held if isinstance(value, nn.Module))
+        copied += _own_attributes(callback)  # a module attribute is no tensor or container: left as is
     return copied

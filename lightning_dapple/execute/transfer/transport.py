@@ -127,7 +127,7 @@ def receives_ahead_pay(device: torch.device, local_ranks: int | None = None, thr
     * For a rank's merged order of several stages (``merged_order``: interleaved, ZB-V),
       whenever every rank has a core. Such a rank hands twice the messages per step to the
       same peer, in both directions, and there the early receives measured faster than the
-      I/O thread's preemption costs (``bench_schedules.py --chunks 2 --ahead-ablation``, 2
+      I/O thread's preemption costs (``bench_schedules.py --chunks 2 --due-ablation``, 2
       ranks on 2 cores: interleaved 0.5-4 % faster, ZB-V within 1 %).
 
     ``local_ranks`` defaults to ``LOCAL_WORLD_SIZE`` (else the world size: every rank on this
