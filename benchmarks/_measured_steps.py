@@ -35,6 +35,7 @@ from typing import Any
 from lightning_dapple.cluster import detect_cluster, load_cluster
 from lightning_dapple.plan.plan import load_plan, plan_from_dict
 from lightning_dapple.profile.action_overhead import NO_OVERHEAD
+from lightning_dapple.profile.step_glue import NO_GLUE
 from lightning_dapple.profile.model_profile import ModelProfile, profile_from_dict
 from lightning_dapple.simulate import simulate_plan
 
@@ -79,15 +80,22 @@ def train(recipe: str, run_dir: Path, steps: int, overrides: tuple[str, ...] = (
 
 
 def simulated_pair(plan: Any, profile: ModelProfile, cluster: Any) -> dict[str, Any]:
-    """The plan's simulated step on ``profile`` with its executor overhead and without it."""
+    """The plan's simulated step on ``profile`` with its executor overhead and the user's step
+    around the layers, without the overhead, and without the step's glue."""
     cluster = load_cluster(cluster) if cluster is not None else detect_cluster(1, WORLD, "cpu")  # as the strategy detects it
     result = simulate_plan(plan, profile, cluster)
+    busy_per_rank: dict[int, float] = {}  # a rank holding several chunks of a chunked plan is busy with all of them
+    for stage in result.stages:
+        for device in stage.devices:
+            busy_per_rank[device] = busy_per_rank.get(device, 0.0) + stage.busy_ms
     return {
         "simulated_ms": result.latency_ms,
-        "simulated_busy_ms": max(stage.busy_ms for stage in result.stages),
+        "simulated_busy_ms": max(busy_per_rank.values()),
         "simulated_optimizer_ms": max(stage.cost.optimizer_ms for stage in result.stages),
         "simulated_no_overhead_ms": simulate_plan(plan, replace(profile, action_overhead_ms=NO_OVERHEAD), cluster).latency_ms,
+        "simulated_no_glue_ms": simulate_plan(plan, replace(profile, step_glue_ms=NO_GLUE), cluster).latency_ms,
         "action_overhead_ms": profile.action_overhead_ms.to_dict(),
+        "step_glue_ms": profile.step_glue_ms.to_dict(),
     }
 
 

@@ -265,6 +265,9 @@ def test_tiny_recipe_trains_and_matches_one_device(recipe: str, tmp_path: Path, 
     # every rank's peak memory, gathered to rank 0: on the CPU the process's resident set
     assert len(record["peak_memory_bytes_per_rank"]) == 4 and min(record["peak_memory_bytes_per_rank"]) > 50 << 20
     assert record["peak_memory_kind"].startswith("process peak resident set")
+    # the recipe's step around the layers (its loss, logging and accuracy metric) was timed at set-up
+    glue = json.loads((run_dir / "dapple_profile.json").read_text())["step_glue_ms"]
+    assert glue["loss_forward"] > 0 and glue["loss_backward"] > 0
     measured = json.loads((run_dir / "timeline_measured.json").read_text())
     assert len(measured["ranks"]) == 4 and all(r["spans"] for r in measured["ranks"].values())
     assert "stage" in (run_dir / "dapple_plan.txt").read_text()

@@ -273,6 +273,19 @@ def test_a_named_chunked_schedule_is_cut_and_priced_alone() -> None:
     assert "none of ['interleaved'] can run this plan" in str(error.value) and "rounds of the 4 device groups" in str(error.value)
 
 
+def test_a_named_chunked_schedule_gets_the_fastest_pipeline_where_dp_would_win() -> None:
+    """Where data parallelism simulates fastest, naming a chunked schedule must not fail on
+    a plan with nothing to chunk: the planner keeps its fastest pipeline and says what DP
+    would have taken."""
+    profile, cluster = chain(8, params=1e3), Cluster(1, 2)
+    assert make_plan(profile, cluster, 8).kind() == "DP"
+    plan = make_plan(profile, cluster, 8, schedule="interleaved")
+    assert plan.schedule == "interleaved" and len(plan.device_groups) == 2 and plan.chunks >= 2
+    assert "under DP" in plan.reason
+    with pytest.raises(DappleConfigError, match="no plan of 8 layers on 1 device.* has two device groups"):
+        make_plan(profile, Cluster(1, 1), 8, schedule="zbv")
+
+
 def test_dapple_plan_defaults(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """dapple-plan chooses the schedule for DAPPLE's planner; the PipeDream baseline keeps
     DAPPLE's schedule unless asked."""

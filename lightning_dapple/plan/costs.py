@@ -87,9 +87,12 @@ class StageCost:
       which ``weight_state_bytes`` reads; ``exchange_ms``: the ZeRO parameter exchange
       (``zero_exchange_ms``), already part of ``optimizer_ms``;
     * ``overhead``: the executor's own time per action (``ModelProfile.action_overhead_ms``),
-      the same for every stage and slice. The times above are the layers' compute only;
-      the simulator adds ``overhead`` to every action it runs and DAPPLE's formula to every
-      phase (``pipeline_phases``), so each charges it once.
+      the same for every stage and slice. The times above are the layers' compute, plus
+      on the stage holding the first layer (the last) the user's step around them
+      (``ModelProfile.step_glue_ms``: the input's making in F; the loss and its logging in F,
+      its backward in B and I), a fixed time per slice; the simulator adds ``overhead`` to
+      every action it runs and DAPPLE's formula to every phase (``pipeline_phases``), so
+      each charges it once.
     """
 
     forward_ms: float
@@ -317,14 +320,16 @@ def stage_costs(
             input_bytes = profile.input_slice_bytes(per_device)
         layer_ar = tuple(gradient_sync_ms(cluster, size, stage) if stage.replicas > 1 and size > 0 else 0.0 for size in synced[index])
         forward_ms = sum(layer.forward_ms for layer in layers) * per_device
+        first, last = stage.start == 0, stage.end == profile.num_layers  # where the user's step runs
+        glue_backward = profile.step_glue_ms.backward_ms(last)
         zero = _zero_of(stage)
         exchange = zero_exchange_ms(cluster, param_bytes, stage.devices) if zero else 0.0
         step_share = 1.0 / stage.replicas if zero else 1.0
         costs.append(
             StageCost(
-                forward_ms=forward_ms,
-                backward_ms=sum(layer.backward_ms for layer in layers) * per_device,
-                backward_input_ms=sum(layer.input_grad_ms for layer in layers) * per_device,
+                forward_ms=forward_ms + profile.step_glue_ms.forward_ms(first, last),
+                backward_ms=sum(layer.backward_ms for layer in layers) * per_device + glue_backward,
+                backward_input_ms=sum(layer.input_grad_ms for layer in layers) * per_device + glue_backward,
                 backward_weight_ms=sum(layer.weight_grad_ms for layer in layers) * per_device,
                 param_bytes=param_bytes,
                 stash_bytes=stash_span_bytes(layers, per_device),
@@ -332,7 +337,7 @@ def stage_costs(
                 send_ms=send_ms,
                 allreduce_ms=gradient_sync_ms(cluster, sync_bytes, stage),
                 slice_size=slice_size(micro_batch_size, stage.replicas) / 1.0,
-                # the replay is a forward again, with a forward's own overhead
+                # the replay is the layers' forward again (not the user's step), with a forward's own overhead
                 recompute_ms=forward_ms + profile.action_overhead_ms.forward if stage.recompute != "never" else 0.0,
                 input_bytes=input_bytes,
                 wgrad_bytes=_wgrad_bytes(

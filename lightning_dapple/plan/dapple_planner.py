@@ -75,7 +75,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from lightning_dapple.cluster import Cluster
-from lightning_dapple.errors import DappleConfigError
+from lightning_dapple.errors import DappleConfigError, require
 from lightning_dapple.plan.baselines import (
     balanced_variant,
     data_parallel_candidates,
@@ -282,6 +282,7 @@ def plan_dapple(
     zero: int | str = 0,
     communicator_bytes: float = 0.0,
     recompute: str = "never",
+    pipeline_only: bool = False,
 ) -> Plan:
     """Plan ``profile`` on all devices of ``cluster`` with DAPPLE's planner (section 4).
 
@@ -297,12 +298,14 @@ def plan_dapple(
     plan makes (``plan.communicators``; 0: not priced, as on CPU processes); the plan records
     it and each rank's count in ``extra["communicators"]``. ``recompute`` is a mode every
     stage runs with (gpipe.txt 2.3): the candidates are scored and simulated with it, so the
-    reason's figures are those of the plan as it runs. Raises ``DappleConfigError`` when
+    reason's figures are those of the plan as it runs. ``pipeline_only`` keeps the fastest
+    plan of more than one device group (DP, however fast, is only a comparison), for a
+    schedule that chunks a pipeline (interleaved, ZB-V). Raises ``DappleConfigError`` when
     no plan is valid or none fits in device memory.
     """
     request = PlanRequest.build(
         profile, cluster, global_batch_size, micro_batches, schedule, policy, num_devices, min_slice, rerank, keep_per_state, beam, simulate, zero,
-        communicator_bytes, recompute,
+        communicator_bytes, recompute, pipeline_only,
     )
     return plan_request(request)
 
@@ -320,7 +323,7 @@ def plan_request(request: PlanRequest) -> Plan:
     pool = _candidate_pool(request, dp, straight, cap)
     choices = _simulate(request, pool, known)
     simulations = {index: choice.simulation for index, choice in choices.items()}
-    chosen_index = _choose(pool, simulations)
+    chosen_index = _choose(pool, simulations, _pipelines(request, pool) if request.pipeline_only else None)
     choice = choices.get(chosen_index)
     policy = choice.policy if choice is not None else request.policy
     chosen = rescored(request, pool[chosen_index], choice)
@@ -399,6 +402,18 @@ def _candidate_pool(request: PlanRequest, dp: list[Scored], straight: list[Score
     if not pool:
         _raise_nothing_valid(request)
     return pool
+
+
+def _pipelines(request: PlanRequest, pool: list[Scored]) -> list[int]:
+    """The pooled plans of more than one device group; ``DappleConfigError`` when there is none."""
+    found = [index for index, item in enumerate(pool) if len({stage.devices for stage in item.stages}) > 1]
+    require(
+        bool(found),
+        "schedule",
+        f"chunks a pipeline, but no plan of {request.profile.num_layers} layers on {request.cluster.num_devices} device(s) with this batch has two device groups",
+        "use more devices or a larger global batch, or leave the schedule to 'auto'",
+    )
+    return found
 
 
 def _raise_nothing_valid(request: PlanRequest) -> None:

@@ -33,7 +33,7 @@ def consecutive(shape: Sequence[tuple[int, int, int]], zero: int = 0) -> tuple[S
 
 class _QuickCost:
     """The StageCost fields formula 2 and the memory model read, from the range tables
-    (the same sums as ``stage_costs``); used to score many small edits quickly. Any other
+    (the same sums as ``stage_costs``, the user's step on the first and last stages too); used to score many small edits quickly. Any other
     field (recomputation time, ...) reads as 0, which is what a plan without
     recomputation has."""
 
@@ -80,10 +80,11 @@ def _quick_latency(tables: RangeTables, cluster: Cluster, stages: Sequence[Stage
         if index + 1 < len(stages):
             send = p2p_ms_fast(cluster, tables.cut_bytes(b - 1, whole), stage.devices, stages[index + 1].devices)
         params = float(tables.params[a, b])
+        first, last = a == 0, b == tables.n
         costs.append(
             _QuickCost(
-                float(tables.forward[a, b]) * per_device,
-                float(tables.backward[a, b]) * per_device,
+                float(tables.forward[a, b]) * per_device + tables.glue.forward_ms(first, last),
+                float(tables.backward[a, b]) * per_device + tables.glue.backward_ms(last),
                 _tail_ms(tables, cluster, stage, per_device),
                 send,
                 params,

@@ -68,6 +68,8 @@ class PlanRequest:
     zero_levels: tuple[int, ...] = (0,)
     communicator_bytes: float = 0.0
     recompute: str = "never"
+    # a schedule that chunks a pipeline was named: a plan of one device group cannot run it
+    pipeline_only: bool = False
 
     def score(self, stages: Sequence[StagePlan], micro_batches: int, policy: str | None = None) -> Scored:
         """``score_stages`` of ``stages`` for this request (its schedule, its policy unless
@@ -108,6 +110,7 @@ class PlanRequest:
         zero: int | str = 0,
         communicator_bytes: float = 0.0,
         recompute: str = "never",
+        pipeline_only: bool = False,
     ) -> "PlanRequest":
         """Check the inputs (``DappleConfigError`` on bad ones) and resolve the defaults."""
         require(
@@ -125,7 +128,7 @@ class PlanRequest:
         candidates, floor = candidate_micro_batches(global_batch_size, floor, micro_batches)
         return cls(
             profile, cluster, global_batch_size, tuple(candidates), floor, min_slice, schedule, policy, micro_batches, rerank, keep_per_state, beam, simulate,
-            auto_policy, zero_levels(zero), float(communicator_bytes), recompute,
+            auto_policy, zero_levels(zero), float(communicator_bytes), recompute, pipeline_only,
         )
 
 

@@ -7,6 +7,9 @@ official formula), plus every range's tail after its last backward: the exposed 
 ``overlap.OverlapTables`` and the optimizer step (``StageCost.tail_ms``), under ZeRO with the
 replica's share of the step, the parameter exchange after it and, for ``zero=2``, the
 gradients' reduce in place of the AllReduce (``costs.zero_exchange_ms``, ``costs.zero_reduce_ms``).
+The user's step around the layers (``ModelProfile.step_glue_ms``), a fixed time on the
+first and last stages, is not in the range sums: the search's bounds stay bounds without it,
+``polish`` adds it, and every result is re-priced with it by ``score_stages``.
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ class RangeTables:
         self.n = n
         self.pbs = profile.micro_batch_size
         self.overhead = profile.action_overhead_ms  # per action, whatever the range
+        self.glue = profile.step_glue_ms  # per micro-batch, on the ranges [0, b) and [a, n)
         self.forward = self._range_sums([layer.forward_ms for layer in layers])
         self.backward = self._range_sums([layer.backward_ms for layer in layers])
         self.params = self._range_sums([layer.param_bytes for layer in layers])

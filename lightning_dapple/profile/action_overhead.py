@@ -18,11 +18,10 @@ profile written before it existed, and the published ones) has none: all zeros.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields
 from typing import Any
 
-from lightning_dapple.errors import DappleConfigError, require
+from lightning_dapple.profile.milliseconds import checked_ms, ms_table
 
 __all__ = ["ActionOverhead", "NO_OVERHEAD", "OVERHEAD_KINDS", "overhead_from_dict"]
 
@@ -45,13 +44,7 @@ class ActionOverhead:
 
     def __post_init__(self) -> None:
         for item in fields(self):
-            value = getattr(self, item.name)
-            require(
-                not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value >= 0,
-                f"action_overhead_ms.{item.name}",
-                f"must be a finite number >= 0, got {value!r}",
-                "write milliseconds per action (or leave action_overhead_ms out: no overhead)",
-            )
+            checked_ms(getattr(self, item.name), f"action_overhead_ms.{item.name}", "write milliseconds per action (or leave action_overhead_ms out: no overhead)")
 
     @property
     def is_zero(self) -> bool:
@@ -81,12 +74,4 @@ NO_OVERHEAD = ActionOverhead()
 def overhead_from_dict(data: Any, source: str = "action_overhead_ms") -> ActionOverhead:
     """The JSON form (``{"F": ms, "B": ms, "I": ms, "W": ms, "send": ms, "recv": ms}``; a kind
     left out costs 0) as an ``ActionOverhead``; unknown kinds are refused."""
-    require(isinstance(data, dict), source, "is not a JSON object", f"write {{kind: milliseconds}} for kinds {list(OVERHEAD_KINDS)}")
-    unknown = sorted(set(data) - set(OVERHEAD_KINDS))
-    require(not unknown, source, f"has unknown kinds {unknown}", f"use the kinds {list(OVERHEAD_KINDS)}")
-    values = {}
-    for key, value in data.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-            raise DappleConfigError(f"{source}.{key}", f"must be a finite number >= 0, got {value!r}", "write milliseconds per action")
-        values[OVERHEAD_KINDS[key]] = float(value)
-    return ActionOverhead(**values)
+    return ActionOverhead(**ms_table(data, OVERHEAD_KINDS, source, "kind", "write milliseconds per action"))

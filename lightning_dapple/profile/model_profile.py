@@ -28,6 +28,7 @@ from typing import Any, Sequence
 
 from lightning_dapple.errors import DappleConfigError, require
 from lightning_dapple.profile.action_overhead import NO_OVERHEAD, ActionOverhead, overhead_from_dict
+from lightning_dapple.profile.step_glue import NO_GLUE, StepGlue, glue_from_dict
 
 
 def cut_bytes(per_sample: Any, whole: Any, scale: Any) -> Any:
@@ -142,8 +143,9 @@ class ModelProfile:
     stage receives from the data loader); it is not communicated between devices.
     ``input_whole_bytes`` is its part that is not per-sample (``sample_rows``): every slice
     of the first stage holds it once. ``action_overhead_ms`` is the executor's own time per
-    action on the machine the profile was taken on (``profile/action_overhead.py``); none in
-    a profile that does not say.
+    action on the machine the profile was taken on (``profile/action_overhead.py``), and
+    ``step_glue_ms`` the user's step around the layers per micro-batch (``profile/step_glue.py``);
+    none in a profile that does not say.
     """
 
     micro_batch_size: int
@@ -156,6 +158,7 @@ class ModelProfile:
     meta: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
     tied: tuple[TiedParams, ...] = ()
     action_overhead_ms: ActionOverhead = NO_OVERHEAD
+    step_glue_ms: StepGlue = NO_GLUE
 
     def __post_init__(self) -> None:
         validate_profile(self)
@@ -202,6 +205,8 @@ class ModelProfile:
             out["tied"] = [tie.to_dict() for tie in self.tied]
         if not self.action_overhead_ms.is_zero:
             out["action_overhead_ms"] = self.action_overhead_ms.to_dict()
+        if not self.step_glue_ms.is_zero:
+            out["step_glue_ms"] = self.step_glue_ms.to_dict()
         if self.meta:
             out["meta"] = self.meta
         return out
@@ -318,6 +323,7 @@ def profile_from_dict(data: Any, source: str = "profile") -> ModelProfile:
         meta=dict(data.get("meta", {})),
         tied=_ties_from_list(data.get("tied", []), f"{source}.tied"),
         action_overhead_ms=overhead_from_dict(data.get("action_overhead_ms", {}), f"{source}.action_overhead_ms"),
+        step_glue_ms=glue_from_dict(data.get("step_glue_ms", {}), f"{source}.step_glue_ms"),
     )
 
 

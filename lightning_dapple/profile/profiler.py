@@ -69,7 +69,7 @@ from lightning_dapple.profile.sample_rows import batch_rows, is_whole, split_byt
 from lightning_dapple.profile.stash import StashMeter, parameter_storages, shared_views, whole_input_storages
 from lightning_dapple.profile.ties import first_use_param_bytes, tied_params_records, tied_parameters
 
-__all__ = ["model_key", "profile_layers", "tensor_bytes", "iter_tensors", "map_tensors", "timed_ms"]
+__all__ = ["model_key", "profile_layers", "run_layers_once", "tensor_bytes", "iter_tensors", "map_tensors", "timed_ms"]
 
 _CACHE_VERSION = 5  # 3: stash and input split into per-sample and whole parts; 4: stash_shared_bytes; 5: stash_shared_whole_bytes
 _CONVENTION_FIX = (
@@ -427,6 +427,31 @@ def profile_layers(
         tmp.write_text(result.to_json())
         tmp.replace(cache_file)  # atomic: a reader sees the old entry or the whole new one
     return result
+
+
+def run_layers_once(
+    layers: nn.Sequential | nn.ModuleList | list[nn.Module], sample_input: Any, device: str | torch.device = "cpu", autocast_dtype: torch.dtype | None = None
+) -> Any:
+    """The layers' output for ``sample_input``, on ``device``: one forward without autograd,
+    each layer moved to ``device`` and back in turn as ``profile_layers`` moves it (so a
+    model larger than the device runs too), its buffers as they were and the RNG forked."""
+    dev = _device(device)
+    x = map_tensors(sample_input, lambda t: t.to(dev))
+    dev_rng = [dev.index if dev.index is not None else torch.cuda.current_device()] if dev.type == "cuda" else []
+    with torch.random.fork_rng(devices=dev_rng), torch.no_grad():
+        for index, layer in enumerate(_as_layer_list(layers)):
+            home = _layer_home(layer)
+            buffers = {key: b.clone() for key, b in layer.named_buffers()}
+            layer.to(dev)
+            try:
+                x = _call(layer, index, x, autocast_dtype)
+            finally:
+                if home is not None:
+                    layer.to(home)
+                for key, b in layer.named_buffers():
+                    if key in buffers:
+                        b.copy_(buffers[key])
+    return x
 
 
 def _check_inputs(sample_input: Any, repeats: Any, warmup: Any) -> int:

@@ -247,7 +247,8 @@ def make_plan(
     ``schedule`` "dapple" or "gpipe" is the planner's schedule. "auto" plans for DAPPLE's
     schedule and then runs the planned devices and M under the fastest of ``schedules``
     that fits (``plan.schedule_choice``); a chunked schedule ("interleaved", "zbv") does the
-    same with that schedule alone. ``finish`` is applied to every candidate before it is
+    same with that schedule alone, on the fastest plan of more than one device group (DP has
+    no pipeline to chunk). ``finish`` is applied to every candidate before it is
     priced (the run's out-of-order and recomputation choices) and so to the plan returned.
     """
     require(planner in PLANNERS, "planner", f"is {planner!r}", f"use one of {list(PLANNERS)}")
@@ -255,8 +256,8 @@ def make_plan(
     base_schedule = "dapple" if schedule == AUTO_SCHEDULE or schedule in CHUNKED_SCHEDULES else schedule
     if planner == "pipedream":
         plan = plan_pipedream(profile, cluster, global_batch_size, simulate=pricer, schedule=base_schedule, **kwargs)
-    else:
-        plan = plan_dapple(profile, cluster, global_batch_size, simulate=pricer, schedule=base_schedule, **kwargs)
+    else:  # a chunked schedule needs a pipeline to chunk: the fastest of them, not DP
+        plan = plan_dapple(profile, cluster, global_batch_size, simulate=pricer, schedule=base_schedule, pipeline_only=schedule in CHUNKED_SCHEDULES, **kwargs)
     if base_schedule == schedule:
         return finish(plan) if finish is not None else plan
     require(simulate, "schedule", f"is {schedule!r}, which chooses by simulation, but simulate is off", "pass simulate=True or name 'dapple' or 'gpipe'")

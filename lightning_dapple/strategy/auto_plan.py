@@ -16,7 +16,8 @@ micro-batch slice that stays where the module lives, under autocast when the Tra
 trains in mixed precision, so the times are those of the precision that will run. The
 executor's own time per action is measured beside it (``execute/overhead_probe.py``), and
 so is one step of the run's optimizer over each layer (``strategy/optimizer_probe.py``),
-so the planner and the simulator that picks M and ``ooo="auto"`` price both.
+so the planner and the simulator that picks M and ``ooo="auto"`` price both, and so is the
+user's step around the layers on the first and last stages (``strategy/glue_probe.py``).
 
 A model built on the meta device (``meta_build.py``) has no layer to run until its stages
 are made: rank 0 then makes one layer at a time, profiles it, and frees it before the next
@@ -48,6 +49,7 @@ from lightning_dapple.profile.model_profile import ModelProfile
 from lightning_dapple.profile.profiler import profile_layers
 from lightning_dapple.simulate.memory_fit import apply_ooo_recompute
 from lightning_dapple.simulate.plan_and_schedule import make_plan, simulate_plan
+from lightning_dapple.strategy.glue_probe import with_step_glue
 from lightning_dapple.strategy.meta_profile import profile_one_layer_at_a_time
 from lightning_dapple.strategy.module_adapter import LogRecorder, capture_input
 from lightning_dapple.strategy.ooo_choice import decide_ooo, with_ooo_choice
@@ -216,6 +218,8 @@ def _plan_on_rank_zero(
     with LogRecorder().recording(module, 0.0):
         x = capture_input(module, lambda: getattr(module, context.step_name)(piece, 0))
     profile = _profile(context, module, container, x, real)
+    if real is None and context.step_name == "training_step":  # a meta-built model has no whole forward to answer self(...) with
+        profile = with_step_glue(profile, module, container, piece, x, context.device, context.autocast_dtype)
     cluster, arguments = context.cluster, context.arguments
     finish = run_finisher(arguments, profile, cluster)
     if shape is None:

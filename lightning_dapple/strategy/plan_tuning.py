@@ -46,7 +46,6 @@ layers on a rank), so a model built on the meta device is refused with tuning.
 """
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import os
@@ -78,6 +77,7 @@ from lightning_dapple.plan.plan import Plan
 from lightning_dapple.profile.profiler import model_key
 from lightning_dapple.profile.ties import tied_parameters
 from lightning_dapple.strategy.auto_plan import PlanningInputs, run_communicator_reserve
+from lightning_dapple.strategy.metric_state import MetricStates
 from lightning_dapple.strategy.layer_rows import check_regrouped_cuts
 from lightning_dapple.strategy.setup_checks import check_callbacks
 from lightning_dapple.strategy.meta_build import built_on_meta
@@ -223,26 +223,6 @@ class _LayerState:
                 module.forward = forward
 
 
-class _MetricState:
-    """The states of the torchmetrics metrics a ``training_step`` updates (an accuracy
-    accumulated over the epoch), copied before the trials and put back after them."""
-
-    def __init__(self, module: nn.Module) -> None:
-        self.saved = []
-        for metric in module.modules():
-            defaults = getattr(metric, "_defaults", None)
-            if isinstance(defaults, dict) and hasattr(metric, "_update_count"):
-                state = {name: copy.deepcopy(getattr(metric, name)) for name in defaults}
-                self.saved.append((metric, state, metric._update_count, getattr(metric, "_computed", None)))
-
-    def restore(self) -> None:
-        for metric, state, count, computed in self.saved:
-            for name, value in state.items():
-                setattr(metric, name, value)
-            metric._update_count = count
-            metric._computed = computed
-
-
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -301,7 +281,7 @@ class PlanTuning:
         candidates = [TuneCandidate.from_dict(each) for each in payload["candidates"]]
         seed = self._sync.broadcast(torch.initial_seed(), "the job's seed") if self.world_size > 1 else torch.initial_seed()
         optimizer = self._trial_optimizer(module)
-        metrics = _MetricState(module)
+        metrics = MetricStates(module)
         try:
             steps = [self._trial(module, container, sample, each.plan, seed, optimizer) for each in candidates]
         finally:

@@ -1,0 +1,27 @@
+"""Validation shared by the profile's per-kind time tables (``action_overhead_ms``,
+``step_glue_ms``): every entry a finite number of milliseconds >= 0, keys from a fixed set."""
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+from lightning_dapple.errors import DappleConfigError, require
+
+__all__ = ["checked_ms", "ms_table"]
+
+
+def checked_ms(value: Any, where: str, fix: str) -> float:
+    """``value`` as a float, or ``DappleConfigError`` naming ``where`` unless it is a finite
+    number >= 0 (a bool is not a number here)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise DappleConfigError(where, f"must be a finite number >= 0, got {value!r}", fix)
+    return float(value)
+
+
+def ms_table(data: Any, keys: Mapping[str, str], source: str, noun: str, fix: str) -> dict[str, float]:
+    """The JSON object ``data`` ({key: milliseconds}, a key left out is left out) as
+    {field name: milliseconds} through ``keys`` (JSON key -> field); unknown keys are refused."""
+    require(isinstance(data, dict), source, "is not a JSON object", f"write {{{noun}: milliseconds}} for {noun}s {list(keys)}")
+    unknown = sorted(set(data) - set(keys))
+    require(not unknown, source, f"has unknown {noun}s {unknown}", f"use the {noun}s {list(keys)}")
+    return {keys[key]: checked_ms(value, f"{source}.{key}", fix) for key, value in data.items()}
