@@ -284,6 +284,11 @@ def test_a_named_chunked_schedule_gets_the_fastest_pipeline_where_dp_would_win()
     assert "under DP" in plan.reason
     with pytest.raises(DappleConfigError, match="no plan of 8 layers on 1 device.* has two device groups"):
         make_plan(profile, Cluster(1, 1), 8, schedule="zbv")
+    # fewer layers than devices: no straight pipeline, and the search's plans faster than DP
+    # are all DP at other M; the pipelines slower than DP must still be searched
+    few_layers = chain(6, params=1e5)
+    assert make_plan(few_layers, Cluster(1, 8), 64).kind() == "DP"
+    assert len(make_plan(few_layers, Cluster(1, 8), 64, schedule="interleaved").device_groups) >= 2
 
 
 def test_dapple_plan_defaults(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

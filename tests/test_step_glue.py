@@ -92,10 +92,12 @@ def test_a_replay_runs_the_layers_again_not_the_users_step() -> None:
     assert glued.recompute_ms == plain.recompute_ms
 
 
-def test_one_stage_simulates_the_glue_once_per_micro_batch() -> None:
+def test_one_stage_simulates_the_whole_step_once_per_micro_batch() -> None:
+    """A stage holding every layer runs the user's step once per micro-batch, whole: the
+    code before ``self(...)`` is in ``loss_forward`` and is not charged again as ``input``."""
     cluster, plan = Cluster(1, 1), _plan(1, micro_batches=4)
     grown = simulate_plan(plan, _profile(GLUE), cluster).latency_ms - simulate_plan(plan, _profile(), cluster).latency_ms
-    assert grown == pytest.approx(4 * (GLUE.input + GLUE.loss_forward + GLUE.loss_backward))
+    assert grown == pytest.approx(4 * (GLUE.loss_forward + GLUE.loss_backward))
 
 
 def test_the_planners_quick_pricing_adds_the_glue_as_the_cost_model_does() -> None:
@@ -175,9 +177,13 @@ def test_a_step_the_probe_cannot_run_charges_no_glue_and_says_why() -> None:
 
     module = Broken(before=False)
     batch = _batch()
-    profile = with_step_glue(_profile(), module, module.layers, batch, batch[0], torch.device("cpu"))
+    with pytest.warns(UserWarning, match="not timed for the planner"):
+        profile = with_step_glue(_profile(), module, module.layers, batch, batch[0], torch.device("cpu"))
     assert profile.step_glue_ms == NO_GLUE
     assert profile.meta["step_glue"] == "not measured: RuntimeError: needs the trainer"
+    elsewhere = with_step_glue(_profile(), module, module.layers, batch, batch[0], torch.device("cuda"))
+    assert elsewhere.step_glue_ms == NO_GLUE
+    assert elsewhere.meta["step_glue"] == "not measured: the planning batch is on cpu while the run trains on cuda"
     working = with_step_glue(_profile(), _Glued(False), _Glued(False).layers, batch, batch[0], torch.device("cpu"))
     assert not working.step_glue_ms.is_zero and working.meta["step_glue"] == "measured on the run's training_step"
     assert replace(working, step_glue_ms=NO_GLUE, meta={}) == _profile()

@@ -13,7 +13,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from lightning_dapple.app import summary
-from lightning_dapple.app.run_results import plan_record
+from lightning_dapple.app.run_results import plan_record, simulator_advice
 from lightning_dapple.app.summary import (
     SUMMARY_COLUMNS,
     SweepSummary,
@@ -104,6 +104,24 @@ def test_plan_record_carries_the_tuning_record(tmp_path: Path) -> None:
     (tmp_path / "tuned.json").write_text(json.dumps({**plan.to_dict(), "extra": {"tuning": TUNING}}))
     assert "tuning" not in plan_record(tmp_path / "plain.json")
     assert plan_record(tmp_path / "tuned.json")["tuning"] == TUNING
+
+
+def test_a_run_whose_simulator_was_off_is_told_how_to_measure_instead(tmp_path: Path) -> None:
+    stages = (StagePlan(layers=(0, 2), devices=(0,)), StagePlan(layers=(2, 4), devices=(1,)))
+    planned = {**Plan(global_batch_size=8, micro_batches=4, stages=stages, planner="dapple").to_dict()}
+    (tmp_path / "planned.json").write_text(json.dumps(planned))
+    (tmp_path / "manual.json").write_text(json.dumps({**planned, "planner": "manual"}))
+    (tmp_path / "tuned.json").write_text(json.dumps({**planned, "extra": {"tuning": TUNING}}))
+
+    def run(plan: str, executor_ms: float, simulated_ms: float = 10.0) -> dict[str, Any]:
+        return {"plan": plan_record(tmp_path / plan), "median_phase_ms": {"executor": executor_ms}, "simulated_step_ms": simulated_ms}
+
+    advice = simulator_advice(run("planned.json", 21.0))
+    assert "2.10 x the simulated step" in advice and "strategy.tune_steps=N" in advice
+    assert "0.50 x" in simulator_advice(run("planned.json", 5.0))
+    assert simulator_advice(run("planned.json", 11.4)) == ""  # within 15 %
+    assert simulator_advice(run("manual.json", 21.0)) == ""  # the user chose the plan
+    assert simulator_advice(run("tuned.json", 21.0)) == ""  # the plan was measured already
 
 
 def test_one_summary_lists_every_job_of_a_sweep_dir(tmp_path: Path, monkeypatch, capsys) -> None:

@@ -14,7 +14,7 @@ from lightning_dapple.plan.console import make_console
 from lightning_dapple.plan.plan import plan_from_dict
 from lightning_dapple.units import format_bytes
 
-__all__ = ["loss_curve", "plan_record", "print_run_summary", "read_json", "run_outputs"]
+__all__ = ["loss_curve", "plan_record", "print_run_summary", "read_json", "run_outputs", "simulator_advice"]
 
 
 def run_outputs(run_dir: Path) -> dict[str, Any]:
@@ -55,6 +55,7 @@ def plan_record(path: Path) -> dict[str, Any] | None:
         "policy": plan.policy,
         "stages": [{"layers": list(s.layers), "devices": list(s.devices), "warmup": s.warmup} for s in plan.stages],
         "reason": plan.reason,
+        "planner": plan.planner,
     }
     if plan.extra.get("tuning") is not None:
         record["tuning"] = plan.extra["tuning"]
@@ -71,6 +72,30 @@ def loss_curve(path: Path) -> list[float]:
             if row.get("train_loss"):
                 out.append((int(row["step"]), float(row["train_loss"])))
     return [loss for _, loss in sorted(out)]
+
+
+#: how far the executor's step may be from the simulated one before the summary says so (the simulator's target)
+SIMULATOR_TOLERANCE = 0.15
+
+
+def simulator_advice(result: dict[str, Any]) -> str:
+    """A line for a run whose plan the planner chose by simulation alone and whose executor's
+    step (what the simulator prices) measured more than ``SIMULATOR_TOLERANCE`` away from
+    the simulated step: then another candidate may have run faster, and only measuring them
+    tells (``strategy.tune_steps``). Empty for a plan given by hand, a tuned plan, or a step
+    the simulator priced within the tolerance."""
+    plan = result.get("plan") or {}
+    executor_ms = (result.get("median_phase_ms") or {}).get("executor")
+    simulated_ms = result.get("simulated_step_ms")
+    if plan.get("planner", "manual") == "manual" or plan.get("tuning") is not None or not executor_ms or not simulated_ms:
+        return ""
+    ratio = executor_ms / simulated_ms
+    if abs(ratio - 1.0) <= SIMULATOR_TOLERANCE:
+        return ""
+    return (
+        f"the executor's step measured {ratio:.2f} x the simulated step, so the planner's ranking of plans may not hold here; "
+        "strategy.tune_steps=N runs its best few plans N steps each and keeps the fastest measured"
+    )
 
 
 def print_run_summary(result: dict[str, Any]) -> None:
@@ -91,6 +116,9 @@ def print_run_summary(result: dict[str, Any]) -> None:
         table.add_row("of which the executor's step (what the simulator prices)", f"{executor_ms:.2f} ms")
     if result.get("simulated_step_ms") is not None:
         table.add_row("step time, simulated (the plan on its profile)", f"{result['simulated_step_ms']:.2f} ms")
+    advice = simulator_advice(result)
+    if advice:
+        table.add_row("simulated against measured", advice)
     table.add_row("peak stash (max over ranks)", format_bytes(result.get("peak_stash_bytes")))
     per_rank = result.get("peak_memory_bytes_per_rank")
     if per_rank:

@@ -11,7 +11,9 @@ not, so they need their own cut.)
 
 ``cut_chunks`` chooses the P*v - 1 cut points in that order of goals: first the largest
 group load (work per device: a group's layers' F+B times the share of a micro-batch each of
-its replicas runs, as ``plan.costs.stage_costs`` charges it), then the spread of the chunk
+its replicas runs, as ``plan.costs.stage_costs`` charges the layers; the user's step around
+them, a fixed time on the first and last chunks, is priced in the plan but not balanced
+here), then the spread of the chunk
 loads (sum of squares). It starts from the cuts at each stage's share of the cumulative
 work, moves single cut points by one layer while that improves the score, and from that
 bound runs a branch and bound over all cuts (``_CutSearch``): exact unless the instance is

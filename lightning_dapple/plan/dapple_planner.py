@@ -319,7 +319,9 @@ def plan_request(request: PlanRequest) -> Plan:
     dp_choice = _simulate_dp(request, dp)
     cap, known = _INF, {}
     if dp_choice is not None:
-        cap, known = dp_choice.simulation.latency_ms, {(dp[0].micro_batches, dp[0].stages): dp_choice}
+        known = {(dp[0].micro_batches, dp[0].stages): dp_choice}
+        # a pipeline slower than DP is still wanted when the schedule needs one
+        cap = _INF if request.pipeline_only else dp_choice.simulation.latency_ms
     pool = _candidate_pool(request, dp, straight, cap)
     choices = _simulate(request, pool, known)
     simulations = {index: choice.simulation for index, choice in choices.items()}
@@ -384,7 +386,11 @@ def _candidate_pool(request: PlanRequest, dp: list[Scored], straight: list[Score
     """The search's best, the straight pipeline, their balanced twins and DP, without
     duplicates; ``DappleConfigError`` when there is none."""
     rerank = request.rerank
-    best = search(request, keep=max(rerank, 1), cap=cap)
+    if request.pipeline_only:  # one-group plans at every M may fill the search's top list: keep past them
+        best = search(request, keep=max(rerank, 1) * (len(request.micro_batches) + 1), cap=cap)
+        best = [item for item in best if _device_groups(item) > 1]
+    else:
+        best = search(request, keep=max(rerank, 1), cap=cap)
     shortlist = [*per_level(best, request.zero_levels, max(rerank, 1)), *straight]
     if rerank > 0:
         balanced = [balanced_variant(request, item) for item in shortlist]
@@ -404,9 +410,13 @@ def _candidate_pool(request: PlanRequest, dp: list[Scored], straight: list[Score
     return pool
 
 
+def _device_groups(item: Scored) -> int:
+    return len({stage.devices for stage in item.stages})
+
+
 def _pipelines(request: PlanRequest, pool: list[Scored]) -> list[int]:
     """The pooled plans of more than one device group; ``DappleConfigError`` when there is none."""
-    found = [index for index, item in enumerate(pool) if len({stage.devices for stage in item.stages}) > 1]
+    found = [index for index, item in enumerate(pool) if _device_groups(item) > 1]
     require(
         bool(found),
         "schedule",

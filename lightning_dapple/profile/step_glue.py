@@ -12,7 +12,8 @@ fixed amount that the cost model (``plan/costs.py``) must add there, and only th
 ``StepGlue`` holds that amount, in milliseconds per micro-batch, as measured at set-up on
 the run's own step (``strategy/glue_probe.py``):
 
-* ``input``: the step up to its ``self(...)`` call (first stage, in F);
+* ``input``: the step up to its ``self(...)`` call (first stage, in F, where the stage is
+  not also the last);
 * ``loss_forward``: the whole step with ``self(...)`` answered at once (last stage, in F):
   the code before the call again, the loss and the logging;
 * ``loss_backward``: the loss's backward down to the model output (last stage, in B, and
@@ -56,8 +57,11 @@ class StepGlue:
 
     def forward_ms(self, first: bool, last: bool) -> float:
         """What a stage's F adds per micro-batch: the input on the first stage, the loss on
-        the last (both on a stage that is both)."""
-        return (self.input if first else 0.0) + (self.loss_forward if last else 0.0)
+        the last. A stage that is both runs the step once, whole (``loss_forward``, which
+        holds the code before ``self(...)`` too), and makes no input apart."""
+        if last:
+            return self.loss_forward
+        return self.input if first else 0.0
 
     def backward_ms(self, last: bool) -> float:
         """What a stage's B (or I) adds per micro-batch: the loss's backward on the last."""

@@ -247,8 +247,9 @@ def make_plan(
     ``schedule`` "dapple" or "gpipe" is the planner's schedule. "auto" plans for DAPPLE's
     schedule and then runs the planned devices and M under the fastest of ``schedules``
     that fits (``plan.schedule_choice``); a chunked schedule ("interleaved", "zbv") does the
-    same with that schedule alone, on the fastest plan of more than one device group (DP has
-    no pipeline to chunk). ``finish`` is applied to every candidate before it is
+    same with that schedule alone, on DAPPLE's fastest plan of more than one device group (DP
+    has no pipeline to chunk; PipeDream's baseline keeps its own plan, and a chunked schedule
+    fails on it where that plan is DP). ``finish`` is applied to every candidate before it is
     priced (the run's out-of-order and recomputation choices) and so to the plan returned.
     """
     require(planner in PLANNERS, "planner", f"is {planner!r}", f"use one of {list(PLANNERS)}")

@@ -16,9 +16,12 @@ output computed once beforehand (``profiler.run_layers_once``) and handed back b
 
 Each is the median of ``repeats`` calls after ``warmup``. The torchmetrics states the step
 updates are put back afterwards (``metric_state.MetricStates``) and the RNG is forked, so
-the run's metrics and random stream are those of a run without the probe. A step the probe
-cannot run this way (it fails on the planning slice outside a run, for example) is not
-priced: the profile records why in ``meta["step_glue"]`` and charges no glue.
+the run's metrics and random stream are those of a run without the probe. What the step
+changes besides metrics and ``self.log`` (a list of outputs it appends to, a logger it
+writes to directly) sees the probe's calls, as it would see tuning trials. A step the probe
+cannot run this way (it fails on the planning slice outside a run, for example; a warning
+says so), or a module that waits on the host while the run trains on a GPU, is not priced:
+the profile records why in ``meta["step_glue"]`` and charges no glue.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ from typing import Any, Callable
 
 import torch
 from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from lightning_dapple.profile.model_profile import ModelProfile
@@ -107,10 +111,17 @@ def with_step_glue(
 ) -> ModelProfile:
     """``profile`` with ``step_glue_ms`` measured on the run's step; where the step cannot be
     run that way, the profile without glue and the reason in ``meta["step_glue"]``."""
+    def unmeasured(why: str) -> ModelProfile:
+        return replace(profile, meta={**profile.meta, "step_glue": f"not measured: {why}"})
+
     if not any(True for _ in iter_tensors(x)):
-        return replace(profile, meta={**profile.meta, "step_glue": "not measured: the model input holds no tensor"})
+        return unmeasured("the model input holds no tensor")
+    where = next((tensor.device for tensor in iter_tensors(piece)), device)
+    if where.type != device.type:  # the module waits on the host for its stages: its step would be timed on the wrong device
+        return unmeasured(f"the planning batch is on {where.type} while the run trains on {device.type}")
     try:
-        glue = measure_step_glue(module, layers, piece, x, device, autocast_dtype)
+        glue = measure_step_glue(module, layers, piece, x, where, autocast_dtype)
     except Exception as exc:  # pricing only: the run itself reports a step that fails
-        return replace(profile, meta={**profile.meta, "step_glue": f"not measured: {type(exc).__name__}: {exc}"})
+        rank_zero_warn(f"the training_step around the layers was not timed for the planner ({type(exc).__name__}: {exc}); its plan prices the layers alone")
+        return unmeasured(f"{type(exc).__name__}: {exc}")
     return replace(profile, step_glue_ms=glue, meta={**profile.meta, "step_glue": "measured on the run's training_step"})
