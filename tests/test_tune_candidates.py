@@ -58,6 +58,21 @@ def test_candidates_keep_what_the_user_fixed() -> None:
     assert len(tuning_candidates(chosen, profile, cluster, arguments, count=1)) == 1
 
 
+@pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
+def test_a_named_chunked_schedule_is_kept_by_every_candidate(schedule: str) -> None:
+    """The planner's other shapes come as one stage per device group; under a named chunked
+    schedule each is cut into chunks, and data parallelism, which has nothing to chunk, is
+    not offered."""
+    profile, cluster = chain(8, params=1e3), Cluster(1, 4)
+    arguments = PlanArguments(schedule=schedule)
+    chosen = planned(profile, cluster, 16, arguments)
+    candidates = tuning_candidates(chosen, profile, cluster, arguments, count=8)
+    assert len(candidates) >= 2
+    for each in candidates:
+        assert each.plan.schedule == schedule and each.plan.chunks >= 2 and len(each.plan.device_groups) >= 2
+        each.plan.validate(num_layers=8, world_size=4)
+
+
 def test_kept_is_the_fastest_measured_and_the_sentence_says_when_the_simulator_disagrees() -> None:
     profile, cluster, arguments = chain(8), Cluster(1, 4), PlanArguments()
     candidates = tuning_candidates(planned(profile, cluster, 16, arguments), profile, cluster, arguments, count=3)

@@ -32,7 +32,7 @@ from typing import Any, Iterator
 
 from lightning_dapple.cluster import Cluster
 from lightning_dapple.errors import DappleConfigError, require
-from lightning_dapple.plan.plan import Plan, StagePlan, plan_from_dict
+from lightning_dapple.plan.plan import CHUNKED_SCHEDULES, Plan, StagePlan, plan_from_dict
 from lightning_dapple.plan.schedule_choice import RUNNABLE_SCHEDULES, Candidate, Pricing, price_candidate, schedule_candidates
 from lightning_dapple.plan.schedule_table import DEFAULT_SCHEDULE
 from lightning_dapple.profile.model_profile import ModelProfile
@@ -137,7 +137,7 @@ def _rivals(chosen: Plan, profile: ModelProfile, cluster: Cluster, arguments: Pl
     if arguments.fixed_schedule is None and base is not None:
         yield from schedule_candidates(base, profile, cluster, price_plan, RUNNABLE_SCHEDULES, pricing.finish)
     for alternative in _shape_alternatives(base or chosen, profile.num_layers):
-        yield price_candidate(Candidate(alternative.schedule, 1, False, alternative), pricing)
+        yield from _under_named_schedule(alternative, arguments.fixed_schedule, profile, cluster, pricing)
     if arguments.ooo == "auto" and chosen.num_stages > 1 and chosen.chunks == 1:
         flipped = replace(arguments, ooo=not chosen.ooo)
         yield price_candidate(Candidate(chosen.schedule, 1, False, _unfinished(chosen)), replace(pricing, finish=run_finisher(flipped, profile, cluster)))
@@ -151,6 +151,19 @@ def _rivals(chosen: Plan, profile: ModelProfile, cluster: Cluster, arguments: Pl
             except DappleConfigError:
                 continue
             yield price_candidate(Candidate(chosen.schedule, chosen.chunks, False, resized), pricing)
+
+
+def _under_named_schedule(alternative: Plan, named: str | None, profile: ModelProfile, cluster: Cluster, pricing: Pricing) -> Iterator[Candidate]:
+    """``alternative`` (one stage per device group, DAPPLE's schedule) priced under the
+    schedule the user named: as it is when none was named, rescheduled for a named 1F1B or
+    GPipe, and cut into chunks for a named chunked schedule, which a plan of one device group
+    (DP) cannot run and so does not offer. The schedule is not the tuner's to change."""
+    if named is None:
+        yield price_candidate(Candidate(alternative.schedule, 1, False, alternative), pricing)
+    elif named not in CHUNKED_SCHEDULES:
+        yield price_candidate(Candidate(named, 1, False, replace(alternative, schedule=named)), pricing)
+    elif len(alternative.device_groups) > 1:
+        yield from schedule_candidates(alternative, profile, cluster, price_plan, (named,), pricing.finish)
 
 
 def _unfinished(plan: Plan) -> Plan:
