@@ -12,7 +12,9 @@ one thread, in rounds that alternate the variants:
 * ``fresh``: the whole stage's ``backward()`` with every ``.grad`` cleared first (a step's first
   micro-batch);
 * ``accumulating``: the same backward onto existing gradients (every later micro-batch);
-* ``add``: adding one gradient of every parameter of the stage into another (``add_``).
+* ``add``: adding one gradient of every parameter of the stage into another (``add_``);
+* ``priced``: what the profile prices for that add, the sum of the layers'
+  ``LayerProfile.accumulate_ms`` (``profile/grad_accumulation.py``: each layer timed alone).
 
     python benchmarks/bench_grad_accumulation.py --width 1024 --layers 8 --rows 32 --rounds 9
 """
@@ -37,6 +39,7 @@ from _schedules_worker import make_blocks  # noqa: E402
 from lightning_dapple.profile.profiler import profile_layers  # noqa: E402
 
 VARIANTS = ("profile", "fresh", "accumulating", "add")
+REPORTED = (*VARIANTS, "priced")
 
 
 def _median_ms(call: Callable[[], float], times: int) -> float:
@@ -67,8 +70,11 @@ def measure(width: int, layers: int, rows: int, rounds: int, times: int) -> dict
             total.add_(new)
         return (time.perf_counter() - start) * 1000.0
 
+    priced: list[float] = []
+
     def profiled() -> float:
         profile = profile_layers(stage, x, repeats=5, warmup=2)
+        priced.append(sum(layer.accumulate_ms for layer in profile.layers))
         return sum(layer.backward_ms for layer in profile.layers)
 
     calls = {"profile": profiled, "fresh": lambda: backward(True), "accumulating": lambda: backward(False), "add": add}
@@ -79,6 +85,7 @@ def measure(width: int, layers: int, rows: int, rounds: int, times: int) -> dict
         order = VARIANTS[round_index % len(VARIANTS):] + VARIANTS[: round_index % len(VARIANTS)]
         for name in order:
             results[name].append(calls[name]() if name == "profile" else _median_ms(calls[name], times))
+    results["priced"] = priced[1:]  # the warm-up's is left out
     return results
 
 
@@ -95,11 +102,14 @@ def main(argv: list[str] | None = None) -> int:
     results = measure(args.width, args.layers, args.rows, args.rounds, args.times)
     medians = {name: statistics.median(values) for name, values in results.items()}
     print(f"stage of {args.layers} blocks of width {args.width}, {args.rows} rows, one thread; median of {args.rounds} rounds (ms):")
-    print("| profiled backward (sum of layers) | stage backward, gradients cleared | stage backward, accumulating | accumulating - cleared | adding the stage's gradients once |")
-    print("|---|---|---|---|---|")
+    print(
+        "| profiled backward (sum of layers) | stage backward, gradients cleared | stage backward, accumulating "
+        "| accumulating - cleared | adding the stage's gradients once | priced by the profile (sum of layers' accumulate_ms) |"
+    )
+    print("|---|---|---|---|---|---|")
     print(
         f"| {medians['profile']:.2f} | {medians['fresh']:.2f} | {medians['accumulating']:.2f} | "
-        f"{medians['accumulating'] - medians['fresh']:.2f} | {medians['add']:.2f} |"
+        f"{medians['accumulating'] - medians['fresh']:.2f} | {medians['add']:.2f} | {medians['priced']:.2f} |"
     )
     if args.out is not None:
         args.out.write_text(json.dumps({"config": vars(args) | {"out": str(args.out)}, "rounds": results, "medians": medians}, indent=2) + "\n")

@@ -86,6 +86,11 @@ class StageCost:
     * ``replicas`` / ``zero``: the stage's replica count and ZeRO level (module docstring),
       which ``weight_state_bytes`` reads; ``exchange_ms``: the ZeRO parameter exchange
       (``zero_exchange_ms``), already part of ``optimizer_ms``;
+    * ``layer_accumulate_ms``: per layer, one add of its weight gradients into the ones
+      already there (``LayerProfile.accumulate_ms``; ``accumulate_ms`` sums them), which the
+      backward (or the deferred W) of every micro-batch after a step's first pays: the
+      simulator charges it there, DAPPLE's formula spreads it as (M-1)/M per backward
+      (``pipeline_phases``);
     * ``overhead``: the executor's own time per action (``ModelProfile.action_overhead_ms``),
       the same for every stage and slice. The times above are the layers' compute, plus
       on the stage holding the first layer (the last) the user's step around them
@@ -117,6 +122,13 @@ class StageCost:
     replicas: int = 1
     zero: int = 0
     exchange_ms: float = 0.0
+    layer_accumulate_ms: tuple[float, ...] = ()
+
+    @property
+    def accumulate_ms(self) -> float:
+        """One accumulation of the stage's weight gradients into those already there
+        (``LayerProfile.accumulate_ms``): what every backward after a step's first pays."""
+        return float(sum(self.layer_accumulate_ms))
 
     @property
     def compute_ms(self) -> float:
@@ -352,6 +364,7 @@ def stage_costs(
                 replicas=stage.replicas,
                 zero=zero,
                 exchange_ms=exchange,
+                layer_accumulate_ms=tuple(layer.accumulate_ms for layer in layers),
             )
         )
     return costs
@@ -431,7 +444,7 @@ def step_lower_bound(costs: Sequence[StageCost], micro_batches: int) -> float:
     return best
 
 
-def pipeline_phases(costs: Sequence[StageCost]) -> list[tuple[float, float, float]]:
+def pipeline_phases(costs: Sequence[StageCost], micro_batches: int = 1) -> list[tuple[float, float, float]]:
     """(F, B, AR) of every stage of DAPPLE's formula, communication stages included.
 
     AR is the AllReduce tail the backward does not hide (``exposed_allreduce_ms``) and the
@@ -444,12 +457,15 @@ def pipeline_phases(costs: Sequence[StageCost]) -> list[tuple[float, float, floa
     The backward of a stage that recomputes includes its ``recompute_ms`` (charged for
     every micro-batch: an upper bound for ``except_last``). Each computation phase also pays
     the executor's own time per micro-batch (``ActionOverhead.per_microbatch``: the F or B
-    and the receive and send around it), as the simulator charges it action by action.
+    and the receive and send around it), as the simulator charges it action by action, and
+    the accumulation of its weight gradients (``StageCost.accumulate_ms``) on M - 1 of the
+    ``micro_batches`` backwards, spread over all M.
     """
     phases: list[tuple[float, float, float]] = []
+    accumulating = (micro_batches - 1) / micro_batches if micro_batches > 1 else 0.0
     for index, cost in enumerate(costs):
         forward_extra, backward_extra = cost.overhead.per_microbatch(receives=index > 0, sends=index + 1 < len(costs))
-        backward = cost.backward_ms + cost.recompute_ms + backward_extra
+        backward = cost.backward_ms + cost.recompute_ms + backward_extra + accumulating * cost.accumulate_ms
         phases.append((cost.forward_ms + forward_extra, backward, cost.tail_ms))
         if index + 1 < len(costs) and cost.send_ms > 0:
             phases.append((cost.send_ms, cost.send_ms, 0.0))
@@ -517,7 +533,7 @@ def dapple_latency(
     The pivot index reported is that of the computation stage (communication stages are
     never chosen as a pivot unless the transfer dominates; then the sender is reported).
     """
-    phases = pipeline_phases(costs)
+    phases = pipeline_phases(costs, micro_batches)
     q = pivot_stage(phases, micro_batches)
     warmup = sum(phases[s][0] for s in range(q + 1))
     steady = (micro_batches - 1) * (phases[q][0] + phases[q][1])

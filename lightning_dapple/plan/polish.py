@@ -37,7 +37,7 @@ class _QuickCost:
     field (recomputation time, ...) reads as 0, which is what a plan without
     recomputation has."""
 
-    __slots__ = ("forward_ms", "backward_ms", "tail_ms", "send_ms", "param_bytes", "stash_bytes", "overhead", "replicas", "zero")
+    __slots__ = ("forward_ms", "backward_ms", "tail_ms", "send_ms", "param_bytes", "stash_bytes", "overhead", "replicas", "zero", "accumulate_ms")
 
     def __getattr__(self, name: str) -> float:
         if name.startswith("__"):
@@ -46,8 +46,9 @@ class _QuickCost:
 
     def __init__(
         self, forward_ms: float, backward_ms: float, tail_ms: float, send_ms: float, param_bytes: float, stash_bytes: float,
-        overhead: ActionOverhead, replicas: int = 1, zero: int = 0,
+        overhead: ActionOverhead, replicas: int = 1, zero: int = 0, accumulate_ms: float = 0.0,
     ) -> None:
+        self.accumulate_ms = accumulate_ms
         self.overhead = overhead
         self.replicas = replicas
         self.zero = zero
@@ -92,6 +93,7 @@ def _quick_latency(tables: RangeTables, cluster: Cluster, stages: Sequence[Stage
                 tables.overhead,
                 stage.replicas,
                 stage.zero if stage.replicas > 1 else 0,
+                float(tables.accumulate[a, b]),
             )
         )
     memory = memory_per_stage(costs, m, cluster, policy, schedule)  # type: ignore[arg-type]

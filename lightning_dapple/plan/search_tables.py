@@ -52,6 +52,7 @@ class RangeTables:
         self.output_whole = np.array([layer.output_whole_bytes for layer in layers], dtype=float)
         self.overlap = OverlapTables([layer.param_bytes for layer in layers], [layer.backward_ms for layer in layers])
         self.optimizer = self._range_sums([layer.optimizer_ms for layer in layers])
+        self.accumulate = self._range_sums([layer.accumulate_ms for layer in layers])
         self._exchanges: dict[tuple[float, float, int], np.ndarray] = {}
 
     def tail(self, a: float, latency: float, s: float, replicas: int = 1, zero: int = 0) -> np.ndarray:

@@ -76,7 +76,10 @@ class LayerProfile:
     whole stash (a table each layer saves and passes on). ``optimizer_ms`` is one optimizer step over the
     layer's parameters (the run's own optimizer, ``profile/optimizer_step.py``): it does not
     scale with the rows, and every replica of a stage pays it once per step; profiles
-    without it have none.
+    without it have none. ``accumulate_ms`` is one in-place add of the layer's parameter
+    gradients into gradients already there (autograd's AccumulateGrad): what every backward
+    of a step after its first micro-batch pays beside ``backward_ms``, which the profiler
+    times without accumulating; it does not scale with the rows; profiles without it have none.
     """
 
     name: str
@@ -92,6 +95,7 @@ class LayerProfile:
     optimizer_ms: float = 0.0
     stash_shared_bytes: float = 0.0
     stash_shared_whole_bytes: float = 0.0
+    accumulate_ms: float = 0.0
 
     def stash_for(self, scale: float) -> float:
         """Bytes this layer stashes for one slice of ``scale`` x the profile's micro-batch."""
@@ -186,7 +190,7 @@ class ModelProfile:
             for optional in ("backward_input_ms", "backward_weight_ms"):
                 if entry[optional] is None:
                     del entry[optional]
-            for optional in ("output_whole_bytes", "stash_whole_bytes", "optimizer_ms", "stash_shared_bytes", "stash_shared_whole_bytes"):
+            for optional in ("output_whole_bytes", "stash_whole_bytes", "optimizer_ms", "stash_shared_bytes", "stash_shared_whole_bytes", "accumulate_ms"):
                 if not entry[optional]:
                     del entry[optional]
             layers.append(entry)
@@ -238,7 +242,7 @@ def validate_profile(profile: ModelProfile) -> None:
         require(value >= 0, f"profile.{name}", f"is negative ({value})", "sizes must be >= 0")
     for index, layer in enumerate(profile.layers):
         where = f"profile.layers[{index}] ({layer.name})"
-        for name in ("forward_ms", "backward_ms", "output_bytes", "param_bytes", "stash_bytes", "output_whole_bytes", "stash_whole_bytes", "optimizer_ms", "stash_shared_bytes", "stash_shared_whole_bytes"):
+        for name in ("forward_ms", "backward_ms", "output_bytes", "param_bytes", "stash_bytes", "output_whole_bytes", "stash_whole_bytes", "optimizer_ms", "stash_shared_bytes", "stash_shared_whole_bytes", "accumulate_ms"):
             value = _number(getattr(layer, name), f"{where}.{name}", "write a number >= 0")
             require(value >= 0, f"{where}.{name}", f"is negative ({value})", "times and sizes must be >= 0")
         require(
@@ -302,7 +306,7 @@ def profile_from_dict(data: Any, source: str = "profile") -> ModelProfile:
         }
         whole = {
             name: _number(entry.get(name, 0.0), f"{where}.{name}", "write a number >= 0 or leave it out")
-            for name in ("output_whole_bytes", "stash_whole_bytes", "optimizer_ms", "stash_shared_bytes", "stash_shared_whole_bytes")
+            for name in ("output_whole_bytes", "stash_whole_bytes", "optimizer_ms", "stash_shared_bytes", "stash_shared_whole_bytes", "accumulate_ms")
         }
         layers.append(LayerProfile(name=str(entry["name"]), **numbers, **optional, **whole))
     mbs = data["micro_batch_size"]

@@ -63,6 +63,7 @@ import torch
 from torch import nn
 
 from lightning_dapple.errors import DappleConfigError, require
+from lightning_dapple.profile.grad_accumulation import measure_accumulate_ms
 from lightning_dapple.profile.inplace import writes_input_in_place
 from lightning_dapple.profile.model_profile import LayerProfile, ModelProfile, profile_from_dict
 from lightning_dapple.profile.sample_rows import batch_rows, is_whole, split_bytes
@@ -71,7 +72,7 @@ from lightning_dapple.profile.ties import first_use_param_bytes, tied_params_rec
 
 __all__ = ["model_key", "profile_layers", "run_layers_once", "tensor_bytes", "iter_tensors", "map_tensors", "timed_ms"]
 
-_CACHE_VERSION = 5  # 3: stash and input split into per-sample and whole parts; 4: stash_shared_bytes; 5: stash_shared_whole_bytes
+_CACHE_VERSION = 6  # 3: stash and input split into per-sample and whole parts; 4: stash_shared_bytes; 5: stash_shared_whole_bytes; 6: accumulate_ms
 _CONVENTION_FIX = (
     "each layer is called as layer(x) with x exactly what the previous layer returned "
     "(one positional argument: a tensor, tuple or dict, never unpacked); make the layers accept that"
@@ -513,6 +514,7 @@ def _measure_layers(
             try:
                 x_dev = map_tensors(x, lambda t: t.to(dev))
                 profile, out, views = _measure_layer(layer, index, labels[index], x_dev, dev, repeats, warmup, autocast_dtype, rows=rows)
+                profile = replace(profile, accumulate_ms=measure_accumulate_ms(layer, dev, repeats, warmup))
             finally:
                 if home is not None:
                     layer.to(home)

@@ -61,6 +61,9 @@ devices). A group runs one stage, or several (the chunks of interleaved 1F1B and
 * results: a device's timeline is its group's (spans carry their ``stage`` where the group
   runs several), and each stage's ``StageResult`` holds its own spans and busy time, its
   group's end and its own stash walk. The bubble fraction counts every device once.
+* the weight gradients of every micro-batch after a stage's first of the step add into the
+  ones already there (``StageCost.accumulate_ms``, one add per layer): charged in B, or in W
+  where the backward is split (a part W pays its layers' share);
 * every action also costs the executor's own time (``StageCost.overhead``, measured at
   profile time): a compute action takes that much longer, a send holds the stage that long
   before its transfer is issued, and a receive holds it that long after its data arrived.
@@ -414,6 +417,8 @@ class _Run:
         self.bucket_links = [_Link(f"AR{s}", 0.0) for s in range(n)]
         self.buckets_seen = [0] * n
         self.own = [_own_ms(schedule, s, costs[s]) for s in range(n)]
+        # per stage: the micro-batch whose weight gradients came first this step (later ones accumulate)
+        self.first_weights: list[int | None] = [None] * n
 
     def _links(self) -> dict[tuple[int, int], _Link]:
         """One link per direction per pair of device groups that a boundary crosses
@@ -445,6 +450,20 @@ class _Run:
         st.clock = start + duration
         self.done[action.stage][(action.kind, mb)] = st.clock
         st.spans.append(Span(start, st.clock, action.kind.block, mb, action.stage if self.chunked else None))
+
+    def accumulates(self, s: int, mb: int) -> bool:
+        """Whether the weight gradients of ``mb`` on stage ``s`` add into earlier ones: every
+        micro-batch's but the first to compute them this step (``LayerProfile.accumulate_ms``;
+        charged where the weight gradients are made: in B, or in W where the backward is split)."""
+        first = self.first_weights[s]
+        if first is None:
+            self.first_weights[s] = mb
+            return False
+        return first != mb
+
+    def accumulation(self, s: int, mb: int) -> float:
+        """The stage's whole accumulation where ``mb`` accumulates (``accumulates``), else 0."""
+        return self.costs[s].accumulate_ms if self.accumulates(s, mb) else 0.0
 
     @staticmethod
     def part_ms(per_layer: tuple[float, ...], whole: float, layers: tuple[int, int], parts: int) -> float:
@@ -517,14 +536,16 @@ class _Run:
                 self.send_act(s, mb, st.clock)
         elif kind.is_backward:
             extra = cost.recompute_ms if mb in self.recomputed[s] else 0.0
+            extra += self.accumulation(s, mb) if kind is Kind.B else 0.0
             self.compute(st, action, mb, (cost.backward_input_ms if kind is Kind.I else cost.backward_ms) + extra + own, arrival)
             if self.implicit and s > 0:
                 self.send_grad(s, mb, st.clock)
         elif kind is Kind.W and action.layers is not None:
             parts = self.w_parts[s].get(mb, 1)
-            self.compute(st, action, mb, self.part_ms(cost.layer_weight_ms, cost.backward_weight_ms, action.layers, parts) + own, 0.0)
+            accumulate = self.part_ms(cost.layer_accumulate_ms, cost.accumulate_ms, action.layers, parts) if self.accumulates(s, mb) else 0.0
+            self.compute(st, action, mb, self.part_ms(cost.layer_weight_ms, cost.backward_weight_ms, action.layers, parts) + accumulate + own, 0.0)
         elif kind is Kind.W:
-            self.compute(st, action, mb, cost.backward_weight_ms + own, 0.0)
+            self.compute(st, action, mb, cost.backward_weight_ms + self.accumulation(s, mb) + own, 0.0)
         elif kind is Kind.SEND_ACT:
             st.clock += own
             self.send_act(s, mb, st.clock)

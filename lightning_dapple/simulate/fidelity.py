@@ -455,9 +455,9 @@ def fidelity_row(plan: Plan, profile: ModelProfile, cluster: Cluster, source: st
     """Formula and simulation of one plan, with the exact decomposition of their difference."""
     plan = plan.with_warmups()
     costs = stage_costs(profile, cluster, plan.stages, plan.micro_batch_size)
-    phases = pipeline_phases(costs)
-    owners = phase_owners(costs)
     m = plan.micro_batches
+    phases = pipeline_phases(costs, m)
+    owners = phase_owners(costs)
     q = pivot_stage(phases, m)
     formula = dapple_latency(costs, m)
     forced = formula_with_pivot(phases, m, q)

@@ -1,0 +1,69 @@
+"""What adding a layer's gradients into existing ones costs: ``LayerProfile.accumulate_ms``.
+
+The profiler (PipeDream 3.2) times a layer's backward with ``torch.autograd.grad``, which
+accumulates nothing. A training step of M micro-batches runs M backwards into the same
+``.grad`` tensors: the first takes the new gradient as it is (autograd's AccumulateGrad
+steals it), every later one adds into it in place, a pass over the layer's parameters that a
+step of one micro-batch never makes (``benchmarks/bench_grad_accumulation.py`` measures it
+against a stage's profile). This module times that add on the layer's own trainable
+parameters, on the profiling device: one ``add_`` per parameter, as AccumulateGrad issues
+them, on buffers of the parameters' sizes and dtypes. A layer larger than
+``ACCUMULATE_CAP_ELEMENTS`` per dtype is timed on that many elements and scaled by its size
+(the add is bound by memory bandwidth). Frozen parameters get no gradient and cost nothing.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+from torch import nn
+
+__all__ = ["ACCUMULATE_CAP_ELEMENTS", "measure_accumulate_ms"]
+
+ACCUMULATE_CAP_ELEMENTS = 1 << 25  # 32 Mi elements per dtype: 128 MiB of float32, twice over
+
+
+def _timed_ms(device: torch.device, call: Callable[[], object]) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    call()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - start) * 1000.0
+
+
+def measure_accumulate_ms(layer: nn.Module, device: torch.device, repeats: int = 5, warmup: int = 2) -> float:
+    """Milliseconds of one accumulation of ``layer``'s parameter gradients (module docstring):
+    the median of ``repeats`` timed passes after ``warmup``; 0 for a layer with no trainable
+    parameter."""
+    sizes: dict[torch.dtype, list[int]] = {}
+    for param in layer.parameters():
+        if param.requires_grad:
+            sizes.setdefault(param.dtype, []).append(param.numel())
+    total_ms = 0.0
+    for dtype, numels in sizes.items():
+        whole = sum(numels)
+        if whole == 0:
+            continue
+        timed = min(whole, ACCUMULATE_CAP_ELEMENTS)
+        into = torch.zeros(timed, dtype=dtype, device=device)
+        new = torch.zeros_like(into)
+        if timed == whole:  # one add per parameter, views of two flat buffers
+            bounds = [0]
+            for numel in numels:
+                bounds.append(bounds[-1] + numel)
+            pairs = [(into[a:b], new[a:b]) for a, b in zip(bounds, bounds[1:])]
+        else:
+            pairs = [(into, new)]
+
+        def accumulate() -> None:
+            for grad, more in pairs:
+                grad.add_(more)
+
+        for _ in range(warmup):
+            accumulate()
+        total_ms += statistics.median(_timed_ms(device, accumulate) for _ in range(repeats)) * whole / timed
+    return total_ms
