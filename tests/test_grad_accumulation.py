@@ -51,6 +51,18 @@ def test_the_profile_times_an_add_over_the_trainable_parameters_only() -> None:
     assert profile.layers[0].accumulate_ms > 0 and profile.layers[1].accumulate_ms == 0.0
 
 
+def test_a_tied_weight_is_counted_once_for_the_layers_sharing_it() -> None:
+    """An embedding tied to a head has one ``.grad``: the second layer adds nothing of its own."""
+    cpu = torch.device("cpu")
+    embedding = nn.Embedding(4096, 256)
+    head = nn.Linear(256, 4096, bias=False)
+    head.weight = embedding.weight
+    seen: set[int] = set()
+    assert measure_accumulate_ms(embedding, cpu, seen=seen) > 0
+    assert measure_accumulate_ms(head, cpu, seen=seen) == 0.0
+    assert measure_accumulate_ms(head, cpu) > 0  # alone, the head's weight is its own
+
+
 def test_profile_json_keeps_the_accumulation_and_leaves_it_out_when_none() -> None:
     data = json.loads(_profile(ACCUMULATE).to_json())
     assert all(layer["accumulate_ms"] == ACCUMULATE for layer in data["layers"])

@@ -44,12 +44,14 @@ def _latency(pair: tuple[Scored, Any] | tuple[Scored, None]) -> float:
 
 
 def _bubble_ms(item: Scored, sim: Any) -> float:
-    """Idle time per device: simulated bubble share x latency, else the formula's L - M(F_Q+B_Q)."""
+    """Idle time per device: simulated bubble share x latency, else the formula's L - M(F_Q+B_Q),
+    B_Q with the pivot's gradient accumulations (M - 1 of them, ``StageCost.accumulate_ms``)."""
     if sim is not None:
         return float(sim.bubble_fraction) * float(sim.latency_ms)
     costs = item.costs
     q = item.prediction.pivot_stage
-    return item.latency_ms - item.micro_batches * (costs[q].forward_ms + costs[q].backward_ms)
+    m = item.micro_batches
+    return item.latency_ms - m * (costs[q].forward_ms + costs[q].backward_ms) - (m - 1) * costs[q].accumulate_ms
 
 
 def _split_text(stages: Sequence[StagePlan]) -> str:

@@ -8,8 +8,10 @@ official formula), plus every range's tail after its last backward: the exposed 
 replica's share of the step, the parameter exchange after it and, for ``zero=2``, the
 gradients' reduce in place of the AllReduce (``costs.zero_exchange_ms``, ``costs.zero_reduce_ms``).
 The user's step around the layers (``ModelProfile.step_glue_ms``), a fixed time on the
-first and last stages, is not in the range sums: the search's bounds stay bounds without it,
-``polish`` adds it, and every result is re-priced with it by ``score_stages``.
+first and last stages, is not in the range sums, and the search prices a stage's backward
+without its gradient accumulations (``LayerProfile.accumulate_ms``, ``accumulate`` here, which
+``polish`` reads): the search's bounds stay bounds without them, and every result is
+re-priced with both by ``score_stages``.
 """
 from __future__ import annotations
 

@@ -9,7 +9,8 @@ against a stage's profile). This module times that add on the layer's own traina
 parameters, on the profiling device: one ``add_`` per parameter, as AccumulateGrad issues
 them, on buffers of the parameters' sizes and dtypes. A layer larger than
 ``ACCUMULATE_CAP_ELEMENTS`` per dtype is timed on that many elements and scaled by its size
-(the add is bound by memory bandwidth). Frozen parameters get no gradient and cost nothing.
+(the add is bound by memory bandwidth). Frozen parameters get no gradient and cost nothing;
+a parameter several layers share (a tied weight) is counted in the first of them only.
 """
 from __future__ import annotations
 
@@ -35,29 +36,33 @@ def _timed_ms(device: torch.device, call: Callable[[], object]) -> float:
     return (time.perf_counter() - start) * 1000.0
 
 
-def measure_accumulate_ms(layer: nn.Module, device: torch.device, repeats: int = 5, warmup: int = 2) -> float:
+def measure_accumulate_ms(layer: nn.Module, device: torch.device, repeats: int = 5, warmup: int = 2, seen: set[int] | None = None) -> float:
     """Milliseconds of one accumulation of ``layer``'s parameter gradients (module docstring):
     the median of ``repeats`` timed passes after ``warmup``; 0 for a layer with no trainable
-    parameter."""
+    parameter. ``seen``: ids of parameters an earlier layer already counts (a weight tied
+    between layers has one ``.grad``, added into once per backward), updated with this
+    layer's."""
+    seen = set() if seen is None else seen
     sizes: dict[torch.dtype, list[int]] = {}
     for param in layer.parameters():
-        if param.requires_grad:
+        if param.requires_grad and id(param) not in seen:
+            seen.add(id(param))
             sizes.setdefault(param.dtype, []).append(param.numel())
     total_ms = 0.0
     for dtype, numels in sizes.items():
         whole = sum(numels)
         if whole == 0:
             continue
-        timed = min(whole, ACCUMULATE_CAP_ELEMENTS)
+        # one add per parameter, on views of two flat buffers; over the cap each view shrinks
+        # in proportion, so every parameter keeps its own call
+        pieces = numels if whole <= ACCUMULATE_CAP_ELEMENTS else [max(1, numel * ACCUMULATE_CAP_ELEMENTS // whole) for numel in numels]
+        timed = sum(pieces)
         into = torch.zeros(timed, dtype=dtype, device=device)
         new = torch.zeros_like(into)
-        if timed == whole:  # one add per parameter, views of two flat buffers
-            bounds = [0]
-            for numel in numels:
-                bounds.append(bounds[-1] + numel)
-            pairs = [(into[a:b], new[a:b]) for a, b in zip(bounds, bounds[1:])]
-        else:
-            pairs = [(into, new)]
+        bounds = [0]
+        for piece in pieces:
+            bounds.append(bounds[-1] + piece)
+        pairs = [(into[a:b], new[a:b]) for a, b in zip(bounds, bounds[1:])]
 
         def accumulate() -> None:
             for grad, more in pairs:

@@ -505,6 +505,7 @@ def _measure_layers(
     home_of_input = next(iter(iter_tensors(sample_input))).device
     results: list[LayerProfile] = []
     previous: StashViews | None = None
+    accumulated: set[int] = set()  # parameters whose gradient add an earlier layer counts (tied weights)
     x = sample_input
     with torch.random.fork_rng(devices=dev_rng):
         for index, layer in enumerate(layer_list):
@@ -514,7 +515,7 @@ def _measure_layers(
             try:
                 x_dev = map_tensors(x, lambda t: t.to(dev))
                 profile, out, views = _measure_layer(layer, index, labels[index], x_dev, dev, repeats, warmup, autocast_dtype, rows=rows)
-                profile = replace(profile, accumulate_ms=measure_accumulate_ms(layer, dev, repeats, warmup))
+                profile = replace(profile, accumulate_ms=measure_accumulate_ms(layer, dev, repeats, warmup, accumulated))
             finally:
                 if home is not None:
                     layer.to(home)

@@ -169,6 +169,7 @@ class StageResult:
             "allreduce_ms": self.cost.allreduce_ms,
             "tied_allreduce_ms": self.cost.tied_allreduce_ms,
             "optimizer_ms": self.cost.optimizer_ms,
+            "accumulate_ms": self.cost.accumulate_ms,
             "stash_bytes": self.cost.stash_bytes,
             "busy_ms": self.busy_ms,
             "busy_fraction": self.busy_fraction(latency_ms),
