@@ -12,7 +12,8 @@ output computed once beforehand (``profiler.run_layers_once``) and handed back b
 * ``loss_forward``: the whole step with ``self(...)`` answered (``forward_replaced``), its
   ``self.log`` calls recorded as the run records them (``LogRecorder``);
 * ``loss_backward``: the gradient of the loss with respect to the model output
-  (``torch.autograd.grad``, so no parameter's ``.grad`` is touched).
+  (``torch.autograd.grad``, so no parameter's ``.grad`` is touched), timed alone after an
+  untimed forward.
 
 Each is the median of ``repeats`` calls after ``warmup``. The torchmetrics states the step
 updates are put back afterwards (``metric_state.MetricStates``) and the RNG is forked, so
@@ -87,11 +88,13 @@ def measure_step_glue(
         with forward_replaced(module, answer), LogRecorder().recording(module, 1.0), autocast():
             return loss_of(module.training_step(piece, 0))
 
-    def loss_backward() -> None:
+    def loss_backward_ms() -> float:
+        """One loss's backward down to the output copies, timed alone (its forward is not)."""
         loss = compute_loss()
         wanted = [leaf for leaf in leaves if leaf.requires_grad]
-        if loss.requires_grad and wanted:
-            torch.autograd.grad(loss, wanted, allow_unused=True)
+        if not (loss.requires_grad and wanted):
+            return 0.0
+        return timed_ms(device, lambda: torch.autograd.grad(loss, wanted, allow_unused=True))[0]
 
     dev_rng = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
     metrics = MetricStates(module)
@@ -99,11 +102,12 @@ def measure_step_glue(
         with torch.random.fork_rng(devices=dev_rng):
             input_ms = _median_ms(device, make_input, repeats, warmup)
             forward_ms = _median_ms(device, compute_loss, repeats, warmup)
-            # forward and backward together, less the forward: the graph is built anew each time
-            both_ms = _median_ms(device, loss_backward, repeats, warmup)
+            for _ in range(warmup):
+                loss_backward_ms()
+            backward_ms = statistics.median(loss_backward_ms() for _ in range(repeats))
     finally:
         metrics.restore()
-    return StepGlue(input=input_ms, loss_forward=forward_ms, loss_backward=max(0.0, both_ms - forward_ms))
+    return StepGlue(input=input_ms, loss_forward=forward_ms, loss_backward=backward_ms)
 
 
 def with_step_glue(
