@@ -18,10 +18,10 @@ profile written before it existed, and the published ones) has none: all zeros.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
-from lightning_dapple.profile.milliseconds import checked_ms, ms_table
+from lightning_dapple.profile.milliseconds import MsTable, ms_table
 
 __all__ = ["ActionOverhead", "NO_OVERHEAD", "OVERHEAD_KINDS", "overhead_from_dict"]
 
@@ -30,10 +30,14 @@ OVERHEAD_KINDS = {"F": "forward", "B": "backward", "I": "backward_input", "W": "
 
 
 @dataclass(frozen=True)
-class ActionOverhead:
+class ActionOverhead(MsTable):
     """Milliseconds the executor spends per action of each kind besides the layers' compute
     (``forward``: F, ``backward``: B, ``backward_input``: I, ``backward_weight``: W) and
     per transfer besides the wire (``send``, ``recv``). All zero: nothing is charged."""
+
+    JSON_NAME = "action_overhead_ms"
+    KEYS = OVERHEAD_KINDS
+    FIX = "write milliseconds per action"
 
     forward: float = 0.0
     backward: float = 0.0
@@ -41,14 +45,6 @@ class ActionOverhead:
     backward_weight: float = 0.0
     send: float = 0.0
     recv: float = 0.0
-
-    def __post_init__(self) -> None:
-        for item in fields(self):
-            checked_ms(getattr(self, item.name), f"action_overhead_ms.{item.name}", "write milliseconds per action (or leave action_overhead_ms out: no overhead)")
-
-    @property
-    def is_zero(self) -> bool:
-        return not any(getattr(self, item.name) for item in fields(self))
 
     def of(self, kind: str) -> float:
         """The overhead of one action of ``kind`` (a key of ``OVERHEAD_KINDS``)."""
@@ -63,9 +59,6 @@ class ActionOverhead:
         forward = self.forward + (self.recv if receives else 0.0) + (self.send if sends else 0.0)
         backward = self.backward + (self.recv if sends else 0.0) + (self.send if receives else 0.0)
         return forward, backward
-
-    def to_dict(self) -> dict[str, float]:
-        return {key: getattr(self, name) for key, name in OVERHEAD_KINDS.items()}
 
 
 NO_OVERHEAD = ActionOverhead()

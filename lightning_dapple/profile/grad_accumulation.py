@@ -14,26 +14,14 @@ a parameter several layers share (a tied weight) is counted in the first of them
 """
 from __future__ import annotations
 
-import statistics
-import time
-from typing import Callable
-
 import torch
 from torch import nn
+
+from lightning_dapple.profile.timing import median_ms
 
 __all__ = ["ACCUMULATE_CAP_ELEMENTS", "measure_accumulate_ms"]
 
 ACCUMULATE_CAP_ELEMENTS = 1 << 25  # 32 Mi elements per dtype: 128 MiB of float32, twice over
-
-
-def _timed_ms(device: torch.device, call: Callable[[], object]) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    call()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return (time.perf_counter() - start) * 1000.0
 
 
 def measure_accumulate_ms(layer: nn.Module, device: torch.device, repeats: int = 5, warmup: int = 2, seen: set[int] | None = None) -> float:
@@ -68,7 +56,5 @@ def measure_accumulate_ms(layer: nn.Module, device: torch.device, repeats: int =
             for grad, more in pairs:
                 grad.add_(more)
 
-        for _ in range(warmup):
-            accumulate()
-        total_ms += statistics.median(_timed_ms(device, accumulate) for _ in range(repeats)) * whole / timed
+        total_ms += median_ms(device, accumulate, repeats, warmup) * whole / timed
     return total_ms

@@ -53,9 +53,9 @@ from __future__ import annotations
 import hashlib
 import json
 import statistics
-import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -67,10 +67,11 @@ from lightning_dapple.profile.grad_accumulation import measure_accumulate_ms
 from lightning_dapple.profile.inplace import writes_input_in_place
 from lightning_dapple.profile.model_profile import LayerProfile, ModelProfile, profile_from_dict
 from lightning_dapple.profile.sample_rows import batch_rows, is_whole, split_bytes
+from lightning_dapple.profile.timing import timed_ms
 from lightning_dapple.profile.stash import StashMeter, parameter_storages, shared_views, whole_input_storages
 from lightning_dapple.profile.ties import first_use_param_bytes, tied_params_records, tied_parameters
 
-__all__ = ["model_key", "profile_layers", "run_layers_once", "tensor_bytes", "iter_tensors", "map_tensors", "timed_ms"]
+__all__ = ["forked_rng", "model_key", "profile_layers", "run_layers_once", "tensor_bytes", "iter_tensors", "map_tensors", "timed_ms", "visiting"]
 
 _CACHE_VERSION = 6  # 3: stash and input split into per-sample and whole parts; 4: stash_shared_bytes; 5: stash_shared_whole_bytes; 6: accumulate_ms
 _CONVENTION_FIX = (
@@ -167,18 +168,29 @@ def _device(device: str | torch.device) -> torch.device:
     return dev
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def forked_rng(device: torch.device) -> Any:
+    """``torch.random.fork_rng`` over the CPU's and ``device``'s generators: what runs inside
+    leaves the training's random stream as it was."""
+    return torch.random.fork_rng(devices=[device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else [])
 
 
-def timed_ms(device: torch.device, fn: Callable[[], Any]) -> tuple[float, Any]:
-    """Run ``fn`` and return (milliseconds, result); CUDA work is waited for on both sides."""
-    _sync(device)
-    start = time.perf_counter()
-    result = fn()
-    _sync(device)
-    return (time.perf_counter() - start) * 1000.0, result
+@contextmanager
+def visiting(layer: nn.Module, device: torch.device) -> Iterator[None]:
+    """``layer`` on ``device`` for the block, then back where it was with its buffers as they
+    were (running statistics are not the profiler's to change): one layer on the device at a
+    time, so a model larger than the device can be run through."""
+    home = _layer_home(layer)
+    buffers = {key: b.detach().clone() for key, b in layer.named_buffers()}
+    layer.to(device)
+    try:
+        yield
+    finally:
+        if home is not None:
+            layer.to(home)
+        with torch.no_grad():
+            for key, b in layer.named_buffers():
+                if key in buffers:
+                    b.copy_(buffers[key])
 
 
 def _layer_home(layer: nn.Module) -> torch.device | None:
@@ -438,20 +450,10 @@ def run_layers_once(
     model larger than the device runs too), its buffers as they were and the RNG forked."""
     dev = _device(device)
     x = map_tensors(sample_input, lambda t: t.to(dev))
-    dev_rng = [dev.index if dev.index is not None else torch.cuda.current_device()] if dev.type == "cuda" else []
-    with torch.random.fork_rng(devices=dev_rng), torch.no_grad():
+    with forked_rng(dev), torch.no_grad():
         for index, layer in enumerate(_as_layer_list(layers)):
-            home = _layer_home(layer)
-            buffers = {key: b.clone() for key, b in layer.named_buffers()}
-            layer.to(dev)
-            try:
+            with visiting(layer, dev):
                 x = _call(layer, index, x, autocast_dtype)
-            finally:
-                if home is not None:
-                    layer.to(home)
-                for key, b in layer.named_buffers():
-                    if key in buffers:
-                        b.copy_(buffers[key])
     return x
 
 
@@ -501,28 +503,17 @@ def _measure_layers(
     ``stash_shared_bytes`` are the views of its input it saves that the previous layer saves
     of its output (``stash.shared_views``), ``stash_shared_whole_bytes`` the same for whole
     values."""
-    dev_rng = [dev.index if dev.index is not None else torch.cuda.current_device()] if dev.type == "cuda" else []
     home_of_input = next(iter(iter_tensors(sample_input))).device
     results: list[LayerProfile] = []
     previous: StashViews | None = None
     accumulated: set[int] = set()  # parameters whose gradient add an earlier layer counts (tied weights)
     x = sample_input
-    with torch.random.fork_rng(devices=dev_rng):
+    with forked_rng(dev):
         for index, layer in enumerate(layer_list):
-            home = _layer_home(layer)
-            buffers = {key: b.detach().clone() for key, b in layer.named_buffers()}
-            layer.to(dev)
-            try:
+            with visiting(layer, dev):
                 x_dev = map_tensors(x, lambda t: t.to(dev))
                 profile, out, views = _measure_layer(layer, index, labels[index], x_dev, dev, repeats, warmup, autocast_dtype, rows=rows)
                 profile = replace(profile, accumulate_ms=measure_accumulate_ms(layer, dev, repeats, warmup, accumulated))
-            finally:
-                if home is not None:
-                    layer.to(home)
-                with torch.no_grad():
-                    for key, b in layer.named_buffers():
-                        if key in buffers:
-                            b.copy_(buffers[key])
             shared = shared_views(previous.outputs, views.inputs) if previous is not None else 0
             shared_whole = shared_views(previous.whole_outputs, views.whole_inputs) if previous is not None else 0
             results.append(replace(profile, stash_shared_bytes=float(shared), stash_shared_whole_bytes=float(shared_whole)))

@@ -27,10 +27,10 @@ none: all zeros.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
-from lightning_dapple.profile.milliseconds import checked_ms, ms_table
+from lightning_dapple.profile.milliseconds import MsTable, ms_table
 
 __all__ = ["GLUE_PARTS", "NO_GLUE", "StepGlue", "glue_from_dict"]
 
@@ -39,21 +39,17 @@ GLUE_PARTS = {"input": "input", "loss_forward": "loss_forward", "loss_backward":
 
 
 @dataclass(frozen=True)
-class StepGlue:
+class StepGlue(MsTable):
     """Milliseconds per micro-batch of the user's step around the layers (module docstring).
     All zero: nothing is charged."""
+
+    JSON_NAME = "step_glue_ms"
+    KEYS = GLUE_PARTS
+    FIX = "write milliseconds per micro-batch"
 
     input: float = 0.0
     loss_forward: float = 0.0
     loss_backward: float = 0.0
-
-    def __post_init__(self) -> None:
-        for item in fields(self):
-            checked_ms(getattr(self, item.name), f"step_glue_ms.{item.name}", "write milliseconds per micro-batch (or leave step_glue_ms out: no glue)")
-
-    @property
-    def is_zero(self) -> bool:
-        return not any(getattr(self, item.name) for item in fields(self))
 
     def forward_ms(self, first: bool, last: bool) -> float:
         """What a stage's F adds per micro-batch: the input on the first stage, the loss on
@@ -66,9 +62,6 @@ class StepGlue:
     def backward_ms(self, last: bool) -> float:
         """What a stage's B (or I) adds per micro-batch: the loss's backward on the last."""
         return self.loss_backward if last else 0.0
-
-    def to_dict(self) -> dict[str, float]:
-        return {key: getattr(self, name) for key, name in GLUE_PARTS.items()}
 
 
 NO_GLUE = StepGlue()

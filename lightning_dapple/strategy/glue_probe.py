@@ -29,7 +29,7 @@ from __future__ import annotations
 import statistics
 from contextlib import nullcontext
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
@@ -37,18 +37,13 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from lightning_dapple.profile.model_profile import ModelProfile
-from lightning_dapple.profile.profiler import iter_tensors, map_tensors, run_layers_once, timed_ms
+from lightning_dapple.profile.profiler import forked_rng, iter_tensors, map_tensors, run_layers_once
 from lightning_dapple.profile.step_glue import StepGlue
+from lightning_dapple.profile.timing import median_ms, timed_ms
 from lightning_dapple.strategy.metric_state import MetricStates
 from lightning_dapple.strategy.module_adapter import LogRecorder, capture_input, forward_replaced, loss_of
 
 __all__ = ["measure_step_glue", "with_step_glue"]
-
-
-def _median_ms(device: torch.device, call: Callable[[], Any], repeats: int, warmup: int) -> float:
-    for _ in range(warmup):
-        call()
-    return statistics.median(timed_ms(device, call)[0] for _ in range(repeats))
 
 
 def measure_step_glue(
@@ -96,12 +91,11 @@ def measure_step_glue(
             return 0.0
         return timed_ms(device, lambda: torch.autograd.grad(loss, wanted, allow_unused=True))[0]
 
-    dev_rng = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
     metrics = MetricStates(module)
     try:
-        with torch.random.fork_rng(devices=dev_rng):
-            input_ms = _median_ms(device, make_input, repeats, warmup)
-            forward_ms = _median_ms(device, compute_loss, repeats, warmup)
+        with forked_rng(device):
+            input_ms = median_ms(device, make_input, repeats, warmup)
+            forward_ms = median_ms(device, compute_loss, repeats, warmup)
             for _ in range(warmup):
                 loss_backward_ms()
             backward_ms = statistics.median(loss_backward_ms() for _ in range(repeats))
